@@ -1,0 +1,1079 @@
+"""STRATAGEM: LLM reasoning learned by game self-play with a trajectory-modulated advantage.
+
+One shared policy plays both seats of two-player zero-sum TextArena games (SPIRAL, Liu et al. 2025).
+Each player-trajectory gets the role-conditioned game advantage A_game = R - b[G, p] (RAE); an LLM
+judge scores a sample of trajectories for transferability (phi) and evolution (psi), unjudged ones
+get the batch mean, and REINFORCE is run on
+
+    A_mod(tau) = A_game(tau) * phi(tau) + beta * psi(tau)          (STRATAGEM, Feng et al. 2026)
+
+The file reads top to bottom in the order of the paper's Algorithm 1:
+games & self-play (step 1) -> RAE (step 2) -> judge & modulation (step 3) -> REINFORCE (step 4),
+then the policy backends, the run bookkeeping, train() and main().
+
+    python stratagem.py --tiny --steps 3                  # offline, CPU, random tiny Qwen3
+    python stratagem.py --backend vllm --beta 0.2         # the paper's run (GPU, judge key in env)
+    python stratagem.py --help                            # every flag, with the paper's default
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import contextlib
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import judge_prompts
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in this process; no fork warnings
+
+
+class UserError(Exception):
+    """Something the user can fix (a flag, a path, a server). main() prints it as one line."""
+
+
+# =====================================================================================
+# Arguments. Every field's docstring is its --help line.
+# =====================================================================================
+@dataclass
+class Args:
+    # --- run ---
+    out: str = ""
+    """run directory; default runs/<mode>-s<seed>-<date>. An existing one is refused unless --resume"""
+    resume: bool = False
+    """continue the run in --out from its last checkpoint, exactly where it stopped"""
+    steps: int = 400
+    """number of policy updates (paper: 400)"""
+    save_every: int = 50
+    """write a checkpoint every N steps (the last step is always saved)"""
+    seed: int = 1
+    """seeds Python, NumPy, torch, the games, judge sampling and token sampling"""
+    # --- model ---
+    model: str = "Qwen/Qwen3-4B-Base"
+    """policy: a hub id or a local directory (paper: Qwen3-4B-Base)"""
+    tiny: bool = False
+    """build a random tiny Qwen3 and a byte-level tokenizer offline and run on the CPU (smaller defaults)"""
+    backend: str = "hf"
+    """generation engine: hf (transformers generate, shares the learner's weights) or vllm (GPU)"""
+    device: str = "auto"
+    """torch device for the learner: auto (cuda if available), cpu, cuda, cuda:1, ..."""
+    temperature: float = 1.0
+    """sampling temperature (paper: 1.0); the learner scores tokens at the same temperature"""
+    max_new_tokens: int = 4096
+    """longest response per turn (paper: 4096)"""
+    vllm_gpu_memory_utilization: float = 0.45
+    """vllm backend: fraction of the GPU vLLM may take (the learner shares the GPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (saves memory for long responses)"""
+    # --- games ---
+    games: str = "TicTacToe-v0,KuhnPoker-v0,SimpleNegotiation-v0"
+    """comma-separated two-player TextArena ids; one is sampled uniformly per episode"""
+    num_envs: int = 32
+    """games played at once in lockstep (one batched generation call per turn)"""
+    max_turns: int = 30
+    """turn cap per game (both players, retries included); a capped game is a draw"""
+    error_allowance: int = 0
+    """invalid moves a player may retry before it loses (SPIRAL: 0, an invalid move loses)"""
+    # --- RAE and modulation ---
+    mode: str = "stratagem"
+    """stratagem (A_mod = A_game*phi + beta*psi) or spiral (A_mod = A_game, no judge at all)"""
+    beta: float = 0.2
+    """weight of the evolution reward psi in A_mod (paper: 0.2)"""
+    no_psi: bool = False
+    """ablation 'w/o psi': A_mod = A_game*phi; the evolution rubric is not requested"""
+    ema: float = 0.95
+    """RAE baseline decay eta: b <- eta*b + (1-eta)*R (paper: 0.95)"""
+    # --- judge ---
+    judge: str = "openai"
+    """judge: openai (any OpenAI-compatible server) or heuristic (offline stand-in, NOT the paper's judge)"""
+    judge_sample_rate: float = 0.25
+    """fraction of player-trajectories judged per step (paper: 'a sample'; the rest get the batch mean)"""
+    judge_model: str = "gpt-4o"
+    """judge model name (paper: GPT-4)"""
+    judge_base_url: str = ""
+    """OpenAI-compatible base URL, e.g. http://localhost:8000/v1 (default: api.openai.com); key from OPENAI_API_KEY"""
+    judge_temperature: float = 1.0
+    """judge sampling temperature (paper: 1.0)"""
+    judge_max_tokens: int = 1024
+    """longest judge reply (leave room for models that think before the JSON)"""
+    judge_concurrency: int = 16
+    """judge requests in flight at once"""
+    judge_timeout: float = 60.0
+    """seconds per judge request before it counts as a timeout"""
+    judge_retries: int = 3
+    """retries with backoff on timeouts, 429 and 5xx before a judgement counts as failed"""
+    # --- optimisation ---
+    batch_size: int = 128
+    """transitions (turns) per policy update; games still running finish first (paper: 128)"""
+    micro_batch_size: int = 4
+    """transitions per forward/backward pass; gradients are accumulated over the batch"""
+    lr: float = 1e-6
+    """Adam learning rate, constant (paper: 1e-6)"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this value"""
+
+
+CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("hf", "vllm"), "judge": ("openai", "heuristic")}
+# --tiny changes these defaults (an explicit flag still wins): small, fast, offline.
+TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_tokens=48,
+                     micro_batch_size=8, lr=1e-4, max_turns=20)
+# Flags that may change when a run is resumed; everything else is read back from config.json.
+RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency",
+             "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization"}
+
+
+def field_docs(cls) -> dict[str, tuple[str, str]]:
+    """{field: (group, help)}: the string literal under each dataclass field (CleanRL/tyro style) is
+    its help text, and the `# --- group ---` comment above it names its --help section."""
+    source = inspect.getsource(cls)
+    body = ast.parse(source).body[0].body
+    lines, groups, group = source.splitlines(), {}, "options"
+    for number, line in enumerate(lines, 1):
+        if m := re.fullmatch(r"\s*# --- (.+) ---", line):
+            group = m.group(1)
+        groups[number] = group
+    return {node.target.id: (groups[node.lineno], nxt.value.value) for node, nxt in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
+
+
+class FriendlyParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, instead of usage + message
+        raise UserError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = FriendlyParser(prog="stratagem.py", description=__doc__.split("\n\n")[0],
+                       argument_default=argparse.SUPPRESS)  # SUPPRESS: the namespace holds only explicit flags
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    for name, (group, doc) in field_docs(Args).items():
+        section = sections.setdefault(group, p.add_argument_group(group))
+        flag, default = "--" + name.replace("_", "-"), Args.__dataclass_fields__[name].default
+        kind = type(default)
+        if kind is bool:
+            section.add_argument(flag, action="store_true", help=doc)
+            continue
+        tiny = f"; with --tiny: {TINY_DEFAULTS[name]!r}" if name in TINY_DEFAULTS else ""
+        section.add_argument(flag, type=kind, choices=CHOICES.get(name), metavar=None if name in CHOICES else kind.__name__.upper(),
+                             help=f"{doc} (default: {default!r}{tiny})")
+    return p
+
+
+def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
+    """Defaults <- (--tiny preset) <- saved config on resume <- explicit flags; then derive and validate."""
+    if saved is not None:
+        changed = sorted(k for k, v in explicit.items() if k not in RESUMABLE and saved.get(k) != v)
+        if changed:
+            raise UserError("--resume continues the saved config; these flags cannot change: "
+                            + ", ".join("--" + k.replace("_", "-") for k in changed))
+        values = {**saved, **explicit}
+    else:
+        values = dict(explicit)
+        if values.get("tiny"):
+            if "model" in values:
+                raise UserError("--tiny builds its own model; drop --model")
+            values = {**TINY_DEFAULTS, **values, "model": "tiny"}
+    args = Args(**values)
+    if not args.out:
+        args.out = os.path.join("runs", f"{args.mode}{'-nopsi' if args.no_psi else ''}"
+                                        f"{'-tiny' if args.tiny else ''}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    validate(args)
+    return args
+
+
+def validate(args: Args) -> None:
+    finite = all(math.isfinite(getattr(args, f.name)) for f in dataclasses.fields(args) if f.type == "float")
+    checks = [
+        (finite, "float flags must be finite numbers"),
+        (args.steps >= 1, f"--steps must be >= 1, got {args.steps}"),
+        (args.save_every >= 1, f"--save-every must be >= 1, got {args.save_every}"),
+        (args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}"),
+        (args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}"),
+        (args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs}"),
+        (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
+        (args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}"),
+        (args.error_allowance >= 0, f"--error-allowance must be >= 0, got {args.error_allowance}"),
+        (0 <= args.ema < 1, f"--ema must be in [0, 1), got {args.ema}"),
+        (args.beta >= 0, f"--beta must be >= 0, got {args.beta}"),
+        (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
+        (args.temperature > 0, f"--temperature must be > 0, got {args.temperature}"),
+        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
+        (0 <= args.judge_sample_rate <= 1, f"--judge-sample-rate must be in [0, 1], got {args.judge_sample_rate}"),
+        (args.judge_temperature >= 0, f"--judge-temperature must be >= 0, got {args.judge_temperature}"),
+        (args.judge_max_tokens >= 1, f"--judge-max-tokens must be >= 1, got {args.judge_max_tokens}"),
+        (args.judge_concurrency >= 1, f"--judge-concurrency must be >= 1, got {args.judge_concurrency}"),
+        (args.judge_timeout > 0, f"--judge-timeout must be > 0, got {args.judge_timeout}"),
+        (args.judge_retries >= 0, f"--judge-retries must be >= 0, got {args.judge_retries}"),
+        (0 < args.vllm_gpu_memory_utilization < 1, "--vllm-gpu-memory-utilization must be in (0, 1)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+
+# =====================================================================================
+# Algorithm 1, step 1: self-play. Games, the role-conditioned prompt, action parsing,
+# and lockstep play of many games at once.
+# =====================================================================================
+# SPIRAL's prompt, with the role made explicit: the same weights play both seats.
+PROMPT = ("You are playing a two-player zero-sum game as Player {role}. Make valid actions to win.\n"
+          "Observation: {observation}\n"
+          "Please reason step by step, and put your final answer within \\boxed{{}}.")
+
+
+def game_ids(args: Args) -> list[str]:
+    """The --games list, checked against TextArena's registry and for two-player support."""
+    import textarena as ta
+    from textarena.envs.registration import ENV_REGISTRY
+
+    ids = [g.strip() for g in args.games.split(",") if g.strip()]
+    if not ids:
+        raise UserError("--games is empty")
+    for gid in ids:
+        if gid not in ENV_REGISTRY:
+            raise UserError(f"unknown game id {gid!r} (textarena 0.7.4 ids look like TicTacToe-v0, KuhnPoker-v0)")
+        state = random.getstate()  # reset(seed=...) reseeds the global `random`; leave it as it was
+        try:
+            ta.make(gid).reset(num_players=2, seed=0)
+        except Exception as e:  # noqa: BLE001 - any failure here means "this id cannot be played here"
+            raise UserError(f"game {gid!r} cannot be played by two players here: {type(e).__name__}: {e}") from None
+        finally:
+            random.setstate(state)
+    return ids
+
+
+def make_env(game_id: str, seed: int, error_allowance: int):
+    import textarena as ta
+
+    env = ta.make(game_id)
+    env.reset(num_players=2, seed=seed)
+    env.state.error_allowance = error_allowance  # TextArena's default is 1 retry; SPIRAL uses 0
+    return env
+
+
+def format_prompt(tokenizer, observation: str, role: int) -> str:
+    text = PROMPT.format(role=role, observation=observation)
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return text + "\n"
+
+
+_TEXT_WRAPPER = re.compile(r"\\text\{(.*)\}", re.DOTALL)
+
+
+def parse_action(response: str) -> str:
+    """The last \\boxed{...} (braces matched), as "[...]"; else the last [...]; else "".
+
+    Linear in the response length (no regex backtracking), so 100k-character outputs are cheap.
+    """
+    start = response.rfind("\\boxed{")
+    if start >= 0:
+        i, depth = start + len("\\boxed{"), 1
+        for j in range(i, len(response)):
+            depth += {"{": 1, "}": -1}.get(response[j], 0)
+            if depth == 0:
+                content = response[i:j].strip()
+                wrapped = _TEXT_WRAPPER.fullmatch(content)
+                content = wrapped.group(1).strip() if wrapped else content
+                if content:
+                    return content if content.startswith("[") and content.endswith("]") else f"[{content}]"
+                break
+    close = response.rfind("]")
+    open_ = response.rfind("[", 0, close) if close >= 0 else -1
+    return response[open_:close + 1] if open_ >= 0 else ""
+
+
+@dataclass
+class Turn:
+    observation: str
+    response: str
+    action: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+@dataclass
+class Trajectory:
+    """One player's whole game; the unit that RAE, the judge and A_mod work on."""
+    game: str
+    role: int
+    turns: list[Turn]
+    reward: float
+    baseline: float = 0.0
+    a_game: float = 0.0
+    judged: bool = False
+    scores: dict | None = None
+    phi: float = 1.0
+    psi: float = 0.0
+    a_mod: float = 0.0
+
+    def record(self, step: int) -> dict:
+        """The trajectories.jsonl line (token ids left out)."""
+        return {"step": step, "game": self.game, "role": self.role, "reward": self.reward,
+                "baseline": self.baseline, "a_game": self.a_game, "judged": self.judged, "scores": self.scores,
+                "phi": self.phi, "psi": self.psi, "a_mod": self.a_mod,
+                "turns": [{"observation": t.observation, "response": t.response, "action": t.action}
+                          for t in self.turns]}
+
+
+@dataclass
+class Episode:
+    """A game in flight."""
+    game: str
+    env: object
+    turns: dict[int, list[Turn]] = field(default_factory=lambda: {0: [], 1: []})
+    pending: tuple[int, str] | None = None  # (player id, observation) of the turn being generated
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.turns[0]) + len(self.turns[1])
+
+
+def outcome_counts(games: list[str]) -> dict:
+    return {g: {f"player{p}": {"win": 0, "draw": 0, "loss": 0, "invalid": 0} for p in (0, 1)} for g in games}
+
+
+def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Random, timer: "Timer",
+              lengths: dict[str, float]):
+    """Play games in lockstep until >= batch_size transitions: every turn, ONE batched generation call
+    for all live games. Games are only played whole (trajectories are judged and rewarded as a whole),
+    so a new game is launched only while the transitions expected from the live ones fall short of
+    the batch; `lengths` is a running mean of transitions per game id (a prior of --max-turns for an
+    unseen game), which keeps each batch close to --batch-size instead of num_envs whole games.
+
+    Returns the player-trajectories in completion order (player 0 before player 1 within a game) and
+    the per-game outcome counts; updates `lengths`.
+    """
+    live: list[Episode] = []
+    finished: list[Trajectory] = []
+    counts = outcome_counts(games)
+    collected = 0  # transitions generated so far this step, live games included
+
+    def expected(game: str, played: int = 0) -> float:  # transitions still to come from a game
+        return max(1.0, lengths.get(game, float(args.max_turns)) - played)
+
+    while live or collected < args.batch_size:
+        while (len(live) < args.num_envs
+               and collected + sum(expected(ep.game, ep.n_turns) for ep in live) < args.batch_size):
+            game = rng.choice(games)
+            live.append(Episode(game, make_env(game, rng.randrange(2**31), args.error_allowance)))
+        with timer("game"):
+            for ep in live:
+                ep.pending = ep.env.get_observation()
+            prompts = [format_prompt(tokenizer, obs, pid) for ep in live for pid, obs in [ep.pending]]
+        with timer("generate"):
+            outputs = policy.generate(prompts)  # one call for every live game
+        with timer("game"):
+            still_live = []
+            for ep, (prompt_ids, response_ids, text) in zip(live, outputs):
+                pid, obs = ep.pending
+                action = parse_action(text)
+                ep.turns[pid].append(Turn(obs, text, action, prompt_ids, response_ids))
+                collected += 1
+                done, _ = ep.env.step(action)
+                if done or ep.n_turns >= args.max_turns:
+                    finished.extend(finish_episode(ep, done, counts))
+                    lengths[ep.game] = 0.9 * lengths.get(ep.game, ep.n_turns) + 0.1 * ep.n_turns
+                else:
+                    still_live.append(ep)
+            live = still_live
+    return finished, counts
+
+
+def finish_episode(ep: Episode, done: bool, counts: dict) -> list[Trajectory]:
+    """Terminal rewards R_p in {-1, 0, 1}; a capped game is a draw. A seat that never moved yields
+    no trajectory (nothing of it to train), but its outcome is still counted."""
+    if done:
+        rewards, info = ep.env.close()
+        rewards = {p: float((rewards[p] > 0) - (rewards[p] < 0)) for p in (0, 1)}
+        invalid = {p: bool(info[p].get("invalid_move")) for p in (0, 1)}
+    else:
+        rewards, invalid = {0: 0.0, 1: 0.0}, {0: False, 1: False}
+    for p in (0, 1):
+        c = counts[ep.game][f"player{p}"]
+        c[{1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[p]]] += 1
+        c["invalid"] += invalid[p]
+    return [Trajectory(ep.game, p, ep.turns[p], rewards[p]) for p in (0, 1) if ep.turns[p]]
+
+
+# =====================================================================================
+# Algorithm 1, step 2: role-conditioned advantage estimation (RAE, SPIRAL).
+#   A_game(tau) = R_p(tau) - b[G,p]        then        b[G,p] <- eta*b[G,p] + (1-eta)*R_p(tau)
+# =====================================================================================
+def rae_step(baseline: float, reward: float, ema: float) -> tuple[float, float]:
+    """Returns (A_game, new baseline). The advantage uses b from *before* this return is folded in,
+    so a trajectory never baselines against itself (unbiased, as in SPIRAL's code)."""
+    return reward - baseline, ema * baseline + (1 - ema) * reward
+
+
+def baseline_key(game: str, role: int) -> str:
+    return f"{game}/player{role}"
+
+
+# =====================================================================================
+# Algorithm 1, step 3: STRATAGEM modulation.
+#   phi(tau) = 0.35*alpha + 0.35*sigma + 0.30*rho     alpha, sigma, rho in {0, 0.5, 1}
+#   psi(tau) = 0.35*d + 0.25*a + 0.40*c               d, a, c in {-1, 0, 1}
+#   A_mod(tau) = A_game(tau)*phi(tau) + beta*psi(tau)
+# Only a sample is judged; the rest (and failed judgements) get the mean over judged ones.
+# =====================================================================================
+def phi(alpha: float, sigma: float, rho: float) -> float:
+    """Reasoning Transferability Coefficient, in [0, 1]."""
+    return 0.35 * alpha + 0.35 * sigma + 0.30 * rho
+
+
+def psi(d: float, a: float, c: float) -> float:
+    """Reasoning Evolution Reward, in [-1, 1], zero-centred."""
+    return 0.35 * d + 0.25 * a + 0.40 * c
+
+
+def a_mod(a_game: float, phi_: float, psi_: float, beta: float) -> float:
+    return a_game * phi_ + beta * psi_
+
+
+def impute(values: list[float | None], default: float) -> tuple[list[float], float | None]:
+    """Fill the Nones with the mean of the others (the batch mean of judged trajectories); if there
+    are no others, with `default`. Returns the filled list and the mean (None if nothing was judged)."""
+    known = [v for v in values if v is not None]
+    mean = sum(known) / len(known) if known else None
+    fill = default if mean is None else mean
+    return [fill if v is None else v for v in values], mean
+
+
+def sample_for_judging(n: int, rate: float, rng: random.Random) -> list[int]:
+    """ceil(rate*n) distinct indices, so any rate > 0 judges at least one trajectory of a batch."""
+    return sorted(rng.sample(range(n), math.ceil(rate * n)))
+
+
+class JudgeFailure(Exception):
+    """A judgement that did not produce valid scores; `kind` is counted in metrics."""
+
+    def __init__(self, kind: str, detail: str = ""):
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind = kind
+
+
+def parse_scores(reply: str, rubric: str) -> dict[str, float]:
+    """The last JSON object in `reply` that holds all of the rubric's keys (prose, ```json fences and
+    thinking before it are fine; other keys are ignored). A value outside the rubric's levels fails."""
+    spec = judge_prompts.RUBRICS[rubric]
+    tail = reply[-65536:]  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
+    decoder = json.JSONDecoder()
+    starts = [m.start() for m in re.finditer(r"\{", tail)][-256:]
+    for pos in reversed(starts):
+        try:
+            obj, _ = decoder.raw_decode(tail, pos)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or not all(k in obj for k in spec["keys"]):
+            continue
+        scores = {}
+        for k in spec["keys"]:
+            v = obj[k]
+            try:
+                v = float(v) if not isinstance(v, bool) else None
+            except (TypeError, ValueError):
+                v = None
+            if v not in spec["levels"]:
+                raise JudgeFailure("bad_value", f"{k}={obj[k]!r} not in {spec['levels']}")
+            scores[k] = v
+        return scores
+    raise JudgeFailure("no_verdict", "no JSON object with keys " + ", ".join(spec["keys"]))
+
+
+@dataclass
+class Judgement:
+    scores: dict | None  # all requested keys, or None if any rubric failed
+    failure: str | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class HeuristicJudge:
+    """A deterministic, offline STAND-IN for the LLM judge, for CPU runs and tests. It is NOT the
+    paper's judge: it counts surface features (general vocabulary, visible structure, stated reasons,
+    change across turns, valid actions) and answers in the same JSON the rubrics ask for, so it
+    exercises exactly the parsing and imputation path of a real judge."""
+
+    name = "heuristic"
+    _ABSTRACT = re.compile(r"\b(probab\w*|expect\w*|value|case|cases|general\w*|strateg\w*|optimal|risk|payoff|"
+                           r"outcome\w*|if|then|compare\w*)\b", re.IGNORECASE)
+    _STRUCTURE = re.compile(r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)",
+                            re.IGNORECASE | re.MULTILINE)
+    _REASON = re.compile(r"\b(because|since|so that|therefore|thus|in general|always|never|principle)\b",
+                         re.IGNORECASE)
+
+    @staticmethod
+    def _level3(count: int) -> float:
+        return 0.0 if count == 0 else 0.5 if count < 3 else 1.0
+
+    def complete(self, rubric: str, traj: Trajectory) -> tuple[str, int, int]:
+        texts = [t.response for t in traj.turns]
+        if rubric == "transferability":
+            text = "\n".join(texts)
+            reply = {"alpha": self._level3(len({m.lower() for m in self._ABSTRACT.findall(text)})),
+                     "sigma": self._level3(len(self._STRUCTURE.findall(text))),
+                     "rho": self._level3(len(self._REASON.findall(text)))}
+        else:
+            lengths = [len(t.split()) for t in texts]
+            repeated = len(set(texts)) < len(texts)
+            valid = sum(bool(t.action) for t in traj.turns) / len(traj.turns)
+            reply = {"d": -1 if repeated else (1 if len(texts) > 1 and lengths[-1] > lengths[0] else 0),
+                     "a": -1 if repeated else (1 if len({t.action for t in traj.turns}) > 1 else 0),
+                     "c": 1 if valid == 1 else (-1 if valid == 0 else 0)}
+        return json.dumps(reply), 0, 0
+
+
+class OpenAIJudge:
+    """Any OpenAI-compatible chat endpoint (OpenAI, vLLM `serve`, llama.cpp, ...), through the
+    `openai` client, whose built-in retries back off on timeouts, 429 (honouring Retry-After) and 5xx.
+    The key comes from OPENAI_API_KEY only and is never logged or saved."""
+
+    def __init__(self, args: Args):
+        import openai
+
+        key = os.environ.get("OPENAI_API_KEY")
+        if not key and not args.judge_base_url:
+            raise UserError("--judge openai needs OPENAI_API_KEY in the environment or a --judge-base-url "
+                            "(use --judge heuristic for an offline run)")
+        self.name = args.judge_model
+        self.args = args
+        self.openai = openai
+        # Local servers usually take any key; the client insists on a non-empty one.
+        self.client = openai.OpenAI(api_key=key or "EMPTY", base_url=args.judge_base_url or None,
+                                    timeout=args.judge_timeout, max_retries=args.judge_retries)
+
+    def check_reachable(self) -> None:
+        """Fail at start-up, with one line, when the server cannot be reached or rejects the key."""
+        oa = self.openai
+        try:
+            self.client.with_options(max_retries=0, timeout=min(self.args.judge_timeout, 10)).models.list()
+        except oa.AuthenticationError:
+            raise UserError("the judge rejected the API key (HTTP 401); check OPENAI_API_KEY") from None
+        except oa.APIConnectionError:
+            where = self.args.judge_base_url or "api.openai.com"
+            raise UserError(f"the judge at {where} is unreachable; start the server or fix --judge-base-url") from None
+        except oa.APIStatusError:
+            pass  # reachable; some compatible servers simply have no /models route
+
+    def complete(self, rubric: str, traj: Trajectory) -> tuple[str, int, int]:
+        oa = self.openai
+        messages = judge_prompts.build_messages(rubric, render_for_judge(traj))
+        try:
+            resp = self.client.chat.completions.create(model=self.args.judge_model, messages=messages,
+                                                       temperature=self.args.judge_temperature,
+                                                       max_tokens=self.args.judge_max_tokens)
+        except oa.APITimeoutError as e:  # subclass of APIConnectionError: test it first
+            raise JudgeFailure("timeout", str(e)) from None
+        except oa.APIConnectionError as e:
+            raise JudgeFailure("connection", str(e)) from None
+        except oa.RateLimitError as e:
+            raise JudgeFailure("rate_limit", str(e)) from None
+        except oa.InternalServerError as e:
+            raise JudgeFailure("server_error", str(e)) from None
+        except oa.APIStatusError as e:
+            raise JudgeFailure(f"http_{e.status_code}", str(e)) from None
+        except oa.APIError as e:  # e.g. a body that is not a chat completion
+            raise JudgeFailure("bad_response", str(e)) from None
+        usage = resp.usage
+        tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+        if not resp.choices or not resp.choices[0].message.content:
+            raise JudgeFailure("empty")
+        return resp.choices[0].message.content, *tokens
+
+
+def render_for_judge(traj: Trajectory) -> str:
+    return judge_prompts.render_trajectory(traj.game, traj.role, [dataclasses.asdict(t) for t in traj.turns])
+
+
+def judge_trajectories(judge, trajs: list[Trajectory], rubrics: list[str], concurrency: int) -> list[Judgement]:
+    """Every (trajectory, rubric) request runs concurrently; a trajectory's judgement is valid only if
+    all its rubrics returned valid scores. Failures never raise: they are returned and counted."""
+
+    def one(traj, rubric):
+        try:
+            reply, p_tok, c_tok = judge.complete(rubric, traj)
+            return parse_scores(reply, rubric), None, p_tok, c_tok
+        except JudgeFailure as e:
+            return None, e.kind, 0, 0
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [[pool.submit(one, t, r) for r in rubrics] for t in trajs]
+        results = [[f.result() for f in row] for row in futures]
+    judgements = []
+    for row in results:
+        failure = next((kind for _, kind, _, _ in row if kind), None)
+        scores = None if failure else {k: v for s, _, _, _ in row for k, v in s.items()}
+        judgements.append(Judgement(scores, failure, sum(r[2] for r in row), sum(r[3] for r in row)))
+    return judgements
+
+
+def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args) -> dict:
+    """Fill phi, psi and A_mod on every trajectory; unjudged and failed ones get the batch means.
+    With no valid judgement in the step (or in spiral mode) phi = 1 and psi = 0: A_mod = A_game."""
+    phis, psis = [None] * len(trajs), [None] * len(trajs)
+    for i, j in judgements.items():
+        trajs[i].judged = True
+        if j.scores is not None:
+            trajs[i].scores = {k: j.scores.get(k) for k in ("alpha", "sigma", "rho", "d", "a", "c")}
+            phis[i] = phi(j.scores["alpha"], j.scores["sigma"], j.scores["rho"])
+            psis[i] = 0.0 if args.no_psi else psi(j.scores["d"], j.scores["a"], j.scores["c"])
+    phis, phi_mean = impute(phis, 1.0)
+    psis, psi_mean = impute(psis, 0.0)
+    for t, f, s in zip(trajs, phis, psis):
+        t.phi, t.psi = f, s
+        t.a_mod = a_mod(t.a_game, f, s, args.beta)
+    return {"modulated": phi_mean is not None, "phi_mean": phi_mean, "psi_mean": psi_mean}
+
+
+# =====================================================================================
+# Algorithm 1, step 4: REINFORCE on the modulated advantage.
+#   grad J = E_tau[ sum_{t in T_p} A_mod(tau) * grad log pi(y_t | s_t) ]
+#   loss   = -sum_i A_mod(i) * sum_{tokens of response i} log pi  /  (N_transitions * max_new_tokens)
+# The normaliser is a constant per step (as in SPIRAL / Dr. GRPO, https://arxiv.org/abs/2503.20783):
+# every token weighs the same, whatever the length of its response.
+# =====================================================================================
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log pi(target) per position. logits [B, T, V], targets [B, T] -> [B, T] (fp32)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def reinforce_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, normaliser: float) -> torch.Tensor:
+    """-sum_i A_i * sum_t mask*log pi / normaliser. logps, mask [B, T]; advantages [B]."""
+    return -(advantages[:, None] * logps * mask).sum() / normaliser  # scalar
+
+
+def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """LEFT-pad prompt+response so every response ends at the last column: the learner then needs
+    logits for the last R+1 positions only (R = longest response), not for the whole prompt."""
+    width = max(len(p) + len(r) for p, r in items)
+    resp_len = max(len(r) for _, r in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)  # [B, T]
+    attn = torch.zeros((len(items), width), dtype=torch.long)  # [B, T]
+    resp_mask = torch.zeros((len(items), resp_len), dtype=torch.float32)  # [B, R]
+    for i, (p, r) in enumerate(items):
+        seq = p + r
+        ids[i, width - len(seq):] = torch.tensor(seq)
+        attn[i, width - len(seq):] = 1
+        resp_mask[i, resp_len - len(r):] = 1
+    return ids, attn, resp_mask
+
+
+def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, resp_len: int, temperature: float) -> torch.Tensor:
+    """log pi of the last `resp_len` tokens of each row, at the sampling temperature. -> [B, R]"""
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, T]; left padding must not shift positions
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids,
+                   logits_to_keep=resp_len + 1).logits  # [B, R+1, V]
+    return token_logprobs(logits[:, :-1] / temperature, ids[:, -resp_len:])  # [B, R]
+
+
+def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device: torch.device,
+                  pad_id: int) -> dict:
+    """One Adam step over every transition of the batch, in micro-batches with gradient accumulation.
+    Transitions are sorted by length so each micro-batch carries little padding."""
+    items = sorted(((t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns),
+                   key=lambda x: len(x[0]) + len(x[1]))
+    normaliser = len(items) * args.max_new_tokens
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for k in range(0, len(items), args.micro_batch_size):
+        chunk = items[k:k + args.micro_batch_size]
+        ids, attn, mask = (x.to(device) for x in collate([(p, r) for p, r, _ in chunk], pad_id))
+        adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logps = sequence_logprobs(model, ids, attn, mask.shape[1], args.temperature)  # [b, R]
+        loss = reinforce_loss(logps, mask, adv, normaliser)
+        loss.backward()
+        total += loss.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": total, "grad_norm": grad_norm, "transitions": len(items)}
+
+
+# =====================================================================================
+# Policy backends: the tiny offline model, HF generation, vLLM generation + weight sync.
+# =====================================================================================
+def quiet_transformers() -> None:
+    """No progress bars or advice from transformers in the run's log."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def build_tiny(seed: int, out_dir: str) -> None:
+    """A random Qwen3 of ~0.1M parameters and a byte-level BPE tokenizer trained in memory on the
+    games' own texts, saved like any checkpoint so that it is loaded through from_pretrained."""
+    import textarena as ta
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    corpus = [PROMPT, "\\boxed{[4]} [check] [bet] [call] [fold] [Accept] [Deny] [Offer: 3 Sheep, 2 Ore -> 5 Brick]"]
+    state = random.getstate()
+    for gid in ("TicTacToe-v0", "KuhnPoker-v0", "SimpleNegotiation-v0"):
+        env = ta.make(gid)
+        env.reset(num_players=2, seed=seed)
+        corpus.append(env.get_observation()[1])
+    random.setstate(state)
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=special, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=16384,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+
+
+def load_policy(path: str, device: torch.device):
+    """Model and tokenizer through the real from_pretrained. The learner keeps fp32 weights: with
+    lr = 1e-6 most Adam updates are smaller than one bf16 ulp and would round away (compute runs
+    in bf16 autocast on CUDA)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    looks_local = path.startswith((".", "/", "~")) or os.path.exists(path)
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise UserError(f"--model {path}: no such directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(path))
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load model {path!r} (offline, or not a causal LM?): {first}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device), tokenizer
+
+
+def stop_ids(tokenizer) -> list[int]:
+    """Stop on EOS and on <|im_end|> (the end of a chat turn, which base Qwen3 emits)."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+
+
+class HFPolicy:
+    """transformers `generate` on the learner's own model: nothing to sync after an update."""
+
+    def __init__(self, model, tokenizer, args: Args, device: torch.device):
+        self.model, self.tok, self.args, self.device = model, tokenizer, args, device
+        self.stop = stop_ids(tokenizer)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
+        self.model.eval()
+        enc = self.tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        enc = enc.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            out = self.model.generate(**enc, do_sample=True, temperature=self.args.temperature,
+                                      top_k=0, top_p=1.0,  # the full distribution: the policy we differentiate
+                                      max_new_tokens=self.args.max_new_tokens, eos_token_id=self.stop,
+                                      pad_token_id=self.tok.pad_token_id)  # [B, T + new]
+        width = enc.input_ids.shape[1]
+        results = []
+        for row, mask in zip(out, enc.attention_mask):
+            prompt_ids = row[:width][mask.bool()].tolist()
+            response = row[width:].tolist()
+            cut = next((i + 1 for i, t in enumerate(response) if t in self.stop), len(response))
+            response = response[:cut]  # keep the stop token: the policy learns when to stop
+            results.append((prompt_ids, response, self.tok.decode(response, skip_special_tokens=True)))
+        return results
+
+    def sync(self, model) -> None:
+        """The HF backend generates with the learner's weights; nothing to copy."""
+
+
+def sync_vllm_weights(llm, model) -> None:
+    """Copy the learner's weights into a vLLM engine running in this process.
+
+    Works with vLLM's V1 engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), vLLM 0.8.5 - 0.33:
+    `collective_rpc` runs the function on the worker, whose `load_weights` maps HF names onto vLLM's
+    fused layers in place (CUDA graphs stay valid). The prefix cache holds KV of the old weights.
+    """
+    weights = [(name, p.detach().to(torch.bfloat16)) for name, p in model.named_parameters()]
+
+    def load(worker, ws):
+        worker.model_runner.model.load_weights(weights=ws)
+
+    llm.collective_rpc(load, args=(weights,))
+    llm.reset_prefix_cache()
+
+
+class VLLMPolicy:
+    """Generation in vLLM (bf16, prefix caching: turns of one game share their history), on the
+    learner's GPU; `sync` pushes the weights after every update."""
+
+    def __init__(self, model_dir: str, args: Args):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process, so weights can be copied
+        try:
+            import vllm
+        except ImportError:
+            raise UserError("--backend vllm needs the vllm package (GPU only): pip install vllm") from None
+        self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed,
+                            gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+        self.params = vllm.SamplingParams(temperature=args.temperature, top_p=1.0, top_k=-1,
+                                          max_tokens=args.max_new_tokens)
+
+    def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
+        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
+
+    def sync(self, model) -> None:
+        sync_vllm_weights(self.llm, model)
+
+
+# =====================================================================================
+# Run bookkeeping: run directory, JSONL logs, atomic checkpoints, exact resume.
+# =====================================================================================
+class Timer:
+    """Accumulates wall time per named phase: `with timer("generate"): ...`."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop lines written after the checkpoint we resume from (a crash can leave some)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(keep), encoding="utf-8")
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted((out / "checkpoints").glob("step-*"))
+    return ckpts[-1] if ckpts else None
+
+
+def rng_states(rng: random.Random) -> dict:
+    return {"rng": rng.getstate(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(rng: random.Random, s: dict) -> None:
+    rng.setstate(s["rng"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, rng: random.Random, extra: dict) -> None:
+    """Written to a temporary folder, then renamed into place (an atomic rename): a crash leaves the
+    previous checkpoint intact. Older checkpoints are removed only after the new one is in place."""
+    root = out / "checkpoints"
+    final = root / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_states(rng), **extra},
+               tmp / "trainer_state.pt")
+    os.replace(tmp, final)
+    for old in root.iterdir():
+        if old != final:
+            shutil.rmtree(old)
+
+
+def seed_everything(seed: int) -> random.Random:
+    """Global seeds for libraries, and a private Random for our own draws: TextArena's reset()
+    reseeds the global `random`, which would otherwise make game sampling follow game seeds."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return random.Random(seed)
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def summarize(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+# =====================================================================================
+# train(): Algorithm 1.
+# =====================================================================================
+def train(args: Args) -> Path:
+    """Run (or resume) a training run; returns the run directory."""
+    quiet_transformers()
+    out = Path(args.out)
+    games = game_ids(args)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    rng = seed_everything(args.seed)
+    judge = None
+    if args.mode == "stratagem":
+        judge = HeuristicJudge() if args.judge == "heuristic" else OpenAIJudge(args)
+    rubrics = ["transferability"] + ([] if args.no_psi else ["evolution"])
+
+    # ---- load the policy (the resumed weights, the tiny model, or --model) before touching --out ----
+    ckpt = latest_checkpoint(out) if args.resume else None
+    if args.resume and ckpt is None:
+        raise UserError(f"--resume: no checkpoint in {out}")
+    if not args.resume and out.exists():
+        raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
+    with tempfile.TemporaryDirectory() as tiny_dir:
+        if ckpt is not None:
+            model_path = str(ckpt)
+        elif args.tiny:
+            build_tiny(args.seed, tiny_dir)
+            model_path = tiny_dir
+        else:
+            model_path = args.model
+        model, tokenizer = load_policy(model_path, device)
+        if isinstance(judge, OpenAIJudge):
+            judge.check_reachable()
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        policy = VLLMPolicy(model_path, args) if args.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    baselines: dict[str, float] = {}  # RAE: b[G, p], keyed "game/playerP"
+    lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch
+    start, elapsed = 0, 0.0
+    if ckpt is not None:
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        baselines, lengths, start, elapsed = state["baselines"], state["lengths"], state["step"], state["elapsed"]
+        set_rng_states(rng, state["rng"])
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            truncate_jsonl(out / name, start)
+        policy.sync(model)
+        print(f"resuming {out} from step {start}")
+    else:
+        (out / "checkpoints").mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+
+    for step in range(start + 1, args.steps + 1):
+        t0, timer = time.perf_counter(), Timer()
+
+        # ---- Algorithm 1, step 1: self-play trajectory generation (one policy, both seats) ----
+        trajs, outcomes = self_play(policy, tokenizer, args, games, rng, timer, lengths)
+
+        # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
+        for t in trajs:  # in trajectories.jsonl order
+            key = baseline_key(t.game, t.role)
+            t.baseline = baselines.get(key, 0.0)
+            t.a_game, baselines[key] = rae_step(t.baseline, t.reward, args.ema)
+
+        # ---- Algorithm 1, step 3: STRATAGEM modulation, A_mod = A_game * phi + beta * psi ----
+        judged: dict[int, Judgement] = {}
+        with timer("judge"):
+            if judge is not None:
+                picked = sample_for_judging(len(trajs), args.judge_sample_rate, rng)
+                results = judge_trajectories(judge, [trajs[i] for i in picked], rubrics, args.judge_concurrency)
+                judged = dict(zip(picked, results))
+        mod = modulate(trajs, judged, args)
+
+        # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t | s_t) ] ----
+        with timer("learn"):
+            upd = policy_update(model, optimizer, trajs, args, device, tokenizer.pad_token_id)
+        with timer("sync"):
+            policy.sync(model)
+
+        # ---- bookkeeping ----
+        step_time = time.perf_counter() - t0
+        elapsed += step_time
+        failures: dict[str, int] = {}
+        for j in judged.values():
+            if j.failure:
+                failures[j.failure] = failures.get(j.failure, 0) + 1
+        a_game_mean, a_game_std = summarize([t.a_game for t in trajs])
+        a_mod_mean, a_mod_std = summarize([t.a_mod for t in trajs])
+        resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
+        metrics = {
+            "step": step, "time_s": round(step_time, 3), "elapsed_s": round(elapsed, 3),
+            "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()},
+            "games": outcomes, "episodes": sum(c["player0"][k] for c in outcomes.values() for k in ("win", "draw", "loss")),
+            "trajectories": len(trajs), "transitions": upd["transitions"],
+            "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
+            "judge_judged": len(judged), "judge_failed": sum(failures.values()), "judge_failures": failures,
+            "judge_prompt_tokens": sum(j.prompt_tokens for j in judged.values()),
+            "judge_completion_tokens": sum(j.completion_tokens for j in judged.values()),
+            **mod, "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean,
+            "a_mod_std": a_mod_std, "loss": upd["loss"], "grad_norm": upd["grad_norm"], "baselines": dict(baselines),
+        }
+        for t in trajs:
+            append_jsonl(out / "trajectories.jsonl", t.record(step))
+        append_jsonl(out / "metrics.jsonl", metrics)
+        print(f"step {step}/{args.steps} | {metrics['episodes']} games, {len(trajs)} trajectories, "
+              f"{upd['transitions']} transitions | judged {len(judged)} (failed {metrics['judge_failed']}) | "
+              f"phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | "
+              f"A_mod {a_mod_mean:+.3f}±{a_mod_std:.3f} | loss {upd['loss']:+.4f} | {step_time:.1f}s", flush=True)
+        if step % args.save_every == 0 or step == args.steps:
+            save_checkpoint(out, step, model, tokenizer, optimizer, rng,
+                            {"baselines": baselines, "lengths": lengths, "elapsed": elapsed})
+    return out
+
+
+# =====================================================================================
+# main(): parse, validate, run; a user's mistake ends in one line and exit code 2.
+# =====================================================================================
+def main(argv: list[str] | None = None) -> int:
+    try:
+        explicit = vars(build_parser().parse_args(argv))
+        saved = None
+        if explicit.get("resume"):
+            if not explicit.get("out"):
+                raise UserError("--resume needs --out (the run directory to continue)")
+            config = Path(explicit["out"]) / "config.json"
+            if not config.exists():
+                raise UserError(f"--resume: {config} not found")
+            saved = json.loads(config.read_text())
+        train(resolve_args(explicit, saved))
+    except UserError as e:
+        print(f"stratagem: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stratagem: interrupted; continue with --resume --out <run dir>", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
