@@ -23,6 +23,8 @@ import ast
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
+import http.server
 import inspect
 import json
 import math
@@ -32,6 +34,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +121,18 @@ class Args:
     """seconds per judge request before it counts as a timeout"""
     judge_retries: int = 3
     """retries with backoff on timeouts, 429 and 5xx before a judgement counts as failed"""
+    judge_samples: int = 1
+    """verdicts asked per trajectory and rubric, combined by --judge-aggregate (paper: 1)"""
+    judge_aggregate: str = "majority"
+    """how several verdicts combine: majority (per key; ties go to the lower level) or mean"""
+    judge_price_in: float = 0.0
+    """money per million prompt tokens, for the cost estimate (e.g. 2.5 for gpt-4o in USD)"""
+    judge_price_out: float = 0.0
+    """money per million completion tokens, for the cost estimate (e.g. 10 for gpt-4o in USD)"""
+    judge_budget: float = 0.0
+    """stop judging once the estimated cost reaches this (0: no limit); the run goes on with imputation"""
+    judge_cache: str = ""
+    """verdict cache (append-only JSONL; default <out>/judge_cache.jsonl); share one file across runs"""
     # --- optimisation ---
     batch_size: int = 128
     """transitions (turns) per policy update; games still running finish first (paper: 128)"""
@@ -129,12 +144,13 @@ class Args:
     """clip the global gradient norm to this value"""
 
 
-CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("hf", "vllm"), "judge": ("openai", "heuristic")}
+CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("hf", "vllm"), "judge": ("openai", "heuristic"),
+           "judge_aggregate": ("majority", "mean")}
 # --tiny changes these defaults (an explicit flag still wins): small, fast, offline.
 TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_tokens=48,
                      micro_batch_size=8, lr=1e-4, max_turns=20)
 # Flags that may change when a run is resumed; everything else is read back from config.json.
-RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency",
+RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
              "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization"}
 
 
@@ -159,6 +175,7 @@ class FriendlyParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = FriendlyParser(prog="stratagem.py", description=__doc__.split("\n\n")[0],
+                       epilog="other commands: " + ", ".join(f"stratagem.py {c} --help" for c in COMMANDS),
                        argument_default=argparse.SUPPRESS)  # SUPPRESS: the namespace holds only explicit flags
     sections: dict[str, argparse._ArgumentGroup] = {}
     for name, (group, doc) in field_docs(Args).items():
@@ -219,6 +236,11 @@ def validate(args: Args) -> None:
         (args.judge_concurrency >= 1, f"--judge-concurrency must be >= 1, got {args.judge_concurrency}"),
         (args.judge_timeout > 0, f"--judge-timeout must be > 0, got {args.judge_timeout}"),
         (args.judge_retries >= 0, f"--judge-retries must be >= 0, got {args.judge_retries}"),
+        (args.judge_samples >= 1, f"--judge-samples must be >= 1, got {args.judge_samples}"),
+        (min(args.judge_price_in, args.judge_price_out, args.judge_budget) >= 0,
+         "--judge-price-in, --judge-price-out and --judge-budget must be >= 0"),
+        (args.judge_budget == 0 or args.judge_price_in + args.judge_price_out > 0,
+         "--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost"),
         (0 < args.vllm_gpu_memory_utilization < 1, "--vllm-gpu-memory-utilization must be in (0, 1)"),
     ]
     for ok, message in checks:
@@ -462,7 +484,7 @@ def sample_for_judging(n: int, rate: float, rng: random.Random) -> list[int]:
 
 
 class JudgeFailure(Exception):
-    """A judgement that did not produce valid scores; `kind` is counted in metrics."""
+    """A request that did not produce valid scores; `kind` is counted in metrics."""
 
     def __init__(self, kind: str, detail: str = ""):
         super().__init__(f"{kind}: {detail}" if detail else kind)
@@ -470,49 +492,56 @@ class JudgeFailure(Exception):
 
 
 def parse_scores(reply: str, rubric: str) -> dict[str, float]:
-    """The last JSON object in `reply` that holds all of the rubric's keys (prose, ```json fences and
-    thinking before it are fine; other keys are ignored). A value outside the rubric's levels fails."""
+    """The last JSON object in `reply` that holds all of the rubric's keys. Thinking, prose and
+    ```json fences around it are fine; other keys are ignored. Failure kinds: no_json (no JSON
+    object at all), missing_keys (objects, but none with every key), bad_value (a level outside the
+    rubric's set; numbers given as strings are accepted, booleans are not)."""
     spec = judge_prompts.RUBRICS[rubric]
     tail = reply[-65536:]  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
-    decoder = json.JSONDecoder()
-    starts = [m.start() for m in re.finditer(r"\{", tail)][-256:]
-    for pos in reversed(starts):
+    decoder, partial = json.JSONDecoder(), False
+    for pos in reversed([m.start() for m in re.finditer(r"\{", tail)][-256:]):
         try:
             obj, _ = decoder.raw_decode(tail, pos)
         except ValueError:
             continue
-        if not isinstance(obj, dict) or not all(k in obj for k in spec["keys"]):
+        if not isinstance(obj, dict):
+            continue
+        if not all(k in obj for k in spec["keys"]):
+            partial = partial or any(k in obj for k in spec["keys"])
             continue
         scores = {}
         for k in spec["keys"]:
-            v = obj[k]
             try:
-                v = float(v) if not isinstance(v, bool) else None
+                v = None if isinstance(obj[k], bool) else float(obj[k])
             except (TypeError, ValueError):
                 v = None
             if v not in spec["levels"]:
                 raise JudgeFailure("bad_value", f"{k}={obj[k]!r} not in {spec['levels']}")
             scores[k] = v
         return scores
-    raise JudgeFailure("no_verdict", "no JSON object with keys " + ", ".join(spec["keys"]))
+    raise JudgeFailure("missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(spec["keys"]))
 
 
-@dataclass
-class Judgement:
-    scores: dict | None  # all requested keys, or None if any rubric failed
-    failure: str | None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
+    """Several valid verdicts on one rubric -> one (--judge-samples > 1): per key, the mean, or the
+    most frequent level with ties going to the lower level (an unsure judge does not pay more)."""
+    if how == "mean":
+        return {k: sum(v[k] for v in verdicts) / len(verdicts) for k in verdicts[0]}
+    return {k: min({v[k] for v in verdicts}, key=lambda x: (-sum(v[k] == x for v in verdicts), x))
+            for k in verdicts[0]}
 
 
 class HeuristicJudge:
-    """A deterministic, offline STAND-IN for the LLM judge, for CPU runs and tests. It is NOT the
-    paper's judge: it counts surface features (general vocabulary, visible structure, stated reasons,
-    change across turns, valid actions) and answers in the same JSON the rubrics ask for, so it
-    exercises exactly the parsing and imputation path of a real judge."""
+    """A deterministic, offline STAND-IN for the LLM judge, for CPU runs, tests and dry runs. It is NOT
+    the paper's judge: it counts surface features of the rendered trajectory (general vocabulary,
+    visible structure, stated reasons, change across turns, valid actions) and answers in the JSON the
+    rubrics ask for, so it exercises exactly the rendering, caching and parsing path of a real judge."""
 
     name = "heuristic"
-    _ABSTRACT = re.compile(r"\b(probab\w*|expect\w*|value|case|cases|general\w*|strateg\w*|optimal|risk|payoff|"
+    cacheable = False  # free and deterministic: caching it would only grow the file
+    _TURN = re.compile(r"Player's response:\n(.*?)\n\nAction sent to the game: (.*?)(?=\n\n--- Turn \d+ ---|\Z)",
+                       re.DOTALL)
+    _ABSTRACT = re.compile(r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
                            r"outcome\w*|if|then|compare\w*)\b", re.IGNORECASE)
     _STRUCTURE = re.compile(r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)",
                             re.IGNORECASE | re.MULTILINE)
@@ -520,43 +549,44 @@ class HeuristicJudge:
                          re.IGNORECASE)
 
     @staticmethod
-    def _level3(count: int) -> float:
+    def _level(count: int) -> float:
         return 0.0 if count == 0 else 0.5 if count < 3 else 1.0
 
-    def complete(self, rubric: str, traj: Trajectory) -> tuple[str, int, int]:
-        texts = [t.response for t in traj.turns]
+    def scores(self, rubric: str, trajectory_text: str) -> dict[str, float]:
+        turns = self._TURN.findall(trajectory_text)
+        texts, actions = [r for r, _ in turns], [a for _, a in turns]
         if rubric == "transferability":
             text = "\n".join(texts)
-            reply = {"alpha": self._level3(len({m.lower() for m in self._ABSTRACT.findall(text)})),
-                     "sigma": self._level3(len(self._STRUCTURE.findall(text))),
-                     "rho": self._level3(len(self._REASON.findall(text)))}
-        else:
-            lengths = [len(t.split()) for t in texts]
-            repeated = len(set(texts)) < len(texts)
-            valid = sum(bool(t.action) for t in traj.turns) / len(traj.turns)
-            reply = {"d": -1 if repeated else (1 if len(texts) > 1 and lengths[-1] > lengths[0] else 0),
-                     "a": -1 if repeated else (1 if len({t.action for t in traj.turns}) > 1 else 0),
-                     "c": 1 if valid == 1 else (-1 if valid == 0 else 0)}
-        return json.dumps(reply), 0, 0
+            return {"alpha": self._level(len({m.lower() for m in self._ABSTRACT.findall(text)})),
+                    "sigma": self._level(len(self._STRUCTURE.findall(text))),
+                    "rho": self._level(len(self._REASON.findall(text)))}
+        repeated = len(set(texts)) < len(texts)
+        valid = sum(a != "(none found)" for a in actions) / max(1, len(actions))
+        return {"d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
+                "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
+                "c": 1.0 if valid == 1 else (-1.0 if valid == 0 else 0.0)}
+
+    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
+        return json.dumps(self.scores(rubric, trajectory_text)), 0, 0
 
 
 class OpenAIJudge:
-    """Any OpenAI-compatible chat endpoint (OpenAI, vLLM `serve`, llama.cpp, ...), through the
-    `openai` client, whose built-in retries back off on timeouts, 429 (honouring Retry-After) and 5xx.
-    The key comes from OPENAI_API_KEY only and is never logged or saved."""
+    """Any OpenAI-compatible chat endpoint (OpenAI, `vllm serve`, llama.cpp, SGLang, ...), through the
+    `openai` client, whose built-in retries back off exponentially on timeouts, connection errors, 429
+    (honouring Retry-After) and 5xx. The key comes from OPENAI_API_KEY only; it is never logged or saved."""
 
-    def __init__(self, args: Args):
+    cacheable = True
+
+    def __init__(self, model: str, base_url: str, args: Args):
         import openai
 
         key = os.environ.get("OPENAI_API_KEY")
-        if not key and not args.judge_base_url:
+        if not key and not base_url:
             raise UserError("--judge openai needs OPENAI_API_KEY in the environment or a --judge-base-url "
                             "(use --judge heuristic for an offline run)")
-        self.name = args.judge_model
-        self.args = args
-        self.openai = openai
+        self.name, self.base_url, self.args, self.openai = model, base_url, args, openai
         # Local servers usually take any key; the client insists on a non-empty one.
-        self.client = openai.OpenAI(api_key=key or "EMPTY", base_url=args.judge_base_url or None,
+        self.client = openai.OpenAI(api_key=key or "EMPTY", base_url=base_url or None,
                                     timeout=args.judge_timeout, max_retries=args.judge_retries)
 
     def check_reachable(self) -> None:
@@ -567,19 +597,18 @@ class OpenAIJudge:
         except oa.AuthenticationError:
             raise UserError("the judge rejected the API key (HTTP 401); check OPENAI_API_KEY") from None
         except oa.APIConnectionError:
-            where = self.args.judge_base_url or "api.openai.com"
+            where = self.base_url or "api.openai.com"
             raise UserError(f"the judge at {where} is unreachable; start the server or fix --judge-base-url") from None
         except oa.APIStatusError:
             pass  # reachable; some compatible servers simply have no /models route
 
-    def complete(self, rubric: str, traj: Trajectory) -> tuple[str, int, int]:
+    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
         oa = self.openai
-        messages = judge_prompts.build_messages(rubric, render_for_judge(traj))
         try:
-            resp = self.client.chat.completions.create(model=self.args.judge_model, messages=messages,
-                                                       temperature=self.args.judge_temperature,
-                                                       max_tokens=self.args.judge_max_tokens)
-        except oa.APITimeoutError as e:  # subclass of APIConnectionError: test it first
+            resp = self.client.chat.completions.create(
+                model=self.name, messages=judge_prompts.build_messages(rubric, trajectory_text),
+                temperature=self.args.judge_temperature, max_tokens=self.args.judge_max_tokens)
+        except oa.APITimeoutError as e:  # a subclass of APIConnectionError: test it first
             raise JudgeFailure("timeout", str(e)) from None
         except oa.APIConnectionError as e:
             raise JudgeFailure("connection", str(e)) from None
@@ -592,7 +621,7 @@ class OpenAIJudge:
         except oa.APIError as e:  # e.g. a body that is not a chat completion
             raise JudgeFailure("bad_response", str(e)) from None
         usage = resp.usage
-        tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+        tokens = (usage.prompt_tokens or 0, usage.completion_tokens or 0) if usage else (0, 0)
         if not resp.choices or not resp.choices[0].message.content:
             raise JudgeFailure("empty")
         return resp.choices[0].message.content, *tokens
@@ -602,26 +631,111 @@ def render_for_judge(traj: Trajectory) -> str:
     return judge_prompts.render_trajectory(traj.game, traj.role, [dataclasses.asdict(t) for t in traj.turns])
 
 
-def judge_trajectories(judge, trajs: list[Trajectory], rubrics: list[str], concurrency: int) -> list[Judgement]:
-    """Every (trajectory, rubric) request runs concurrently; a trajectory's judgement is valid only if
-    all its rubrics returned valid scores. Failures never raise: they are returned and counted."""
+class JudgeCache:
+    """Valid verdicts, keyed by judge model, prompt version, rubric, temperature, sample index and the
+    rendered trajectory, so a resumed or repeated run never pays twice for the same request.
+    Append-only JSONL, one line flushed per verdict: a crash loses at most the line being written,
+    and a torn or corrupt line is skipped on load (and counted), never fatal."""
 
-    def one(traj, rubric):
+    def __init__(self, path: Path | None):
+        self.path, self.entries, self.skipped = path, {}, 0
+        self.lock = threading.Lock()
+        if path is not None and path.exists():
+            text = path.read_text(encoding="utf-8", errors="replace")
+            for line in text.splitlines():
+                try:
+                    record = json.loads(line)
+                    self.entries[record["key"]] = record["scores"]
+                except (ValueError, KeyError, TypeError):
+                    self.skipped += 1
+            if text and not text.endswith("\n"):  # a torn last line must not swallow the next record
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write("\n")
+
+    @staticmethod
+    def key(model: str, rubric: str, temperature: float, sample: int, trajectory_text: str) -> str:
+        ident = json.dumps([model, judge_prompts.PROMPT_VERSION, rubric, temperature, sample, trajectory_text])
+        return hashlib.sha256(ident.encode()).hexdigest()
+
+    def get(self, key: str) -> dict | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, rubric: str, scores: dict) -> None:
+        with self.lock:
+            self.entries[key] = scores
+            if self.path is not None:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"key": key, "rubric": rubric, "scores": scores}) + "\n")
+
+
+@dataclass
+class Judgement:
+    """The judge's word on one trajectory: all requested keys, or a failure kind, or skipped
+    (the budget ran out before it was asked: treated as not sampled, not as a failure)."""
+    scores: dict | None
+    failure: str | None = None
+    skipped: bool = False
+
+
+class JudgeRunner:
+    """Everything between trajectories and their scores: rendering, the cache, the money budget,
+    concurrency, n-sample aggregation and parsing. Failures never raise: they are returned and counted.
+    Totals (requests, tokens, money) live in `self.totals`, which the checkpoint carries."""
+
+    def __init__(self, client, args: Args, cache: JudgeCache):
+        self.client, self.args, self.cache = client, args, cache
+        self.lock = threading.Lock()
+        self.totals = dict.fromkeys(("requests", "cache_hits", "prompt_tokens", "completion_tokens", "cost"), 0)
+
+    def budget_exhausted(self) -> bool:
+        return 0 < self.args.judge_budget <= self.totals["cost"]
+
+    def _request(self, rubric: str, sample: int, text: str, step: dict) -> tuple[dict | None, str | None]:
+        key = JudgeCache.key(self.client.name, rubric, self.args.judge_temperature, sample, text)
+        if self.client.cacheable and (hit := self.cache.get(key)) is not None:
+            self._count(step, cache_hits=1)
+            return hit, None
+        if self.budget_exhausted():  # checked per request: at most judge_concurrency requests overshoot
+            return None, "budget"
+        reply, p_tok, c_tok = None, 0, 0
         try:
-            reply, p_tok, c_tok = judge.complete(rubric, traj)
-            return parse_scores(reply, rubric), None, p_tok, c_tok
+            reply, p_tok, c_tok = self.client.complete(rubric, text)
+            scores, kind = parse_scores(reply, rubric), None
         except JudgeFailure as e:
-            return None, e.kind, 0, 0
+            scores, kind = None, e.kind
+        cost = p_tok * self.args.judge_price_in / 1e6 + c_tok * self.args.judge_price_out / 1e6
+        self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
+        if scores is not None and self.client.cacheable:
+            self.cache.put(key, rubric, scores)
+        return scores, kind
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [[pool.submit(one, t, r) for r in rubrics] for t in trajs]
-        results = [[f.result() for f in row] for row in futures]
-    judgements = []
-    for row in results:
-        failure = next((kind for _, kind, _, _ in row if kind), None)
-        scores = None if failure else {k: v for s, _, _, _ in row for k, v in s.items()}
-        judgements.append(Judgement(scores, failure, sum(r[2] for r in row), sum(r[3] for r in row)))
-    return judgements
+    def _count(self, step: dict, **amounts) -> None:
+        with self.lock:
+            for k, v in amounts.items():
+                self.totals[k] += v
+                step[k] = step.get(k, 0) + v
+
+    def judge(self, trajs: list[Trajectory], rubrics: list[str]) -> tuple[list[Judgement], dict]:
+        """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits)."""
+        texts = [render_for_judge(t) for t in trajs]
+        jobs = [(i, r, s) for i in range(len(trajs)) for r in rubrics for s in range(self.args.judge_samples)]
+        step: dict = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.judge_concurrency) as pool:
+            results = list(pool.map(lambda job: self._request(job[1], job[2], texts[job[0]], step), jobs))
+        judgements = []
+        for i in range(len(trajs)):
+            scores, kinds = {}, []
+            for rubric in rubrics:
+                mine = [res for (j, r, _), res in zip(jobs, results) if j == i and r == rubric]
+                valid = [s for s, _ in mine if s is not None]
+                if valid:
+                    scores.update(aggregate(valid, self.args.judge_aggregate))
+                else:
+                    kinds.append(next(k for _, k in mine if k))
+            failure = next((k for k in kinds if k != "budget"), None)
+            skipped = bool(kinds) and failure is None
+            judgements.append(Judgement(None if kinds else scores, failure, skipped))
+        return judgements, step
 
 
 def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args) -> dict:
@@ -629,7 +743,7 @@ def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Ar
     With no valid judgement in the step (or in spiral mode) phi = 1 and psi = 0: A_mod = A_game."""
     phis, psis = [None] * len(trajs), [None] * len(trajs)
     for i, j in judgements.items():
-        trajs[i].judged = True
+        trajs[i].judged = not j.skipped
         if j.scores is not None:
             trajs[i].scores = {k: j.scores.get(k) for k in ("alpha", "sigma", "rho", "d", "a", "c")}
             phis[i] = phi(j.scores["alpha"], j.scores["sigma"], j.scores["rho"])
@@ -937,6 +1051,31 @@ def summarize(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
+def make_judge(args: Args) -> HeuristicJudge | OpenAIJudge:
+    return HeuristicJudge() if args.judge == "heuristic" else OpenAIJudge(args.judge_model, args.judge_base_url, args)
+
+
+def announce_budget(runner: JudgeRunner, step: int) -> None:
+    """Said once, loudly, on stdout and stderr: from here on the run is unmodulated (phi = 1, psi = 0)."""
+    bar = "!" * 100
+    line = (f"JUDGE BUDGET REACHED at step {step}: estimated cost {runner.totals['cost']:.4f} >= --judge-budget "
+            f"{runner.args.judge_budget}. No more judge requests; every trajectory now gets phi = 1, psi = 0.")
+    for stream in (sys.stdout, sys.stderr):
+        print(f"{bar}\n{line}\n{bar}", file=stream, flush=True)
+
+
+def judge_metrics(judged: dict[int, Judgement], usage: dict, runner: JudgeRunner | None) -> dict:
+    failures: dict[str, int] = {}
+    for j in judged.values():
+        if j.failure:
+            failures[j.failure] = failures.get(j.failure, 0) + 1
+    return {"judge_judged": sum(not j.skipped for j in judged.values()), "judge_failed": sum(failures.values()),
+            "judge_failures": failures, "judge_skipped_budget": sum(j.skipped for j in judged.values()),
+            **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
+            "judge_cost": usage.get("cost", 0.0), "judge_cost_total": runner.totals["cost"] if runner else 0.0,
+            "judge_budget_exhausted": bool(runner and runner.budget_exhausted())}
+
+
 # =====================================================================================
 # train(): Algorithm 1.
 # =====================================================================================
@@ -947,9 +1086,7 @@ def train(args: Args) -> Path:
     games = game_ids(args)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     rng = seed_everything(args.seed)
-    judge = None
-    if args.mode == "stratagem":
-        judge = HeuristicJudge() if args.judge == "heuristic" else OpenAIJudge(args)
+    judge = make_judge(args) if args.mode == "stratagem" else None
     rubrics = ["transferability"] + ([] if args.no_psi else ["evolution"])
 
     # ---- load the policy (the resumed weights, the tiny model, or --model) before touching --out ----
@@ -975,11 +1112,12 @@ def train(args: Args) -> Path:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     baselines: dict[str, float] = {}  # RAE: b[G, p], keyed "game/playerP"
     lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch
-    start, elapsed = 0, 0.0
+    start, elapsed, judge_totals = 0, 0.0, None
     if ckpt is not None:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         baselines, lengths, start, elapsed = state["baselines"], state["lengths"], state["step"], state["elapsed"]
+        judge_totals = state["judge_totals"]
         set_rng_states(rng, state["rng"])
         for name in ("metrics.jsonl", "trajectories.jsonl"):
             truncate_jsonl(out / name, start)
@@ -988,6 +1126,16 @@ def train(args: Args) -> Path:
     else:
         (out / "checkpoints").mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    runner = None
+    if judge is not None:
+        cache = JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
+        if cache.skipped:
+            print(f"judge cache: skipped {cache.skipped} unreadable line(s) of {cache.path}", file=sys.stderr)
+        runner = JudgeRunner(judge, args, cache)
+        runner.totals.update(judge_totals or {})
+    announced = bool(runner and runner.budget_exhausted())
+    if announced:
+        announce_budget(runner, start)
 
     for step in range(start + 1, args.steps + 1):
         t0, timer = time.perf_counter(), Timer()
@@ -1003,12 +1151,16 @@ def train(args: Args) -> Path:
 
         # ---- Algorithm 1, step 3: STRATAGEM modulation, A_mod = A_game * phi + beta * psi ----
         judged: dict[int, Judgement] = {}
+        usage: dict = {}
         with timer("judge"):
-            if judge is not None:
+            if runner is not None and not runner.budget_exhausted():
                 picked = sample_for_judging(len(trajs), args.judge_sample_rate, rng)
-                results = judge_trajectories(judge, [trajs[i] for i in picked], rubrics, args.judge_concurrency)
+                results, usage = runner.judge([trajs[i] for i in picked], rubrics)
                 judged = dict(zip(picked, results))
         mod = modulate(trajs, judged, args)
+        if runner is not None and runner.budget_exhausted() and not announced:
+            announce_budget(runner, step)
+            announced = True
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t | s_t) ] ----
         with timer("learn"):
@@ -1019,10 +1171,6 @@ def train(args: Args) -> Path:
         # ---- bookkeeping ----
         step_time = time.perf_counter() - t0
         elapsed += step_time
-        failures: dict[str, int] = {}
-        for j in judged.values():
-            if j.failure:
-                failures[j.failure] = failures.get(j.failure, 0) + 1
         a_game_mean, a_game_std = summarize([t.a_game for t in trajs])
         a_mod_mean, a_mod_std = summarize([t.a_mod for t in trajs])
         resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
@@ -1032,30 +1180,215 @@ def train(args: Args) -> Path:
             "games": outcomes, "episodes": sum(c["player0"][k] for c in outcomes.values() for k in ("win", "draw", "loss")),
             "trajectories": len(trajs), "transitions": upd["transitions"],
             "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
-            "judge_judged": len(judged), "judge_failed": sum(failures.values()), "judge_failures": failures,
-            "judge_prompt_tokens": sum(j.prompt_tokens for j in judged.values()),
-            "judge_completion_tokens": sum(j.completion_tokens for j in judged.values()),
-            **mod, "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean,
-            "a_mod_std": a_mod_std, "loss": upd["loss"], "grad_norm": upd["grad_norm"], "baselines": dict(baselines),
+            **judge_metrics(judged, usage, runner), **mod,
+            "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
+            "loss": upd["loss"], "grad_norm": upd["grad_norm"], "baselines": dict(baselines),
         }
         for t in trajs:
             append_jsonl(out / "trajectories.jsonl", t.record(step))
         append_jsonl(out / "metrics.jsonl", metrics)
+        cost = f" ${metrics['judge_cost_total']:.4f}" if args.judge_price_in + args.judge_price_out else ""
         print(f"step {step}/{args.steps} | {metrics['episodes']} games, {len(trajs)} trajectories, "
-              f"{upd['transitions']} transitions | judged {len(judged)} (failed {metrics['judge_failed']}) | "
-              f"phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | "
+              f"{upd['transitions']} transitions | judged {metrics['judge_judged']} "
+              f"(failed {metrics['judge_failed']}){cost} | phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | "
               f"A_mod {a_mod_mean:+.3f}±{a_mod_std:.3f} | loss {upd['loss']:+.4f} | {step_time:.1f}s", flush=True)
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(out, step, model, tokenizer, optimizer, rng,
-                            {"baselines": baselines, "lengths": lengths, "elapsed": elapsed})
+                            {"baselines": baselines, "lengths": lengths, "elapsed": elapsed,
+                             "judge_totals": runner.totals if runner else None})
     return out
+
+
+# =====================================================================================
+# Judge tools: the cross-judge agreement check (the paper's Table 1) and a local stand-in server.
+# =====================================================================================
+def cohen_kappa(a: list, b: list) -> float:
+    """Unweighted Cohen's kappa of two raters' labels; nan when chance agreement is 1 (no variation)."""
+    n, labels = len(a), set(a) | set(b)
+    p_observed = sum(x == y for x, y in zip(a, b)) / n
+    p_chance = sum((a.count(v) / n) * (b.count(v) / n) for v in labels)
+    return float("nan") if p_chance == 1 else (p_observed - p_chance) / (1 - p_chance)
+
+
+def ranks(xs: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in order[i:j + 1]:
+            out[k] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (Pearson on average ranks); nan when either side is constant."""
+    rx, ry = ranks(x), ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return float("nan") if var == 0 else cov / var
+
+
+def read_trajectories(run: Path) -> list[Trajectory]:
+    path = run / "trajectories.jsonl"
+    if not path.exists():
+        raise UserError(f"{path} not found (is {run} a stratagem run directory?)")
+    return [Trajectory(r["game"], r["role"], [Turn(t["observation"], t["response"], t["action"], [], [])
+                                              for t in r["turns"]], r["reward"])
+            for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())]
+
+
+def judge_from_spec(spec: str, args: Args) -> HeuristicJudge | OpenAIJudge:
+    """'heuristic', 'openai:MODEL' or 'openai:MODEL@BASE_URL'."""
+    if spec == "heuristic":
+        return HeuristicJudge()
+    if not spec.startswith("openai:") or not spec[len("openai:"):].split("@")[0]:
+        raise UserError(f"judge {spec!r}: use heuristic, openai:MODEL or openai:MODEL@BASE_URL")
+    model, _, url = spec[len("openai:"):].partition("@")
+    judge = OpenAIJudge(model, url, args)
+    judge.check_reachable()
+    return judge
+
+
+def agree_main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py agree", description=(
+        "Re-score a sample of a run's trajectories with two or more judges and print, per rubric dimension, "
+        "Cohen's kappa on the discrete levels and Spearman's rho for phi and psi (as in the paper's Table 1)."))
+    p.add_argument("run", help="run directory (its trajectories.jsonl is read, its judge_cache.jsonl reused)")
+    p.add_argument("--judges", nargs="+", required=True, metavar="JUDGE",
+                   help="two or more of: heuristic, openai:MODEL, openai:MODEL@BASE_URL (key from OPENAI_API_KEY)")
+    p.add_argument("--sample", type=int, default=200, help="trajectories to re-score (default: 200, as in the paper)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the sample (default: 1)")
+    p.add_argument("--json", default="", help="also write the results to this JSON file")
+    for name in ("judge_temperature", "judge_max_tokens", "judge_concurrency", "judge_timeout", "judge_retries"):
+        default = Args.__dataclass_fields__[name].default
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                       help=f"{field_docs(Args)[name][1]} (default: {default})")
+    ns = p.parse_args(argv)
+    if len(ns.judges) < 2 or ns.sample < 2:
+        raise UserError("agree needs at least two --judges and --sample >= 2")
+    run = Path(ns.run)
+    pool = read_trajectories(run)
+    trajs = [pool[i] for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))]
+    args = dataclasses.replace(Args(), judge_temperature=ns.judge_temperature, judge_max_tokens=ns.judge_max_tokens,
+                               judge_concurrency=ns.judge_concurrency, judge_timeout=ns.judge_timeout,
+                               judge_retries=ns.judge_retries)
+    cache = JudgeCache(run / "judge_cache.jsonl")
+    verdicts = []
+    for spec in ns.judges:
+        judgements, usage = JudgeRunner(judge_from_spec(spec, args), args, cache).judge(trajs, list(judge_prompts.RUBRICS))
+        verdicts.append([j.scores for j in judgements])
+        print(f"{spec}: {usage.get('requests', 0)} requests, {usage.get('cache_hits', 0)} from cache, "
+              f"{sum(j.failure is not None for j in judgements)} failed", file=sys.stderr)
+    keep = [i for i in range(len(trajs)) if all(v[i] is not None for v in verdicts)]
+    if len(keep) < 2:
+        raise UserError(f"only {len(keep)} trajectories were scored by every judge; nothing to compare")
+    names = [chr(ord("A") + k) for k in range(len(ns.judges))]
+    pairs = [(x, y) for x in range(len(names)) for y in range(x + 1, len(names))]
+    table: dict[str, dict[str, float]] = {}
+    for dim in ("alpha", "sigma", "rho", "d", "a", "c"):
+        table[f"kappa {dim}"] = {f"{names[x]}~{names[y]}": cohen_kappa([verdicts[x][i][dim] for i in keep],
+                                                                     [verdicts[y][i][dim] for i in keep])
+                                 for x, y in pairs}
+    for label, fn, keys in (("phi", phi, ("alpha", "sigma", "rho")), ("psi", psi, ("d", "a", "c"))):
+        values = [[fn(*(v[i][k] for k in keys)) for i in keep] for v in verdicts]
+        table[f"spearman {label}"] = {f"{names[x]}~{names[y]}": spearman(values[x], values[y]) for x, y in pairs}
+    print(f"agreement on {len(keep)} of {len(trajs)} sampled trajectories of {run} "
+          f"({len(trajs) - len(keep)} dropped: a judge failed)")
+    for name, spec in zip(names, ns.judges):
+        print(f"  {name} = {spec}")
+    columns = list(next(iter(table.values())))
+    print(f"{'':16}" + "".join(f"{c:>10}" for c in columns))
+    for row, values in table.items():
+        print(f"{row:16}" + "".join(f"{'n/a' if math.isnan(values[c]) else f'{values[c]:.3f}':>10}" for c in columns))
+    print("paper (Table 1): kappa > 0.60, Spearman > 0.70; n/a: a judge gave one level to every trajectory")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"run": str(run), "judges": dict(zip(names, ns.judges)),
+                                             "n": len(keep), "sampled": len(trajs),
+                                             "table": {r: {c: (None if math.isnan(v) else v) for c, v in vals.items()}
+                                                       for r, vals in table.items()}}, indent=2))
+    return 0
+
+
+def make_judge_server(host: str, port: int, noise: float, seed: int) -> http.server.ThreadingHTTPServer:
+    """The heuristic stand-in behind an OpenAI-compatible API (GET /v1/models, POST /v1/chat/completions).
+    With `noise`, each level is replaced by a random one with that probability (seeded by the request),
+    so it can play a second, disagreeing judge. Usage counts ~4 characters per token."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):  # quiet
+            pass
+
+        def _send(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(200, {"object": "list", "data": [{"id": "heuristic", "object": "model", "owned_by": "stratagem"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            content = body.get("messages", [{}])[-1].get("content", "")
+            rubric = next((r for r, spec in judge_prompts.RUBRICS.items() if spec["text"] in content), None)
+            if rubric is None or judge_prompts.TRAJECTORY_OPEN not in content:
+                return self._send(400, {"error": {"message": "not a stratagem rubric request"}})
+            text = content.split(judge_prompts.TRAJECTORY_OPEN + "\n", 1)[1].rsplit("\n" + judge_prompts.TRAJECTORY_CLOSE, 1)[0]
+            scores = HeuristicJudge().scores(rubric, text)
+            draw = random.Random(hashlib.sha256(f"{seed}:{content}".encode()).digest())
+            levels = judge_prompts.RUBRICS[rubric]["levels"]
+            scores = {k: (draw.choice(levels) if draw.random() < noise else v) for k, v in scores.items()}
+            reply = json.dumps(scores)
+            prompt_tokens = sum(len(m.get("content", "")) for m in body["messages"]) // 4
+            self._send(200, {"id": "heuristic", "object": "chat.completion", "created": 0, "model": body.get("model"),
+                             "choices": [{"index": 0, "finish_reason": "stop",
+                                          "message": {"role": "assistant", "content": reply}}],
+                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(reply) // 4,
+                                       "total_tokens": prompt_tokens + len(reply) // 4}})
+
+    return http.server.ThreadingHTTPServer((host, port), Handler)
+
+
+def serve_judge_main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py serve-judge", description=(
+        "Serve the heuristic stand-in judge as an OpenAI-compatible endpoint, for offline dry runs of the "
+        "--judge openai path (cost, cache, agreement). It is NOT the paper's judge."))
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
+    p.add_argument("--noise", type=float, default=0.0, help="probability of replacing each level by a random one")
+    p.add_argument("--seed", type=int, default=0, help="seed of the noise (default: 0)")
+    ns = p.parse_args(argv)
+    if not 0 <= ns.noise <= 1:
+        raise UserError(f"--noise must be in [0, 1], got {ns.noise}")
+    try:
+        server = make_judge_server(ns.host, ns.port, ns.noise, ns.seed)
+    except OSError as e:
+        raise UserError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}") from None
+    print(f"heuristic judge on http://{ns.host}:{server.server_address[1]}/v1 (Ctrl-C to stop)", flush=True)
+    server.serve_forever()
+    return 0
 
 
 # =====================================================================================
 # main(): parse, validate, run; a user's mistake ends in one line and exit code 2.
 # =====================================================================================
+COMMANDS = {"agree": agree_main, "serve-judge": serve_judge_main}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`stratagem.py [flags]` trains; `stratagem.py COMMAND ...` runs one of COMMANDS."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]](argv[1:])
         explicit = vars(build_parser().parse_args(argv))
         saved = None
         if explicit.get("resume"):
@@ -1070,7 +1403,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stratagem: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("stratagem: interrupted; continue with --resume --out <run dir>", file=sys.stderr)
+        print("stratagem: interrupted (a training run continues with --resume --out <run dir>)", file=sys.stderr)
         return 130
     return 0
 
