@@ -31,6 +31,7 @@ import math
 import os
 import random
 import re
+import resource
 import shutil
 import sys
 import tempfile
@@ -115,8 +116,8 @@ class Args:
     """judge sampling temperature (paper: 1.0)"""
     judge_max_tokens: int = 1024
     """longest judge reply (leave room for models that think before the JSON)"""
-    judge_concurrency: int = 16
-    """judge requests in flight at once"""
+    judge_concurrency: int = 64
+    """judge requests in flight at once (two rubrics a trajectory: 64 requests = 32 trajectories)"""
     judge_timeout: float = 60.0
     """seconds per judge request before it counts as a timeout"""
     judge_retries: int = 3
@@ -169,7 +170,13 @@ def field_docs(cls) -> dict[str, tuple[str, str]]:
 
 
 class FriendlyParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, instead of usage + message
+    """argparse that ends a mistake in one line (main prints it) and takes no abbreviated flags
+    (`--judge` must never be read as `--judgements`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def error(self, message):
         raise UserError(message)
 
 
@@ -379,13 +386,13 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
     the batch; `lengths` is a running mean of transitions per game id (a prior of --max-turns for an
     unseen game), which keeps each batch close to --batch-size instead of num_envs whole games.
 
-    Returns the player-trajectories in completion order (player 0 before player 1 within a game) and
-    the per-game outcome counts; updates `lengths`.
+    Returns the player-trajectories in completion order (player 0 before player 1 within a game), the
+    per-game outcome counts and the number of generation calls; updates `lengths`.
     """
     live: list[Episode] = []
     finished: list[Trajectory] = []
     counts = outcome_counts(games)
-    collected = 0  # transitions generated so far this step, live games included
+    collected = calls = 0  # transitions generated so far this step (live games included); generate calls
 
     def expected(game: str, played: int = 0) -> float:  # transitions still to come from a game
         return max(1.0, lengths.get(game, float(args.max_turns)) - played)
@@ -401,6 +408,7 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
             prompts = [format_prompt(tokenizer, obs, pid) for ep in live for pid, obs in [ep.pending]]
         with timer("generate"):
             outputs = policy.generate(prompts)  # one call for every live game
+        calls += 1
         with timer("game"):
             still_live = []
             for ep, (prompt_ids, response_ids, text) in zip(live, outputs):
@@ -415,7 +423,7 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
                 else:
                     still_live.append(ep)
             live = still_live
-    return finished, counts
+    return finished, counts, calls
 
 
 def finish_episode(ep: Episode, done: bool, counts: dict) -> list[Trajectory]:
@@ -661,11 +669,12 @@ class JudgeCache:
         return self.entries.get(key)
 
     def put(self, key: str, rubric: str, scores: dict) -> None:
+        if self.path is None:  # JudgeCache(None): no cache at all
+            return
         with self.lock:
             self.entries[key] = scores
-            if self.path is not None:
-                with open(self.path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"key": key, "rubric": rubric, "scores": scores}) + "\n")
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"key": key, "rubric": rubric, "scores": scores}) + "\n")
 
 
 @dataclass
@@ -833,9 +842,21 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def build_tiny(seed: int, out_dir: str) -> None:
-    """A random Qwen3 of ~0.1M parameters and a byte-level BPE tokenizer trained in memory on the
-    games' own texts, saved like any checkpoint so that it is loaded through from_pretrained."""
+# Random-weight Qwen3 shapes. "qwen3-4b" is Qwen3-4B-Base's config.json (4.02 B parameters), for GPU
+# benchmarks where no hub can be reached; its tokenizer is the small in-memory one, so most sampled
+# ids decode to nothing and every response runs to --max-new-tokens: the worst case for speed.
+ARCHS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=16384),
+    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+                     rope_theta=1e6, rms_norm_eps=1e-6),
+}
+
+
+def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
+    """A randomly initialised Qwen3 of shape ARCHS[arch] and a byte-level BPE tokenizer trained in memory
+    on the games' own texts, saved like any checkpoint so it is loaded through from_pretrained. Offline."""
     import textarena as ta
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -847,22 +868,22 @@ def build_tiny(seed: int, out_dir: str) -> None:
         env.reset(num_players=2, seed=seed)
         corpus.append(env.get_observation()[1])
     random.setstate(state)
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=special, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(  # ~760 tokens: the corpus runs out of merges
+        vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=16384,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None)
+    config = Qwen3Config(**{"vocab_size": len(tok), **ARCHS[arch]}, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
+    if arch != "tiny":
+        model.to(torch.bfloat16)  # as real checkpoints ship; the tiny one stays fp32 for exact CPU tests
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
 
@@ -870,7 +891,7 @@ def build_tiny(seed: int, out_dir: str) -> None:
 def load_policy(path: str, device: torch.device):
     """Model and tokenizer through the real from_pretrained. The learner keeps fp32 weights: with
     lr = 1e-6 most Adam updates are smaller than one bf16 ulp and would round away (compute runs
-    in bf16 autocast on CUDA)."""
+    in bf16 autocast on CUDA; Adam's state is fp32 like the weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     looks_local = path.startswith((".", "/", "~")) or os.path.exists(path)
@@ -893,6 +914,11 @@ def stop_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
 
 
+def cut_at_stop(response: list[int], stop: list[int]) -> list[int]:
+    """Up to and including the first stop token: the policy learns when to stop."""
+    return response[:next((i + 1 for i, t in enumerate(response) if t in stop), len(response))]
+
+
 class HFPolicy:
     """transformers `generate` on the learner's own model: nothing to sync after an update."""
 
@@ -913,23 +939,25 @@ class HFPolicy:
         width = enc.input_ids.shape[1]
         results = []
         for row, mask in zip(out, enc.attention_mask):
-            prompt_ids = row[:width][mask.bool()].tolist()
-            response = row[width:].tolist()
-            cut = next((i + 1 for i, t in enumerate(response) if t in self.stop), len(response))
-            response = response[:cut]  # keep the stop token: the policy learns when to stop
-            results.append((prompt_ids, response, self.tok.decode(response, skip_special_tokens=True)))
+            response = cut_at_stop(row[width:].tolist(), self.stop)
+            results.append((row[:width][mask.bool()].tolist(), response,
+                            self.tok.decode(response, skip_special_tokens=True)))
         return results
+
+    def before_learn(self) -> None:
+        """Nothing to free: generation and learning share one model."""
 
     def sync(self, model) -> None:
         """The HF backend generates with the learner's weights; nothing to copy."""
 
 
 def sync_vllm_weights(llm, model) -> None:
-    """Copy the learner's weights into a vLLM engine running in this process.
+    """Copy the learner's weights into a vLLM engine running in this process (bf16).
 
-    Works with vLLM's V1 engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), vLLM 0.8.5 - 0.33:
-    `collective_rpc` runs the function on the worker, whose `load_weights` maps HF names onto vLLM's
-    fused layers in place (CUDA graphs stay valid). The prefix cache holds KV of the old weights.
+    For vLLM's V1 engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), vLLM >= 0.8.5 (written against
+    0.10 - 0.33; verified only where the README says so): `collective_rpc` runs the function on the
+    worker, whose `load_weights` maps HF names onto vLLM's fused layers in place, so CUDA graphs stay
+    valid. The prefix cache holds KV computed with the old weights, so it is dropped.
     """
     weights = [(name, p.detach().to(torch.bfloat16)) for name, p in model.named_parameters()]
 
@@ -941,26 +969,61 @@ def sync_vllm_weights(llm, model) -> None:
 
 
 class VLLMPolicy:
-    """Generation in vLLM (bf16, prefix caching: turns of one game share their history), on the
-    learner's GPU; `sync` pushes the weights after every update."""
+    """Generation in vLLM: bf16, prefix caching (the turns of one game share their history), prompts
+    passed as token ids from our tokenizer and responses decoded by it, exactly as on the HF path
+    (vLLM loads no tokenizer). vLLM's in-process engine takes the first visible GPU: with the learner
+    there too (--device cuda or cuda:0) they are colocated and vLLM sleeps during the update (its
+    weights move to CPU and its KV cache is freed); with --device cuda:1 they are split over two GPUs."""
 
-    def __init__(self, model_dir: str, args: Args):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process, so weights can be copied
+    def __init__(self, model_dir: str, tokenizer, args: Args, device: torch.device):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights can be copied
         try:
             import vllm
         except ImportError:
             raise UserError("--backend vllm needs the vllm package (GPU only): pip install vllm") from None
+        if device.type != "cuda":
+            raise UserError("--backend vllm needs a CUDA GPU (use --backend hf on a CPU)")
+        self.tok, self.stop = tokenizer, stop_ids(tokenizer)
+        self.colocated = (device.index or 0) == 0
         self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed,
+                            skip_tokenizer_init=True, enable_sleep_mode=self.colocated,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-        self.params = vllm.SamplingParams(temperature=args.temperature, top_p=1.0, top_k=-1,
-                                          max_tokens=args.max_new_tokens)
+        self.params = vllm.SamplingParams(temperature=args.temperature, top_p=1.0, top_k=-1, detokenize=False,
+                                          max_tokens=args.max_new_tokens, stop_token_ids=self.stop)
+        self.asleep = False
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        return self.tok(prompts, add_special_tokens=False).input_ids
 
     def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
-        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
-        return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
+        ids = self.encode(prompts)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self.params, use_tqdm=False)
+        results = []
+        for p, o in zip(ids, outs):
+            response = cut_at_stop(list(o.outputs[0].token_ids), self.stop)
+            results.append((p, response, self.tok.decode(response, skip_special_tokens=True)))
+        return results
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """vLLM's log-probs of ids[1:] given their prefixes (for the weight-sync check)."""
+        import vllm
+
+        params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        return [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
+
+    def before_learn(self) -> None:
+        if self.colocated:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
     def sync(self, model) -> None:
+        if self.asleep:  # level-1 sleep kept the old weights on CPU; they are overwritten right after
+            self.llm.wake_up(tags=["weights"])
         sync_vllm_weights(self.llm, model)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
 
 
 # =====================================================================================
@@ -1099,7 +1162,7 @@ def train(args: Args) -> Path:
         if ckpt is not None:
             model_path = str(ckpt)
         elif args.tiny:
-            build_tiny(args.seed, tiny_dir)
+            build_random_model(tiny_dir, args.seed)
             model_path = tiny_dir
         else:
             model_path = args.model
@@ -1108,7 +1171,8 @@ def train(args: Args) -> Path:
             judge.check_reachable()
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        policy = VLLMPolicy(model_path, args) if args.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
+        policy = (VLLMPolicy(model_path, tokenizer, args, device) if args.backend == "vllm"
+                  else HFPolicy(model, tokenizer, args, device))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     baselines: dict[str, float] = {}  # RAE: b[G, p], keyed "game/playerP"
     lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch
@@ -1141,7 +1205,7 @@ def train(args: Args) -> Path:
         t0, timer = time.perf_counter(), Timer()
 
         # ---- Algorithm 1, step 1: self-play trajectory generation (one policy, both seats) ----
-        trajs, outcomes = self_play(policy, tokenizer, args, games, rng, timer, lengths)
+        trajs, outcomes, calls = self_play(policy, tokenizer, args, games, rng, timer, lengths)
 
         # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
         for t in trajs:  # in trajectories.jsonl order
@@ -1163,6 +1227,8 @@ def train(args: Args) -> Path:
             announced = True
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t | s_t) ] ----
+        with timer("sync"):
+            policy.before_learn()  # colocated vLLM sleeps: its weights go to CPU, its KV cache is freed
         with timer("learn"):
             upd = policy_update(model, optimizer, trajs, args, device, tokenizer.pad_token_id)
         with timer("sync"):
@@ -1178,8 +1244,8 @@ def train(args: Args) -> Path:
             "step": step, "time_s": round(step_time, 3), "elapsed_s": round(elapsed, 3),
             "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()},
             "games": outcomes, "episodes": sum(c["player0"][k] for c in outcomes.values() for k in ("win", "draw", "loss")),
-            "trajectories": len(trajs), "transitions": upd["transitions"],
-            "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
+            "trajectories": len(trajs), "transitions": upd["transitions"], "generate_calls": calls,
+            "response_tokens": sum(resp_tokens), "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
             **judge_metrics(judged, usage, runner), **mod,
             "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
             "loss": upd["loss"], "grad_norm": upd["grad_norm"], "baselines": dict(baselines),
@@ -1315,10 +1381,15 @@ def agree_main(argv: list[str]) -> int:
     return 0
 
 
-def make_judge_server(host: str, port: int, noise: float, seed: int) -> http.server.ThreadingHTTPServer:
+class JudgeHTTPServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 256  # the default backlog of 5 drops bursts of concurrent judge connections
+
+
+def make_judge_server(host: str, port: int, noise: float, seed: int, delay: float = 0.0) -> JudgeHTTPServer:
     """The heuristic stand-in behind an OpenAI-compatible API (GET /v1/models, POST /v1/chat/completions).
     With `noise`, each level is replaced by a random one with that probability (seeded by the request),
-    so it can play a second, disagreeing judge. Usage counts ~4 characters per token."""
+    so it can play a second, disagreeing judge; `delay` seconds before each answer imitate a slow
+    model. Usage counts ~4 characters per token."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *a):  # quiet
@@ -1347,6 +1418,7 @@ def make_judge_server(host: str, port: int, noise: float, seed: int) -> http.ser
             levels = judge_prompts.RUBRICS[rubric]["levels"]
             scores = {k: (draw.choice(levels) if draw.random() < noise else v) for k, v in scores.items()}
             reply = json.dumps(scores)
+            time.sleep(delay)
             prompt_tokens = sum(len(m.get("content", "")) for m in body["messages"]) // 4
             self._send(200, {"id": "heuristic", "object": "chat.completion", "created": 0, "model": body.get("model"),
                              "choices": [{"index": 0, "finish_reason": "stop",
@@ -1354,7 +1426,7 @@ def make_judge_server(host: str, port: int, noise: float, seed: int) -> http.ser
                              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(reply) // 4,
                                        "total_tokens": prompt_tokens + len(reply) // 4}})
 
-    return http.server.ThreadingHTTPServer((host, port), Handler)
+    return JudgeHTTPServer((host, port), Handler)
 
 
 def serve_judge_main(argv: list[str]) -> int:
@@ -1365,11 +1437,12 @@ def serve_judge_main(argv: list[str]) -> int:
     p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
     p.add_argument("--noise", type=float, default=0.0, help="probability of replacing each level by a random one")
     p.add_argument("--seed", type=int, default=0, help="seed of the noise (default: 0)")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each answer (default: 0)")
     ns = p.parse_args(argv)
-    if not 0 <= ns.noise <= 1:
-        raise UserError(f"--noise must be in [0, 1], got {ns.noise}")
+    if not (0 <= ns.noise <= 1 and ns.delay >= 0):
+        raise UserError("--noise must be in [0, 1] and --delay >= 0")
     try:
-        server = make_judge_server(ns.host, ns.port, ns.noise, ns.seed)
+        server = make_judge_server(ns.host, ns.port, ns.noise, ns.seed, ns.delay)
     except OSError as e:
         raise UserError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}") from None
     print(f"heuristic judge on http://{ns.host}:{server.server_address[1]}/v1 (Ctrl-C to stop)", flush=True)
@@ -1378,9 +1451,165 @@ def serve_judge_main(argv: list[str]) -> int:
 
 
 # =====================================================================================
+# Benchmark: where a step's time goes, and lockstep against one-game-at-a-time rollouts.
+# =====================================================================================
+PHASES = ("generate", "game", "judge", "learn", "sync")
+
+
+def bench_summary(metrics: list[dict]) -> dict:
+    """Rates and the wall-time split over the measured steps (step 1 is warm-up when there are more)."""
+    rows = metrics[1:] if len(metrics) > 1 else metrics
+    total = sum(m["time_s"] for m in rows)
+    split = {k: sum(m["time_split_s"].get(k, 0.0) for m in rows) / total for k in PHASES}
+    split["other"] = 1 - sum(split.values())
+    return {"steps_measured": len(rows), "s_per_step": total / len(rows),
+            "games_per_s": sum(m["episodes"] for m in rows) / total,
+            "transitions_per_s": sum(m["transitions"] for m in rows) / total,
+            "tokens_per_s": sum(m["response_tokens"] for m in rows) / total,
+            "live_games_per_call": sum(m["transitions"] for m in rows) / sum(m["generate_calls"] for m in rows),
+            "time_split": split,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
+
+
+def bench_judge(args: Args, trajs: list[Trajectory], n: int) -> dict:
+    """Wall time of n judgements (both rubrics) with the configured judge, bypassing the cache."""
+    judge = make_judge(args)
+    if isinstance(judge, OpenAIJudge):
+        judge.check_reachable()
+    runner = JudgeRunner(judge, args, JudgeCache(None))
+    batch = [trajs[i % len(trajs)] for i in range(n)]
+    t0 = time.perf_counter()
+    judgements, usage = runner.judge(batch, list(judge_prompts.RUBRICS))
+    return {"judgements": n, "requests": usage.get("requests", 0), "seconds": time.perf_counter() - t0,
+            "concurrency": args.judge_concurrency, "failed": sum(j.failure is not None for j in judgements)}
+
+
+def bench_main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py bench", description=(
+        "Run a few training steps (any training flag applies; --steps defaults to 3, step 1 is warm-up) and "
+        "print games/s, transitions/s, generated tokens/s, the split of wall time and peak memory; "
+        "optionally against the sequential reference (one game at a time, one generate call per turn)."))
+    p.add_argument("--rollout", choices=("lockstep", "sequential", "both"), default="both",
+                   help="lockstep (--num-envs games per generate call), sequential (one), or both (default)")
+    p.add_argument("--judgements", type=int, default=0,
+                   help="also time this many uncached judgements with the configured judge (default: 0)")
+    p.add_argument("--json", default="bench.jsonl", help="append the results here, one JSON line (default: bench.jsonl)")
+    ns, rest = p.parse_known_args(argv)
+    explicit = vars(build_parser().parse_args(rest))
+    if "out" in explicit or "resume" in explicit:
+        raise UserError("bench runs in a temporary directory; drop --out and --resume")
+    explicit.setdefault("steps", 3)
+    base = resolve_args(explicit)
+    modes = ["lockstep", "sequential"] if ns.rollout == "both" else [ns.rollout]
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            args = dataclasses.replace(base, out=os.path.join(tmp, mode),
+                                       num_envs=base.num_envs if mode == "lockstep" else 1)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            print(f"--- bench: {mode} rollout, {args.num_envs} game(s) in flight ---", flush=True)
+            train(args)
+            results[mode] = bench_summary([json.loads(x) for x in open(Path(args.out) / "metrics.jsonl")])
+        if ns.judgements > 0:
+            results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
+    print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
+    rows = [("s/step", "s_per_step", 2), ("games/s", "games_per_s", 2), ("transitions/s", "transitions_per_s", 1),
+            ("generated tokens/s", "tokens_per_s", 0), ("live games per call", "live_games_per_call", 1),
+            ("peak RSS MB", "peak_rss_mb", 0)]
+    for label, key, digits in rows:
+        print(f"{label:24}" + "".join(f"{results[m][key]:>12.{digits}f}" for m in modes))
+    for phase in (*PHASES, "other"):
+        print(f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes))
+    if len(modes) == 2:
+        speedup = results["lockstep"]["games_per_s"] / results["sequential"]["games_per_s"]
+        results["lockstep_speedup"] = speedup
+        print(f"lockstep / sequential games/s: {speedup:.1f}x")
+    if "judge" in results:
+        j = results["judge"]
+        print(f"judge: {j['judgements']} judgements ({j['requests']} requests, {j['failed']} failed) in "
+              f"{j['seconds']:.2f} s with {j['concurrency']} in flight")
+    with open(ns.json, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"argv": argv, "config": dataclasses.asdict(base), "results": results}) + "\n")
+    return 0
+
+
+# =====================================================================================
+# GPU tools: a random model of a real architecture, and the proof that weight sync is right.
+# =====================================================================================
+def random_model_main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py random-model", description=(
+        "Save a randomly initialised Qwen3 (and the in-memory byte-level tokenizer) to DIR, offline."))
+    p.add_argument("dir", help="output directory (must not exist)")
+    p.add_argument("--arch", choices=list(ARCHS), default="tiny", help="shape (default: tiny; qwen3-4b = Qwen3-4B-Base)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the weights (default: 1)")
+    ns = p.parse_args(argv)
+    if os.path.exists(ns.dir):
+        raise UserError(f"{ns.dir} already exists")
+    quiet_transformers()
+    build_random_model(ns.dir, ns.seed, ns.arch)
+    print(f"saved a random {ns.arch} Qwen3 to {ns.dir}")
+    return 0
+
+
+def sync_check_main(argv: list[str]) -> int:
+    """Log-probs of one fixed sequence, learner vs vLLM: equal weights agree within bf16 noise; after
+    an update they disagree until the weights are synced; after the sync they agree again."""
+    p = FriendlyParser(prog="stratagem.py sync-check", description=sync_check_main.__doc__)
+    p.add_argument("--model", required=True, help="model directory (e.g. from random-model --arch qwen3-4b)")
+    p.add_argument("--tokens", type=int, default=512, help="length of the fixed sequence (default: 512)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the one update (default: 1e-3)")
+    p.add_argument("--json", default="", help="also write the figures to this JSON file")
+    ns = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise UserError("sync-check needs a CUDA GPU")
+    quiet_transformers()
+    device = torch.device("cuda:0")
+    args = dataclasses.replace(Args(), backend="vllm", model=ns.model, max_new_tokens=16)
+    model, tok = load_policy(ns.model, device)
+    policy = VLLMPolicy(ns.model, tok, args, device)
+    ids = torch.randint(0, len(tok), (ns.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = torch.tensor([ids], device=device)  # [1, T]
+
+    def learner() -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            return token_logprobs(model(full).logits[:, :-1], full[:, 1:])[0].float().cpu()  # [T-1]
+
+    def gap() -> tuple[float, float]:
+        d = (learner() - torch.tensor(policy.prompt_logprobs(ids))).abs()
+        return d.max().item(), d.mean().item()
+
+    figures = {"same_weights": gap()}
+    policy.before_learn()
+    optimizer = torch.optim.Adam(model.parameters(), lr=ns.lr)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logps = token_logprobs(model(full).logits[:, :-1], full[:, 1:])  # [1, T-1]
+    (-logps.sum() / ns.tokens).backward()  # raise the sequence's likelihood: a visible change
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if policy.asleep:
+        policy.llm.wake_up()  # the OLD weights come back from CPU
+        policy.asleep = False
+    figures["after_update_before_sync"] = gap()
+    policy.sync(model)
+    figures["after_sync"] = gap()
+    ok = (figures["after_sync"][0] <= 2 * figures["same_weights"][0] + 1e-3
+          and figures["after_update_before_sync"][0] > 4 * figures["after_sync"][0])
+    for name, (mx, mean) in figures.items():
+        print(f"{name:26} max |logp_learner - logp_vllm| = {mx:.4f}   mean = {mean:.5f}")
+    import vllm
+    print(f"vLLM {vllm.__version__}, torch {torch.__version__}: weight sync {'PASS' if ok else 'FAIL'}")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"figures": figures, "pass": ok, "vllm": vllm.__version__}, indent=2))
+    return 0 if ok else 1
+
+
+# =====================================================================================
 # main(): parse, validate, run; a user's mistake ends in one line and exit code 2.
 # =====================================================================================
-COMMANDS = {"agree": agree_main, "serve-judge": serve_judge_main}
+COMMANDS = {"agree": agree_main, "serve-judge": serve_judge_main, "bench": bench_main,
+            "random-model": random_model_main, "sync-check": sync_check_main}
 
 
 def main(argv: list[str] | None = None) -> int:

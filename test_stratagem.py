@@ -230,7 +230,7 @@ def test_rendered_trajectory_cannot_break_out_of_its_block():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    S.build_tiny(0, str(path))
+    S.build_random_model(str(path), 0)
     return path
 
 
@@ -349,7 +349,7 @@ def test_self_play_invalid_first_move_loses_and_the_idle_seat_yields_nothing(tin
     _, tok = fresh(tiny)
     args = S.Args(tiny=True, batch_size=5, num_envs=3, games="TicTacToe-v0")
     policy = ScriptedPolicy(lambda p: "I have no idea")
-    trajs, counts = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {})
+    trajs, counts, _ = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {})
     assert len(trajs) >= 5 and all(t.role == 0 and t.reward == -1.0 and len(t.turns) == 1 for t in trajs)
     assert counts["TicTacToe-v0"]["player0"]["invalid"] == len(trajs) == counts["TicTacToe-v0"]["player1"]["win"]
 
@@ -359,7 +359,7 @@ def test_self_play_lockstep_one_call_per_turn_and_turn_cap_draw(tiny):
     args = S.Args(tiny=True, batch_size=6, num_envs=2, max_turns=3)
     policy = ScriptedPolicy(lambda p: "I deny. \\boxed{Deny}")
     lengths: dict = {}
-    trajs, counts = S.self_play(policy, tok, args, ["SimpleNegotiation-v0"], random.Random(0), S.Timer(), lengths)
+    trajs, counts, _ = S.self_play(policy, tok, args, ["SimpleNegotiation-v0"], random.Random(0), S.Timer(), lengths)
     assert policy.calls[:3] == [2, 2, 2]  # both games in one call per turn
     assert all(t.reward == 0.0 for t in trajs) and sum(len(t.turns) for t in trajs) == 6
     assert counts["SimpleNegotiation-v0"]["player0"]["draw"] == 2 and lengths["SimpleNegotiation-v0"] == 3
@@ -373,7 +373,7 @@ def test_self_play_plays_a_real_game_to_the_end(tiny):
         moves = prompt.rsplit("Available Moves:", 1)[1]
         return "\\boxed{" + moves.split("'[")[1].split("]")[0] + "}"
 
-    trajs, counts = S.self_play(ScriptedPolicy(first_free), tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {})
+    trajs, counts, _ = S.self_play(ScriptedPolicy(first_free), tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {})
     assert [t.role for t in trajs] == [0, 1] and {t.reward for t in trajs} == {1.0, -1.0}
     assert [t.action for t in trajs[0].turns] == ["[0]", "[2]", "[4]", "[6]"]  # 0-1-2 / 3-4-5 / 6: player 0 wins
 
