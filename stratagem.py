@@ -22,6 +22,7 @@ import argparse
 import ast
 import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import http.server
@@ -378,13 +379,19 @@ def outcome_counts(games: list[str]) -> dict:
     return {g: {f"player{p}": {"win": 0, "draw": 0, "loss": 0, "invalid": 0} for p in (0, 1)} for g in games}
 
 
+def merge_counts(parts: list[dict]) -> dict:
+    """Sum outcome counts of several ranks."""
+    return {g: {p: {k: sum(part[g][p][k] for part in parts) for k in c} for p, c in seats.items()}
+            for g, seats in parts[0].items()}
+
+
 def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Random, timer: "Timer",
-              lengths: dict[str, float]):
-    """Play games in lockstep until >= batch_size transitions: every turn, ONE batched generation call
+              lengths: dict[str, float], target: int):
+    """Play games in lockstep until >= `target` transitions: every turn, ONE batched generation call
     for all live games. Games are only played whole (trajectories are judged and rewarded as a whole),
     so a new game is launched only while the transitions expected from the live ones fall short of
-    the batch; `lengths` is a running mean of transitions per game id (a prior of --max-turns for an
-    unseen game), which keeps each batch close to --batch-size instead of num_envs whole games.
+    target; `lengths` is a running mean of transitions per game id (a prior of --max-turns for an
+    unseen game), which keeps each batch close to the target instead of num_envs whole games.
 
     Returns the player-trajectories in completion order (player 0 before player 1 within a game), the
     per-game outcome counts and the number of generation calls; updates `lengths`.
@@ -397,9 +404,8 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
     def expected(game: str, played: int = 0) -> float:  # transitions still to come from a game
         return max(1.0, lengths.get(game, float(args.max_turns)) - played)
 
-    while live or collected < args.batch_size:
-        while (len(live) < args.num_envs
-               and collected + sum(expected(ep.game, ep.n_turns) for ep in live) < args.batch_size):
+    while live or collected < target:
+        while len(live) < args.num_envs and collected + sum(expected(ep.game, ep.n_turns) for ep in live) < target:
             game = rng.choice(games)
             live.append(Episode(game, make_env(game, rng.randrange(2**31), args.error_allowance)))
         with timer("game"):
@@ -806,18 +812,20 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, resp_len: in
     return token_logprobs(logits[:, :-1] / temperature, ids[:, -resp_len:])  # [B, R]
 
 
-def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device: torch.device,
-                  pad_id: int) -> dict:
-    """One Adam step over every transition of the batch, in micro-batches with gradient accumulation.
-    Transitions are sorted by length so each micro-batch carries little padding."""
+def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device: torch.device, pad_id: int,
+                  normaliser: float, dist: "Dist") -> dict:
+    """One Adam step over this rank's transitions, in micro-batches with gradient accumulation.
+    Transitions are sorted by length so each micro-batch carries little padding. Under FSDP every
+    rank must run as many backward passes as the others (each is a collective), so a rank with
+    fewer micro-batches repeats its last one with zero advantage: no gradient, same collectives."""
     items = sorted(((t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns),
                    key=lambda x: len(x[0]) + len(x[1]))
-    normaliser = len(items) * args.max_new_tokens
+    chunks = [items[k:k + args.micro_batch_size] for k in range(0, len(items), args.micro_batch_size)]
+    chunks += [[(p, r, 0.0) for p, r, _ in chunks[-1]]] * (max(dist.gather(len(chunks))) - len(chunks))
     model.train()
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for k in range(0, len(items), args.micro_batch_size):
-        chunk = items[k:k + args.micro_batch_size]
+    for chunk in chunks:
         ids, attn, mask = (x.to(device) for x in collate([(p, r) for p, r, _ in chunk], pad_id))
         adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -825,10 +833,11 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
         loss = reinforce_loss(logps, mask, adv, normaliser)
         loss.backward()
         total += loss.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": total, "grad_norm": grad_norm, "transitions": len(items)}
+    return {"loss": total, "grad_norm": grad_norm.item()}
 
 
 # =====================================================================================
@@ -920,7 +929,8 @@ def cut_at_stop(response: list[int], stop: list[int]) -> list[int]:
 
 
 class HFPolicy:
-    """transformers `generate` on the learner's own model: nothing to sync after an update."""
+    """transformers `generate` on the learner's own model (nothing to sync after an update), or, when
+    the learner is sharded by FSDP, on a full copy that `sync` refreshes after every update."""
 
     def __init__(self, model, tokenizer, args: Args, device: torch.device):
         self.model, self.tok, self.args, self.device = model, tokenizer, args, device
@@ -948,7 +958,8 @@ class HFPolicy:
         """Nothing to free: generation and learning share one model."""
 
     def sync(self, model) -> None:
-        """The HF backend generates with the learner's weights; nothing to copy."""
+        if model is not self.model:
+            self.model.load_state_dict(full_weights(model))
 
 
 def sync_vllm_weights(llm, model) -> None:
@@ -959,7 +970,7 @@ def sync_vllm_weights(llm, model) -> None:
     worker, whose `load_weights` maps HF names onto vLLM's fused layers in place, so CUDA graphs stay
     valid. The prefix cache holds KV computed with the old weights, so it is dropped.
     """
-    weights = [(name, p.detach().to(torch.bfloat16)) for name, p in model.named_parameters()]
+    weights = [(name, p.detach().to(torch.bfloat16)) for name, p in full_weights(model).items()]
 
     def load(worker, ws):
         worker.model_runner.model.load_weights(weights=ws)
@@ -1027,6 +1038,87 @@ class VLLMPolicy:
 
 
 # =====================================================================================
+# Data parallelism: `torchrun --nproc-per-node N stratagem.py ...` shards the learner with PyTorch's
+# own FSDP2 and gives every rank 1/N of the games; steps 2-3 (RAE, judge, A_mod) run on rank 0 over
+# the whole batch. Without torchrun this is a world of one and every collective returns its input.
+# =====================================================================================
+class Dist:
+    def __init__(self):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.world > 1 and not torch.distributed.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(self.local_rank)
+            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def shard(model) -> None:
+    """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html): one unit per decoder
+    layer, whose parameters are gathered only for its own compute; the root unit holds the embeddings,
+    the final norm and the (tied) head. Gradients are reduce-scattered, i.e. averaged over ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """All of the model's weights on this rank. Under FSDP this is a collective: every rank calls it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return dict(model.named_parameters())
+
+
+def optimizer_state(model, optimizer) -> dict:
+    """The optimizer's state as one whole dict (on rank 0 under FSDP; a collective there)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(model, optimizer, state: dict) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
+
+
+# =====================================================================================
 # Run bookkeeping: run directory, JSONL logs, atomic checkpoints, exact resume.
 # =====================================================================================
 class Timer:
@@ -1078,20 +1170,27 @@ def set_rng_states(rng: random.Random, s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, rng: random.Random, extra: dict) -> None:
+def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: dict, own: dict, dist: Dist) -> None:
     """Written to a temporary folder, then renamed into place (an atomic rename): a crash leaves the
-    previous checkpoint intact. Older checkpoints are removed only after the new one is in place."""
+    previous checkpoint intact; older checkpoints are removed only after the new one is in place.
+    `shared` (rank 0's trainer state) goes to trainer_state.pt, `own` (each rank's RNG states and
+    game-length estimates) to rank<r>.pt. Every rank must call this (the weights are gathered)."""
     root = out / "checkpoints"
     final = root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_states(rng), **extra},
-               tmp / "trainer_state.pt")
-    os.replace(tmp, final)
-    for old in root.iterdir():
-        if old != final:
-            shutil.rmtree(old)
+    weights = full_weights(model) if dist.world > 1 else None  # None: save_pretrained reads the model
+    optim = optimizer_state(model, optimizer)
+    tmp = Path(dist.broadcast(tempfile.mkdtemp(prefix=".tmp-", dir=root) if dist.main else None))
+    torch.save(own, tmp / f"rank{dist.rank}.pt")
+    dist.gather(None)  # every rank's file is written before the rename
+    if dist.main:
+        model.save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
+        os.replace(tmp, final)
+        for old in root.iterdir():
+            if old != final:
+                shutil.rmtree(old)
+    dist.gather(None)  # nobody runs ahead of the rename
 
 
 def seed_everything(seed: int) -> random.Random:
@@ -1143,27 +1242,36 @@ def judge_metrics(judged: dict[int, Judgement], usage: dict, runner: JudgeRunner
 # train(): Algorithm 1.
 # =====================================================================================
 def train(args: Args) -> Path:
-    """Run (or resume) a training run; returns the run directory."""
+    """Run (or resume) a training run; returns the run directory. Under torchrun every rank calls it;
+    only rank 0 judges, writes and prints."""
     quiet_transformers()
+    dist = Dist()
     out = Path(args.out)
     games = game_ids(args)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    rng = seed_everything(args.seed)
-    judge = make_judge(args) if args.mode == "stratagem" else None
+    auto = f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    rng = seed_everything(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
+    judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
     rubrics = ["transferability"] + ([] if args.no_psi else ["evolution"])
+    if args.backend == "vllm" and dist.world > 1:
+        raise UserError("--backend vllm runs in one process; under torchrun use --backend hf (see README)")
 
     # ---- load the policy (the resumed weights, the tiny model, or --model) before touching --out ----
     ckpt = latest_checkpoint(out) if args.resume else None
     if args.resume and ckpt is None:
         raise UserError(f"--resume: no checkpoint in {out}")
+    if args.resume and len(list(ckpt.glob("rank*.pt"))) != dist.world:
+        raise UserError(f"--resume: {ckpt} was written by {len(list(ckpt.glob('rank*.pt')))} process(es); "
+                        f"resume it with as many (this is {dist.world})")
     if not args.resume and out.exists():
         raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
     with tempfile.TemporaryDirectory() as tiny_dir:
         if ckpt is not None:
             model_path = str(ckpt)
         elif args.tiny:
-            build_random_model(tiny_dir, args.seed)
-            model_path = tiny_dir
+            if dist.main:  # one copy, read by every rank (transformers saves configs on rank 0 only)
+                build_random_model(tiny_dir, args.seed)
+            model_path = dist.broadcast(tiny_dir)
         else:
             model_path = args.model
         model, tokenizer = load_policy(model_path, device)
@@ -1171,32 +1279,40 @@ def train(args: Args) -> Path:
             judge.check_reachable()
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        generator = model
+        if dist.world > 1:  # the learner is sharded; generation keeps a full copy, refreshed by sync()
+            generator = copy.deepcopy(model)
+            shard(model)
         policy = (VLLMPolicy(model_path, tokenizer, args, device) if args.backend == "vllm"
-                  else HFPolicy(model, tokenizer, args, device))
+                  else HFPolicy(generator, tokenizer, args, device))
+        dist.gather(None)  # every rank has loaded and passed the checks before the tiny folder goes or --out comes
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    baselines: dict[str, float] = {}  # RAE: b[G, p], keyed "game/playerP"
-    lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch
+    baselines: dict[str, float] = {}  # RAE: b[G, p], keyed "game/playerP" (rank 0)
+    lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch (per rank)
     start, elapsed, judge_totals = 0, 0.0, None
     if ckpt is not None:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        baselines, lengths, start, elapsed = state["baselines"], state["lengths"], state["step"], state["elapsed"]
-        judge_totals = state["judge_totals"]
-        set_rng_states(rng, state["rng"])
-        for name in ("metrics.jsonl", "trajectories.jsonl"):
-            truncate_jsonl(out / name, start)
+        own = torch.load(ckpt / f"rank{dist.rank}.pt", weights_only=False)
+        load_optimizer_state(model, optimizer, state["optimizer"])
+        baselines, start, elapsed, judge_totals = state["baselines"], state["step"], state["elapsed"], state["judge_totals"]
+        lengths = own["lengths"]
+        set_rng_states(rng, own["rng"])
         policy.sync(model)
-        print(f"resuming {out} from step {start}")
-    else:
+        if dist.main:
+            for name in ("metrics.jsonl", "trajectories.jsonl"):
+                truncate_jsonl(out / name, start)
+            print(f"resuming {out} from step {start}")
+    elif dist.main:
         (out / "checkpoints").mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     runner = None
-    if judge is not None:
-        cache = JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
-        if cache.skipped:
-            print(f"judge cache: skipped {cache.skipped} unreadable line(s) of {cache.path}", file=sys.stderr)
-        runner = JudgeRunner(judge, args, cache)
-        runner.totals.update(judge_totals or {})
+    if dist.main:
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        if judge is not None:
+            cache = JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
+            if cache.skipped:
+                print(f"judge cache: skipped {cache.skipped} unreadable line(s) of {cache.path}", file=sys.stderr)
+            runner = JudgeRunner(judge, args, cache)
+            runner.totals.update(judge_totals or {})
     announced = bool(runner and runner.budget_exhausted())
     if announced:
         announce_budget(runner, start)
@@ -1205,63 +1321,79 @@ def train(args: Args) -> Path:
         t0, timer = time.perf_counter(), Timer()
 
         # ---- Algorithm 1, step 1: self-play trajectory generation (one policy, both seats) ----
-        trajs, outcomes, calls = self_play(policy, tokenizer, args, games, rng, timer, lengths)
-
-        # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
-        for t in trajs:  # in trajectories.jsonl order
-            key = baseline_key(t.game, t.role)
-            t.baseline = baselines.get(key, 0.0)
-            t.a_game, baselines[key] = rae_step(t.baseline, t.reward, args.ema)
-
-        # ---- Algorithm 1, step 3: STRATAGEM modulation, A_mod = A_game * phi + beta * psi ----
+        mine, outcomes, calls = self_play(policy, tokenizer, args, games, rng, timer, lengths,
+                                          math.ceil(args.batch_size / dist.world))
+        parts = dist.gather(mine)
+        trajs = [t for part in parts for t in part]  # the whole batch, rank by rank
         judged: dict[int, Judgement] = {}
         usage: dict = {}
-        with timer("judge"):
-            if runner is not None and not runner.budget_exhausted():
-                picked = sample_for_judging(len(trajs), args.judge_sample_rate, rng)
-                results, usage = runner.judge([trajs[i] for i in picked], rubrics)
-                judged = dict(zip(picked, results))
-        mod = modulate(trajs, judged, args)
-        if runner is not None and runner.budget_exhausted() and not announced:
-            announce_budget(runner, step)
-            announced = True
+        mod: dict = {}
+        if dist.main:
+            # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
+            for t in trajs:  # in trajectories.jsonl order
+                key = baseline_key(t.game, t.role)
+                t.baseline = baselines.get(key, 0.0)
+                t.a_game, baselines[key] = rae_step(t.baseline, t.reward, args.ema)
+
+            # ---- Algorithm 1, step 3: STRATAGEM modulation, A_mod = A_game * phi + beta * psi ----
+            with timer("judge"):
+                if runner is not None and not runner.budget_exhausted():
+                    picked = sample_for_judging(len(trajs), args.judge_sample_rate, rng)
+                    results, usage = runner.judge([trajs[i] for i in picked], rubrics)
+                    judged = dict(zip(picked, results))
+            mod = modulate(trajs, judged, args)
+            if runner is not None and runner.budget_exhausted() and not announced:
+                announce_budget(runner, step)
+                announced = True
+        a_mods = dist.broadcast([t.a_mod for t in trajs])
+        offset = sum(len(part) for part in parts[:dist.rank])
+        for t, a in zip(mine, a_mods[offset:]):
+            t.a_mod = a
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t | s_t) ] ----
+        transitions = sum(len(t.turns) for t in trajs)
+        # constant normaliser (see reinforce_loss); times world because FSDP averages gradients over ranks
+        normaliser = transitions * args.max_new_tokens / dist.world
         with timer("sync"):
             policy.before_learn()  # colocated vLLM sleeps: its weights go to CPU, its KV cache is freed
         with timer("learn"):
-            upd = policy_update(model, optimizer, trajs, args, device, tokenizer.pad_token_id)
+            upd = policy_update(model, optimizer, mine, args, device, tokenizer.pad_token_id, normaliser, dist)
         with timer("sync"):
             policy.sync(model)
 
-        # ---- bookkeeping ----
+        # ---- bookkeeping (rank 0 writes) ----
+        ranks = dist.gather((outcomes, calls, upd["loss"]))
         step_time = time.perf_counter() - t0
         elapsed += step_time
-        a_game_mean, a_game_std = summarize([t.a_game for t in trajs])
-        a_mod_mean, a_mod_std = summarize([t.a_mod for t in trajs])
-        resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
-        metrics = {
-            "step": step, "time_s": round(step_time, 3), "elapsed_s": round(elapsed, 3),
-            "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()},
-            "games": outcomes, "episodes": sum(c["player0"][k] for c in outcomes.values() for k in ("win", "draw", "loss")),
-            "trajectories": len(trajs), "transitions": upd["transitions"], "generate_calls": calls,
-            "response_tokens": sum(resp_tokens), "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
-            **judge_metrics(judged, usage, runner), **mod,
-            "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
-            "loss": upd["loss"], "grad_norm": upd["grad_norm"], "baselines": dict(baselines),
-        }
-        for t in trajs:
-            append_jsonl(out / "trajectories.jsonl", t.record(step))
-        append_jsonl(out / "metrics.jsonl", metrics)
-        cost = f" ${metrics['judge_cost_total']:.4f}" if args.judge_price_in + args.judge_price_out else ""
-        print(f"step {step}/{args.steps} | {metrics['episodes']} games, {len(trajs)} trajectories, "
-              f"{upd['transitions']} transitions | judged {metrics['judge_judged']} "
-              f"(failed {metrics['judge_failed']}){cost} | phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | "
-              f"A_mod {a_mod_mean:+.3f}±{a_mod_std:.3f} | loss {upd['loss']:+.4f} | {step_time:.1f}s", flush=True)
+        if dist.main:
+            outcomes = merge_counts([r[0] for r in ranks])
+            a_game_mean, a_game_std = summarize([t.a_game for t in trajs])
+            a_mod_mean, a_mod_std = summarize([t.a_mod for t in trajs])
+            resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
+            metrics = {
+                "step": step, "time_s": round(step_time, 3), "elapsed_s": round(elapsed, 3),
+                "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()}, "games": outcomes,
+                "episodes": sum(c["player0"][k] for c in outcomes.values() for k in ("win", "draw", "loss")),
+                "trajectories": len(trajs), "transitions": transitions, "generate_calls": sum(r[1] for r in ranks),
+                "response_tokens": sum(resp_tokens), "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
+                **judge_metrics(judged, usage, runner), **mod,
+                "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
+                "loss": sum(r[2] for r in ranks) / dist.world, "grad_norm": upd["grad_norm"],
+                "baselines": dict(baselines),
+            }
+            for t in trajs:
+                append_jsonl(out / "trajectories.jsonl", t.record(step))
+            append_jsonl(out / "metrics.jsonl", metrics)
+            cost = f" ${metrics['judge_cost_total']:.4f}" if args.judge_price_in + args.judge_price_out else ""
+            print(f"step {step}/{args.steps} | {metrics['episodes']} games, {len(trajs)} trajectories, "
+                  f"{transitions} transitions | judged {metrics['judge_judged']} (failed {metrics['judge_failed']})"
+                  f"{cost} | phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | A_mod {a_mod_mean:+.3f}"
+                  f"±{a_mod_std:.3f} | loss {metrics['loss']:+.4f} | {step_time:.1f}s", flush=True)
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(out, step, model, tokenizer, optimizer, rng,
-                            {"baselines": baselines, "lengths": lengths, "elapsed": elapsed,
-                             "judge_totals": runner.totals if runner else None})
+            save_checkpoint(out, step, model, tokenizer, optimizer, dist=dist,
+                            shared={"baselines": baselines, "elapsed": elapsed,
+                                    "judge_totals": runner.totals if runner else None},
+                            own={"rng": rng_states(rng), "lengths": lengths})
     return out
 
 
@@ -1464,6 +1596,7 @@ def bench_summary(metrics: list[dict]) -> dict:
     split["other"] = 1 - sum(split.values())
     return {"steps_measured": len(rows), "s_per_step": total / len(rows),
             "games_per_s": sum(m["episodes"] for m in rows) / total,
+            "rollout_games_per_s": sum(m["episodes"] for m in rows) / (total * (split["generate"] + split["game"])),
             "transitions_per_s": sum(m["transitions"] for m in rows) / total,
             "tokens_per_s": sum(m["response_tokens"] for m in rows) / total,
             "live_games_per_call": sum(m["transitions"] for m in rows) / sum(m["generate_calls"] for m in rows),
@@ -1515,17 +1648,21 @@ def bench_main(argv: list[str]) -> int:
         if ns.judgements > 0:
             results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
     print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
-    rows = [("s/step", "s_per_step", 2), ("games/s", "games_per_s", 2), ("transitions/s", "transitions_per_s", 1),
+    rows = [("s/step", "s_per_step", 2), ("games/s", "games_per_s", 2), ("games/s in rollout", "rollout_games_per_s", 2),
+            ("transitions/s", "transitions_per_s", 1),
             ("generated tokens/s", "tokens_per_s", 0), ("live games per call", "live_games_per_call", 1),
             ("peak RSS MB", "peak_rss_mb", 0)]
     for label, key, digits in rows:
         print(f"{label:24}" + "".join(f"{results[m][key]:>12.{digits}f}" for m in modes))
     for phase in (*PHASES, "other"):
         print(f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes))
+    for m in modes:
+        print(f"{m}: 400 steps (the paper's run) at this rate would take {400 * results[m]['s_per_step'] / 3600:.2f} h")
     if len(modes) == 2:
         speedup = results["lockstep"]["games_per_s"] / results["sequential"]["games_per_s"]
-        results["lockstep_speedup"] = speedup
-        print(f"lockstep / sequential games/s: {speedup:.1f}x")
+        rollout = results["lockstep"]["rollout_games_per_s"] / results["sequential"]["rollout_games_per_s"]
+        results["lockstep_speedup"], results["lockstep_rollout_speedup"] = speedup, rollout
+        print(f"lockstep / sequential games/s: {speedup:.1f}x per step, {rollout:.1f}x in rollout")
     if "judge" in results:
         j = results["judge"]
         print(f"judge: {j['judgements']} judgements ({j['requests']} requests, {j['failed']} failed) in "

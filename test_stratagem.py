@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import json
 import math
+import os
 import random
 import socket
 import subprocess
@@ -287,7 +288,7 @@ def test_update_moves_logprob_in_the_direction_of_the_advantage(tiny, sign):
     prompt, response = tok("You are playing").input_ids, tok(" [4]").input_ids
     before = logp_of(model, prompt, response)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    S.policy_update(model, opt, make_batch(prompt, [response], [sign]), args, torch.device("cpu"), 0)
+    S.policy_update(model, opt, make_batch(prompt, [response], [sign]), args, torch.device("cpu"), 0, 8.0, S.Dist())
     assert sign * (logp_of(model, prompt, response) - before) > 0
 
 
@@ -300,7 +301,8 @@ def test_micro_batching_does_not_change_the_update(tiny):
         args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=mb, max_grad_norm=1e9)
         before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
         batch = make_batch(tok("Obs").input_ids, [[3, 4], [5], [6, 7, 8]], [1.0, -0.5, 0.25])
-        S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0)
+        S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0,
+                        24.0, S.Dist())
         deltas.append(torch.cat([p.detach().flatten() for p in model.parameters()]) - before)
     assert deltas[0].abs().max() > 0 and torch.allclose(deltas[0], deltas[1], atol=1e-6)
 
@@ -328,7 +330,7 @@ def test_learning_a_toy_one_turn_task(tiny):
         rewards = [1.0 if r[0] % 2 == 0 else 0.0 for _, r, _ in samples]
         mean = sum(rewards) / len(rewards)
         S.policy_update(model, opt, make_batch(prompt, [r for _, r, _ in samples], [x - mean for x in rewards]),
-                        args, torch.device("cpu"), tok.pad_token_id)
+                        args, torch.device("cpu"), tok.pad_token_id, 32.0, S.Dist())
     after = p_even()
     assert before < 0.7 and after > 0.9, (before, after)
 
@@ -349,7 +351,7 @@ def test_self_play_invalid_first_move_loses_and_the_idle_seat_yields_nothing(tin
     _, tok = fresh(tiny)
     args = S.Args(tiny=True, batch_size=5, num_envs=3, games="TicTacToe-v0")
     policy = ScriptedPolicy(lambda p: "I have no idea")
-    trajs, counts, _ = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {})
+    trajs, counts, _ = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {}, args.batch_size)
     assert len(trajs) >= 5 and all(t.role == 0 and t.reward == -1.0 and len(t.turns) == 1 for t in trajs)
     assert counts["TicTacToe-v0"]["player0"]["invalid"] == len(trajs) == counts["TicTacToe-v0"]["player1"]["win"]
 
@@ -359,7 +361,7 @@ def test_self_play_lockstep_one_call_per_turn_and_turn_cap_draw(tiny):
     args = S.Args(tiny=True, batch_size=6, num_envs=2, max_turns=3)
     policy = ScriptedPolicy(lambda p: "I deny. \\boxed{Deny}")
     lengths: dict = {}
-    trajs, counts, _ = S.self_play(policy, tok, args, ["SimpleNegotiation-v0"], random.Random(0), S.Timer(), lengths)
+    trajs, counts, _ = S.self_play(policy, tok, args, ["SimpleNegotiation-v0"], random.Random(0), S.Timer(), lengths, args.batch_size)
     assert policy.calls[:3] == [2, 2, 2]  # both games in one call per turn
     assert all(t.reward == 0.0 for t in trajs) and sum(len(t.turns) for t in trajs) == 6
     assert counts["SimpleNegotiation-v0"]["player0"]["draw"] == 2 and lengths["SimpleNegotiation-v0"] == 3
@@ -373,7 +375,7 @@ def test_self_play_plays_a_real_game_to_the_end(tiny):
         moves = prompt.rsplit("Available Moves:", 1)[1]
         return "\\boxed{" + moves.split("'[")[1].split("]")[0] + "}"
 
-    trajs, counts, _ = S.self_play(ScriptedPolicy(first_free), tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {})
+    trajs, counts, _ = S.self_play(ScriptedPolicy(first_free), tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {}, args.batch_size)
     assert [t.role for t in trajs] == [0, 1] and {t.reward for t in trajs} == {1.0, -1.0}
     assert [t.action for t in trajs[0].turns] == ["[0]", "[2]", "[4]", "[6]"]  # 0-1-2 / 3-4-5 / 6: player 0 wins
 
@@ -805,3 +807,92 @@ def test_429_is_retried_after_retry_after(judge_server, secret_key):
     runner = S.JudgeRunner(S.OpenAIJudge("judge-test", judge_server.url, args), args, S.JudgeCache(None))
     [j], usage = runner.judge([S.Trajectory("G", 0, [S.Turn("o", "r", "[1]", [], [])], 0.0)], ["transferability"])
     assert j.scores is not None and len(seen) == 2 and seen[1] - seen[0] >= 0.9  # waited as told
+
+
+# ------------------------------------------------------------------ data parallel: torchrun + FSDP2 (CPU, gloo)
+def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+FSDP_WORKER = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import stratagem as S
+dist = S.Dist()
+model, tok = S.load_policy({model!r}, torch.device("cpu"))
+S.shard(model)
+args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1, max_grad_norm=1e9)
+items = [([5, 6, 7], [3, 4], 1.0), ([8, 9], [5], -0.5), ([10, 11, 12, 13], [6, 7, 8], 0.25)]
+mine = items[:2] if dist.main else items[2:]  # two micro-batches on rank 0, one on rank 1
+batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", p, r)], 0.0, a_mod=a) for p, r, a in mine]
+before = {{n: t.detach().clone() for n, t in S.full_weights(model).items()}}
+S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0,
+                3 * 8 / dist.world, dist)
+after = S.full_weights(model)
+if dist.main:
+    torch.save({{n: after[n] - before[n] for n in before}}, {out!r})
+"""
+
+
+def test_fsdp_update_equals_the_single_process_update(tiny, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(FSDP_WORKER.format(here=str(HERE), model=str(tiny), out=str(tmp_path / "deltas.pt")))
+    torchrun([str(script)], tmp_path)
+    sharded = torch.load(tmp_path / "deltas.pt")
+    model, _ = fresh(tiny)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", p, r)], 0.0, a_mod=a)
+             for p, r, a in [([5, 6, 7], [3, 4], 1.0), ([8, 9], [5], -0.5), ([10, 11, 12, 13], [6, 7, 8], 0.25)]]
+    args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1, max_grad_norm=1e9)
+    S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0, 24.0,
+                    S.Dist())
+    for n, p in model.named_parameters():
+        assert torch.allclose(sharded[n], p.detach() - before[n], atol=1e-6), n
+    assert max(d.abs().max() for d in sharded.values()) > 0
+
+
+def test_torchrun_tiny_run_and_exact_resume(tmp_path):
+    flags = SMALL + ["--batch-size", "16"]
+    torchrun([str(HERE / "stratagem.py"), *flags, "--steps", "2", "--out", "whole"], tmp_path)
+    check_run(tmp_path / "whole", 2, beta=0.2)
+    torchrun([str(HERE / "stratagem.py"), *flags, "--steps", "1", "--out", "part"], tmp_path)
+    torchrun([str(HERE / "stratagem.py"), "--resume", "--out", "part", "--steps", "2"], tmp_path)
+    assert read_jsonl(tmp_path / "part/trajectories.jsonl") == read_jsonl(tmp_path / "whole/trajectories.jsonl")
+    assert sorted(p.name for p in (tmp_path / "whole/checkpoints/step-000002").glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+    assert run(["--resume", "--out", str(tmp_path / "whole"), "--steps", "3"]) == 2  # one process cannot resume it
+
+
+# ------------------------------------------------------------------ the benchmark and the GPU tools (CPU side)
+def test_bench_reports_rates_split_and_appends_json(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    argv = ["bench", "--json", str(out), "--judgements", "6", "--tiny", "--steps", "2", "--batch-size", "8",
+            "--num-envs", "4", "--max-new-tokens", "8"]
+    assert run(argv) == 0 and run(argv) == 0
+    records = read_jsonl(out)
+    assert [r["argv"] for r in records] == [argv[1:]] * 2 and records[0]["config"]["batch_size"] == 8
+    res = records[0]["results"]
+    for mode in ("lockstep", "sequential"):
+        r = res[mode]
+        assert r["steps_measured"] == 1 and r["games_per_s"] > 0 and r["tokens_per_s"] > 0
+        assert set(r["time_split"]) == {"generate", "game", "judge", "learn", "sync", "other"}
+        assert sum(r["time_split"].values()) == pytest.approx(1.0)
+    assert res["sequential"]["live_games_per_call"] == 1.0 and res["lockstep"]["live_games_per_call"] > 1.0
+    assert res["judge"]["judgements"] == 6 and res["judge"]["requests"] == 12 and res["judge"]["failed"] == 0
+    printed = capsys.readouterr().out
+    assert "lockstep / sequential games/s" in printed and "time: learn %" in printed
+    assert "drop --out" in error_of(capsys, ["bench", "--tiny", "--out", str(tmp_path / "x")])
+
+
+def test_random_model_command_and_gpu_tools_fail_clearly_on_a_cpu(tmp_path, capsys):
+    assert run(["random-model", str(tmp_path / "m")]) == 0
+    model, tok = S.load_policy(str(tmp_path / "m"), torch.device("cpu"))
+    assert model.config.hidden_size == 64 and len(tok) > 256
+    assert "already exists" in error_of(capsys, ["random-model", str(tmp_path / "m")])
+    assert S.ARCHS["qwen3-4b"]["hidden_size"] == 2560 and S.ARCHS["qwen3-4b"]["num_hidden_layers"] == 36
+    if not torch.cuda.is_available():
+        assert "needs a CUDA GPU" in error_of(capsys, ["sync-check", "--model", str(tmp_path / "m")])
+    err = error_of(capsys, ["--tiny", "--backend", "vllm", "--out", str(tmp_path / "r")])
+    assert "vllm" in err and not (tmp_path / "r").exists()
