@@ -27,6 +27,8 @@ import dataclasses
 import hashlib
 import http.server
 import inspect
+import io
+import itertools
 import json
 import math
 import os
@@ -95,6 +97,14 @@ class Args:
     """turn cap per game (both players, retries included); a capped game is a draw"""
     error_allowance: int = 0
     """invalid moves a player may retry before it loses (SPIRAL: 0, an invalid move loses)"""
+    eval_every: int = 0
+    """every N steps, play --eval-n games of each --eval-games id against a random legal player (0: off)"""
+    eval_games: str = "TicTacToe-v0,KuhnPoker-v0,SimpleNegotiation-v0,Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
+    """games of the periodic evaluation: the training games and out-of-distribution ones"""
+    eval_n: int = 10
+    """games per id and evaluation, the model taking each seat in turn"""
+    eval_max_turns: int = 200
+    """turn cap of an evaluation game (a capped game is a draw)"""
     # --- RAE and modulation ---
     mode: str = "stratagem"
     """stratagem (A_mod = A_game*phi + beta*psi) or spiral (A_mod = A_game, no judge at all)"""
@@ -150,7 +160,7 @@ CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("hf", "vllm"), "judge": 
            "judge_aggregate": ("majority", "mean")}
 # --tiny changes these defaults (an explicit flag still wins): small, fast, offline.
 TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_tokens=48,
-                     micro_batch_size=8, lr=1e-4, max_turns=20)
+                     micro_batch_size=8, lr=1e-4, max_turns=20, eval_n=4, eval_max_turns=60)
 # Flags that may change when a run is resumed; everything else is read back from config.json.
 RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
              "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization"}
@@ -233,6 +243,8 @@ def validate(args: Args) -> None:
         (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
         (args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}"),
         (args.error_allowance >= 0, f"--error-allowance must be >= 0, got {args.error_allowance}"),
+        (args.eval_every >= 0 and args.eval_n >= 1 and args.eval_max_turns >= 1,
+         "--eval-every must be >= 0, --eval-n and --eval-max-turns >= 1"),
         (0 <= args.ema < 1, f"--ema must be in [0, 1), got {args.ema}"),
         (args.beta >= 0, f"--beta must be >= 0, got {args.beta}"),
         (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
@@ -266,21 +278,25 @@ PROMPT = ("You are playing a two-player zero-sum game as Player {role}. Make val
           "Please reason step by step, and put your final answer within \\boxed{{}}.")
 
 
-def game_ids(args: Args) -> list[str]:
-    """The --games list, checked against TextArena's registry and for two-player support."""
+def game_ids(spec: str, flag: str = "--games") -> list[str]:
+    """A comma-separated list of game ids, checked against TextArena's registry and for two-player play."""
     import textarena as ta
     from textarena.envs.registration import ENV_REGISTRY
 
-    ids = [g.strip() for g in args.games.split(",") if g.strip()]
+    ids = [g.strip() for g in spec.split(",") if g.strip()]
     if not ids:
-        raise UserError("--games is empty")
+        raise UserError(f"{flag} is empty")
     for gid in ids:
         if gid not in ENV_REGISTRY:
             raise UserError(f"unknown game id {gid!r} (textarena 0.7.4 ids look like TicTacToe-v0, KuhnPoker-v0)")
         state = random.getstate()  # reset(seed=...) reseeds the global `random`; leave it as it was
         try:
-            ta.make(gid).reset(num_players=2, seed=0)
-        except Exception as e:  # noqa: BLE001 - any failure here means "this id cannot be played here"
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                ta.make(gid).reset(num_players=2, seed=0)
+        except LookupError as e:  # nltk's "Resource 'words' not found": the game downloads data
+            raise UserError(f"game {gid!r} needs data it downloads from the network "
+                            f"({str(e).split(chr(39))[1] if chr(39) in str(e) else 'nltk'}); it cannot run offline") from None
+        except Exception as e:  # noqa: BLE001 - any other failure means "this id cannot be played here"
             raise UserError(f"game {gid!r} cannot be played by two players here: {type(e).__name__}: {e}") from None
         finally:
             random.setstate(state)
@@ -584,6 +600,32 @@ class HeuristicJudge:
         return json.dumps(self.scores(rubric, trajectory_text)), 0, 0
 
 
+def openai_client(base_url: str, timeout: float, retries: int, what: str):
+    """An `openai` client for any OpenAI-compatible server. The key comes from OPENAI_API_KEY only (local
+    servers usually take any key; the client insists on a non-empty one) and is never logged or saved."""
+    import openai
+
+    key = os.environ.get("OPENAI_API_KEY")
+    if not key and not base_url:
+        raise UserError(f"{what} needs OPENAI_API_KEY in the environment or a base URL of a local server")
+    return openai.OpenAI(api_key=key or "EMPTY", base_url=base_url or None, timeout=timeout, max_retries=retries)
+
+
+def check_reachable(client, base_url: str, timeout: float, what: str) -> None:
+    """Fail at start-up, with one line, when the server cannot be reached or rejects the key."""
+    import openai
+
+    try:
+        client.with_options(max_retries=0, timeout=min(timeout, 10)).models.list()
+    except openai.AuthenticationError:
+        raise UserError(f"the {what} rejected the API key (HTTP 401); check OPENAI_API_KEY") from None
+    except openai.APIConnectionError:
+        raise UserError(f"the {what} at {base_url or 'api.openai.com'} is unreachable; start the server or "
+                        "fix its base URL") from None
+    except openai.APIStatusError:
+        pass  # reachable; some compatible servers simply have no /models route
+
+
 class OpenAIJudge:
     """Any OpenAI-compatible chat endpoint (OpenAI, `vllm serve`, llama.cpp, SGLang, ...), through the
     `openai` client, whose built-in retries back off exponentially on timeouts, connection errors, 429
@@ -594,27 +636,11 @@ class OpenAIJudge:
     def __init__(self, model: str, base_url: str, args: Args):
         import openai
 
-        key = os.environ.get("OPENAI_API_KEY")
-        if not key and not base_url:
-            raise UserError("--judge openai needs OPENAI_API_KEY in the environment or a --judge-base-url "
-                            "(use --judge heuristic for an offline run)")
         self.name, self.base_url, self.args, self.openai = model, base_url, args, openai
-        # Local servers usually take any key; the client insists on a non-empty one.
-        self.client = openai.OpenAI(api_key=key or "EMPTY", base_url=base_url or None,
-                                    timeout=args.judge_timeout, max_retries=args.judge_retries)
+        self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "--judge openai")
 
     def check_reachable(self) -> None:
-        """Fail at start-up, with one line, when the server cannot be reached or rejects the key."""
-        oa = self.openai
-        try:
-            self.client.with_options(max_retries=0, timeout=min(self.args.judge_timeout, 10)).models.list()
-        except oa.AuthenticationError:
-            raise UserError("the judge rejected the API key (HTTP 401); check OPENAI_API_KEY") from None
-        except oa.APIConnectionError:
-            where = self.base_url or "api.openai.com"
-            raise UserError(f"the judge at {where} is unreachable; start the server or fix --judge-base-url") from None
-        except oa.APIStatusError:
-            pass  # reachable; some compatible servers simply have no /models route
+        check_reachable(self.client, self.base_url, self.args.judge_timeout, "judge")
 
     def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
         oa = self.openai
@@ -942,10 +968,10 @@ class HFPolicy:
         enc = self.tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         enc = enc.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            out = self.model.generate(**enc, do_sample=True, temperature=self.args.temperature,
-                                      top_k=0, top_p=1.0,  # the full distribution: the policy we differentiate
-                                      max_new_tokens=self.args.max_new_tokens, eos_token_id=self.stop,
-                                      pad_token_id=self.tok.pad_token_id)  # [B, T + new]
+            sampling = (dict(do_sample=True, temperature=self.args.temperature, top_k=0, top_p=1.0)  # the full
+                        if self.args.temperature > 0 else dict(do_sample=False))  # distribution; 0: greedy (eval)
+            out = self.model.generate(**enc, **sampling, max_new_tokens=self.args.max_new_tokens,
+                                      eos_token_id=self.stop, pad_token_id=self.tok.pad_token_id)  # [B, T + new]
         width = enc.input_ids.shape[1]
         results = []
         for row, mask in zip(out, enc.attention_mask):
@@ -1247,7 +1273,8 @@ def train(args: Args) -> Path:
     quiet_transformers()
     dist = Dist()
     out = Path(args.out)
-    games = game_ids(args)
+    games = game_ids(args.games)
+    eval_games = game_ids(args.eval_games, "--eval-games") if args.eval_every else []
     auto = f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     rng = seed_everything(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
@@ -1360,6 +1387,13 @@ def train(args: Args) -> Path:
             upd = policy_update(model, optimizer, mine, args, device, tokenizer.pad_token_id, normaliser, dist)
         with timer("sync"):
             policy.sync(model)
+        evaluation = None
+        if eval_games and step % args.eval_every == 0 and dist.main:
+            with timer("eval"), torch.random.fork_rng():  # evaluation draws nothing from training's streams
+                records = play_matches(policy, tokenizer, eval_games, args.eval_n, RandomPlayer(random.Random(step)),
+                                       random.Random(args.seed + step), args.eval_max_turns, args.error_allowance,
+                                       args.num_envs)
+                evaluation = summarize_matches(records)
 
         # ---- bookkeeping (rank 0 writes) ----
         ranks = dist.gather((outcomes, calls, upd["loss"]))
@@ -1379,7 +1413,7 @@ def train(args: Args) -> Path:
                 **judge_metrics(judged, usage, runner), **mod,
                 "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
                 "loss": sum(r[2] for r in ranks) / dist.world, "grad_norm": upd["grad_norm"],
-                "baselines": dict(baselines),
+                "baselines": dict(baselines), **({"eval": evaluation} if evaluation else {}),
             }
             for t in trajs:
                 append_jsonl(out / "trajectories.jsonl", t.record(step))
@@ -1395,6 +1429,336 @@ def train(args: Args) -> Path:
                                     "judge_totals": runner.totals if runner else None},
                             own={"rng": rng_states(rng), "lengths": lengths})
     return out
+
+
+# =====================================================================================
+# Evaluation: the model against fixed opponents on the training games and unseen ones.
+# =====================================================================================
+_ROLE_TAG = re.compile(r"\[(GAME|Player \d+)\]")
+
+
+def candidate_actions(observation: str) -> list[str]:
+    """Every bracketed action the game's text shows ('[4]', '[col 4]', '[Bid: 3, 4]', '[roll]', ...), and
+    each of them with its numbers (at most two) replaced by every value 0..15: a superset of the legal
+    moves of TextArena's board, card and dice games, read off the text so any game id works."""
+    shown = dict.fromkeys(m for m in re.findall(r"\[[^\[\]\n]{1,60}\]", observation) if not _ROLE_TAG.fullmatch(m))
+    out = dict.fromkeys(shown)
+    for action in shown:
+        numbers = list(re.finditer(r"\d+", action))
+        if 1 <= len(numbers) <= 2:
+            for values in itertools.product(range(16), repeat=len(numbers)):
+                pieces, last = [], 0
+                for m, v in zip(numbers, values):
+                    pieces += [action[last:m.start()], str(v)]
+                    last = m.end()
+                out["".join(pieces) + action[last:]] = None
+    return list(out)
+
+
+def legal_actions(env, pid: int, observation: str) -> list[str]:
+    """The candidates that the game accepts, each tried on a deep copy of it (global `random` restored,
+    so trying a dice roll does not change the real game's dice)."""
+    state = random.getstate()
+    legal = []
+    for action in candidate_actions(observation):
+        trial = copy.deepcopy(env)
+        trial.state.error_allowance = 0
+        trial.step(action)
+        if not trial.state.game_info[pid].get("invalid_move"):
+            legal.append(action)
+    random.setstate(state)
+    return legal
+
+
+class RandomPlayer:
+    """SPIRAL's fixed opponent: a uniformly random legal action."""
+
+    def __init__(self, rng: random.Random):
+        self.rng, self.name, self.failures = rng, "random", 0
+
+    def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
+        return [self.rng.choice(legal) if (legal := legal_actions(env, pid, obs)) else "" for env, pid, obs in jobs]
+
+
+class LLMPlayer:
+    """Any OpenAI-compatible chat model as the opponent, with the policy's prompt and action parser.
+    A request that fails after the client's retries plays no action (an invalid move) and is counted."""
+
+    def __init__(self, model: str, base_url: str, args: Args):
+        self.model, self.args, self.name, self.failures = model, args, f"openai:{model}", 0
+        self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "an openai opponent")
+        check_reachable(self.client, base_url, args.judge_timeout, "opponent")
+
+    def _one(self, pid: int, obs: str) -> str:
+        import openai
+
+        try:
+            resp = self.client.chat.completions.create(
+                model=self.model, messages=[{"role": "user", "content": PROMPT.format(role=pid, observation=obs)}],
+                temperature=self.args.temperature, max_tokens=self.args.max_new_tokens)
+            return parse_action(resp.choices[0].message.content or "") if resp.choices else ""
+        except openai.APIError:
+            self.failures += 1
+            return ""
+
+    def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.judge_concurrency) as pool:
+            return list(pool.map(lambda job: self._one(job[1], job[2]), jobs))
+
+
+def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: random.Random, max_turns: int,
+                 error_allowance: int, concurrency: int) -> list[dict]:
+    """n games of each id, the model on seat 0 in even games and seat 1 in odd ones, played in lockstep:
+    one batched generation call per turn for every game where it is the model's move. Returns one
+    record per game, from the model's seat."""
+    queue = [(i, g, k % 2, rng.randrange(2**31)) for i, (g, k) in enumerate(itertools.product(games, range(n)))]
+    live: list[dict] = []
+    records = []
+    while queue or live:
+        while queue and len(live) < concurrency:
+            index, game, seat, seed = queue.pop(0)
+            live.append({"index": index, "game": game, "seat": seat, "env": make_env(game, seed, error_allowance),
+                         "turns": 0})
+        seen = [m["env"].get_observation() for m in live]
+        mine = [i for i, (pid, _) in enumerate(seen) if pid == live[i]["seat"]]
+        theirs = [i for i, (pid, _) in enumerate(seen) if pid != live[i]["seat"]]
+        actions = {}
+        if mine:
+            outputs = policy.generate([format_prompt(tokenizer, seen[i][1], seen[i][0]) for i in mine])
+            actions.update({i: parse_action(text) for i, (_, _, text) in zip(mine, outputs)})
+        if theirs:
+            actions.update(zip(theirs, opponent.act([(live[i]["env"], seen[i][0], seen[i][1]) for i in theirs])))
+        still = []
+        for i, m in enumerate(live):
+            done, _ = m["env"].step(actions[i])
+            m["turns"] += 1
+            if not (done or m["turns"] >= max_turns):
+                still.append(m)
+                continue
+            rewards, info = m["env"].close() if done else ({0: 0, 1: 0}, {0: {}, 1: {}})
+            r, seat = rewards[m["seat"]], m["seat"]
+            records.append({"index": m["index"], "game": m["game"], "seat": seat, "turns": m["turns"], "capped": not done,
+                            "outcome": "win" if r > 0 else "loss" if r < 0 else "draw",
+                            "invalid": bool(info[seat].get("invalid_move")),
+                            "opponent_invalid": bool(info[1 - seat].get("invalid_move"))})
+        live = still
+    return sorted(records, key=lambda r: r["index"])  # in the order asked for, not the order finished
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a rate k/n (sound at small n and at 0 or n successes)."""
+    if n == 0:
+        return 0.0, 1.0
+    p, denom = k / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / denom, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def summarize_matches(records: list[dict]) -> dict:
+    """Per game and seat (and 'both'): n, counts and rates with 95 % intervals of win/draw/loss/invalid."""
+    table: dict = {}
+    for game in dict.fromkeys(r["game"] for r in records):
+        for seat in ("seat0", "seat1", "both"):
+            rows = [r for r in records if r["game"] == game and (seat == "both" or f"seat{r['seat']}" == seat)]
+            cell = {"n": len(rows)}
+            for key in ("win", "draw", "loss", "invalid"):
+                k = sum(r["invalid"] if key == "invalid" else r["outcome"] == key for r in rows)
+                cell[key] = {"count": k, "rate": k / len(rows) if rows else 0.0, "ci95": wilson(k, len(rows))}
+            table.setdefault(game, {})[seat] = cell
+    wins = sum(r["outcome"] == "win" for r in records)
+    return {"games": table, "n": len(records), "win_rate": wins / len(records) if records else 0.0,
+            "win_ci95": wilson(wins, len(records))}
+
+
+def print_matches(summary: dict, opponent: str) -> None:
+    print(f"model vs {opponent}: {summary['n']} games, win rate {summary['win_rate']:.2f} "
+          f"[{summary['win_ci95'][0]:.2f}, {summary['win_ci95'][1]:.2f}] (95 % Wilson intervals below)")
+    print(f"{'game':22}{'seat':>6}{'n':>5}" + "".join(f"{k:>19}" for k in ("win", "draw", "loss", "invalid")))
+    for game, seats in summary["games"].items():
+        for seat, cell in seats.items():
+            print(f"{game:22}{seat.removeprefix('seat'):>6}{cell['n']:>5}" + "".join(
+                f"{cell[k]['rate']:>7.2f} [{cell[k]['ci95'][0]:.2f},{cell[k]['ci95'][1]:.2f}]"
+                for k in ("win", "draw", "loss", "invalid")))
+
+
+def resolve_model_path(path: str) -> str:
+    """A run directory stands for its newest checkpoint."""
+    ckpt = latest_checkpoint(Path(path)) if (Path(path) / "checkpoints").is_dir() else None
+    return str(ckpt) if ckpt else path
+
+
+def eval_main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py eval", description=(
+        "Play a model against a fixed opponent (a random legal player, or any OpenAI-compatible model) on "
+        "training and out-of-distribution games, taking each seat in turn; print win/draw/loss/invalid "
+        "rates per game and seat with 95 % intervals and write them as JSON."))
+    p.add_argument("model", help="a run directory (its newest checkpoint), a checkpoint or model directory, or a hub id")
+    p.add_argument("--games", default=Args.eval_games, help=f"comma-separated ids (default: {Args.eval_games})")
+    p.add_argument("--n", type=int, default=20, help="games per id, seats alternating (default: 20)")
+    p.add_argument("--opponent", default="random", help="random, openai:MODEL or openai:MODEL@BASE_URL (default: random)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding for the model (default: sampled)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=4096, help="longest response per turn (default: 4096)")
+    p.add_argument("--max-turns", type=int, default=200, help="turn cap; a capped game is a draw (default: 200)")
+    p.add_argument("--error-allowance", type=int, default=0, help="invalid moves allowed before losing (default: 0)")
+    p.add_argument("--concurrency", type=int, default=64, help="games in flight (default: 64)")
+    p.add_argument("--seed", type=int, default=1, help="seeds the games, the opponent and sampling (default: 1)")
+    p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
+    p.add_argument("--device", default="auto", help="torch device (default: auto)")
+    p.add_argument("--json", default="", help="write the results here (default: eval-<seed>.json, never overwritten)")
+    ns = p.parse_args(argv)
+    if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1 or ns.temperature < 0:
+        raise UserError("--n, --max-new-tokens, --max-turns and --concurrency must be >= 1, --temperature >= 0")
+    out = Path(ns.json or f"eval-{ns.seed}.json")
+    if out.exists():
+        raise UserError(f"{out} already exists; choose another --json")
+    games = game_ids(ns.games)
+    quiet_transformers()
+    rng = seed_everything(ns.seed)
+    args = dataclasses.replace(Args(), temperature=0.0 if ns.greedy else ns.temperature, seed=ns.seed,
+                               max_new_tokens=ns.max_new_tokens, backend=ns.backend)
+    if ns.opponent == "random":
+        opponent = RandomPlayer(random.Random(ns.seed + 1))
+    elif ns.opponent.startswith("openai:") and ns.opponent[len("openai:"):].split("@")[0]:
+        model, _, url = ns.opponent[len("openai:"):].partition("@")
+        opponent = LLMPlayer(model, url, args)
+    else:
+        raise UserError(f"--opponent {ns.opponent!r}: use random, openai:MODEL or openai:MODEL@BASE_URL")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if ns.device == "auto" else ns.device)
+    path = resolve_model_path(ns.model)
+    model, tokenizer = load_policy(path, device)
+    policy = VLLMPolicy(path, tokenizer, args, device) if ns.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
+    t0 = time.perf_counter()
+    records = play_matches(policy, tokenizer, games, ns.n, opponent, rng, ns.max_turns, ns.error_allowance,
+                           ns.concurrency)
+    summary = summarize_matches(records)
+    print_matches(summary, opponent.name)
+    print(f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}")
+    out.write_text(json.dumps({"model": path, "opponent": opponent.name, "greedy": ns.greedy, "seed": ns.seed,
+                               "summary": summary, "games": records}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+# =====================================================================================
+# Seeing a run: plots over steps, and one trajectory read closely.
+# =====================================================================================
+def run_label(run: Path) -> str:
+    config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    mode = config.get("mode", "?")
+    detail = "" if mode == "spiral" else (" w/o psi" if config.get("no_psi") else f" beta={config.get('beta')}")
+    return f"{run.name} ({mode}{detail})"
+
+
+def read_metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        raise UserError(f"{path} not found (is {run} a stratagem run directory?)")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None)])
+    "eval_win_rate": ("Win rate against a random legal player (--eval-every)", "win rate",
+                      [("", lambda m: m.get("eval", {}).get("win_rate"))]),
+    "invalid_rate": ("Invalid-action rate in self-play", "invalid moves per seat",
+                     [("", lambda m: sum(c[p]["invalid"] for c in m["games"].values() for p in c)
+                       / max(1, 2 * m["episodes"]))]),
+    "response_length": ("Mean response length", "tokens", [("", lambda m: m["response_tokens_mean"])]),
+    "phi_psi": ("Judge scores (batch means of judged trajectories)", "value",
+                [("phi", lambda m: m["phi_mean"]), ("psi", lambda m: m["psi_mean"])]),
+    "a_mod_spread": ("Advantage spread", "std over trajectories",
+                     [("A_mod", lambda m: m["a_mod_std"]), ("A_game", lambda m: m["a_game_std"])]),
+    "loss": ("REINFORCE loss", "loss", [("", lambda m: m["loss"])]),
+}
+
+
+def plot_main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py plot", description=(
+        "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
+        "spiral vs --no-psi): win rate against a random player, invalid-action rate, response length, "
+        "phi and psi, A_mod spread and loss. Needs matplotlib."))
+    p.add_argument("runs", nargs="+", help="run directories")
+    p.add_argument("--out", default="", help="folder for the PNGs (default: <first run>/plots; files are replaced)")
+    ns = p.parse_args(argv)
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    runs = [(Path(r), read_metrics(Path(r))) for r in ns.runs]
+    out = Path(ns.out) if ns.out else runs[0][0] / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (title, ylabel, series) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+        drawn = 0
+        for run, metrics in runs:
+            for label, value in series:
+                points = [(m["step"], value(m)) for m in metrics if value(m) is not None]
+                if points:
+                    ax.plot(*zip(*points), marker="." if len(points) < 30 else None,
+                            label=" ".join(x for x in (run_label(run), label) if x))
+                    drawn += 1
+        if not drawn:
+            ax.text(0.5, 0.5, "no data in these runs" + (" (train with --eval-every N)" if name == "eval_win_rate" else ""),
+                    ha="center", va="center", transform=ax.transAxes)
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        if name in ("eval_win_rate", "invalid_rate"):
+            ax.set_ylim(-0.02, 1.02)
+        if drawn:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png")
+        plt.close(fig)
+    print(f"wrote {len(PLOTS)} figures to {out}: " + ", ".join(f"{n}.png" for n in PLOTS))
+    return 0
+
+
+def show_main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py show", description=(
+        "Print one player-trajectory of a run readably: its turns, the judge's scores and A_game -> A_mod."))
+    p.add_argument("run", help="run directory")
+    p.add_argument("--step", type=int, default=0, help="only trajectories of this step (default: any)")
+    p.add_argument("--judged", action="store_true", help="only trajectories the judge scored")
+    p.add_argument("--index", type=int, default=-1, help="the index among the matching ones (default: random)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random pick (default: 0)")
+    ns = p.parse_args(argv)
+    path = Path(ns.run) / "trajectories.jsonl"
+    if not path.exists():
+        raise UserError(f"{path} not found (is {ns.run} a stratagem run directory?)")
+    rows = [r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())
+            if (not ns.step or r["step"] == ns.step) and (not ns.judged or r["scores"])]
+    if not rows:
+        raise UserError("no trajectory matches (check --step and --judged)")
+    if not -1 <= ns.index < len(rows):
+        raise UserError(f"--index must be in [0, {len(rows) - 1}]")
+    i = ns.index if ns.index >= 0 else random.Random(ns.seed).randrange(len(rows))
+    r = rows[i]
+    beta = json.loads((Path(ns.run) / "config.json").read_text()).get("beta", 0.0)
+    print(f"{ns.run} | step {r['step']} | trajectory {i} of {len(rows)} | {r['game']}, Player {r['role']}, "
+          f"{len(r['turns'])} turn(s)")
+    print(f"reward R = {r['reward']:+g}   baseline b = {r['baseline']:+.4f}   A_game = R - b = {r['a_game']:+.4f}")
+    s = r["scores"]
+    if s:
+        print(f"judge: alpha {s['alpha']:g}  sigma {s['sigma']:g}  rho {s['rho']:g}  -> phi = {r['phi']:.4f}")
+        if s.get("d") is not None:
+            print(f"       d {s['d']:g}  a {s['a']:g}  c {s['c']:g}  -> psi = {r['psi']:+.4f}")
+    else:
+        print(f"judge: {'failed' if r['judged'] else 'not sampled'}; batch means used: phi = {r['phi']:.4f}, "
+              f"psi = {r['psi']:+.4f}")
+    print(f"A_mod = A_game*phi + beta*psi = {r['a_game']:+.4f}*{r['phi']:.4f} + {beta}*{r['psi']:+.4f} "
+          f"= {r['a_mod']:+.4f}")
+    seen = ""
+    for k, turn in enumerate(r["turns"], 1):
+        obs = turn["observation"]
+        new = obs[len(seen):] if seen and obs.startswith(seen) else obs
+        seen = obs
+        print(f"\n--- turn {k} ---\n[observation, new part]\n{new.strip()}\n\n[response]\n{turn['response'].strip()}"
+              f"\n\n[action sent] {turn['action'] or '(none found)'}")
+    return 0
 
 
 # =====================================================================================
@@ -1746,7 +2110,8 @@ def sync_check_main(argv: list[str]) -> int:
 # main(): parse, validate, run; a user's mistake ends in one line and exit code 2.
 # =====================================================================================
 COMMANDS = {"agree": agree_main, "serve-judge": serve_judge_main, "bench": bench_main,
-            "random-model": random_model_main, "sync-check": sync_check_main}
+            "random-model": random_model_main, "sync-check": sync_check_main, "eval": eval_main,
+            "plot": plot_main, "show": show_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -482,9 +482,10 @@ def test_failed_judgements_are_imputed_and_counted(tmp_path, secret_key):
 
 def test_heuristic_tiny_run_and_exact_resume(tmp_path):
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert run(SMALL + ["--steps", "3", "--out", str(whole)]) == 0
+    evaluation = ["--eval-every", "2", "--eval-games", "TicTacToe-v0", "--eval-n", "2"]  # must not disturb training
+    assert run(SMALL + evaluation + ["--steps", "3", "--out", str(whole)]) == 0
     check_run(whole, 3, beta=0.2)
-    assert run(SMALL + ["--steps", "2", "--save-every", "1", "--out", str(part)]) == 0
+    assert run(SMALL + evaluation + ["--steps", "2", "--save-every", "1", "--out", str(part)]) == 0
     assert run(["--resume", "--out", str(part), "--steps", "3"]) == 0
     check_run(part, 3, beta=0.2)
     assert read_jsonl(part / "trajectories.jsonl") == read_jsonl(whole / "trajectories.jsonl")
@@ -496,6 +497,12 @@ def test_heuristic_tiny_run_and_exact_resume(tmp_path):
     b = load_file(part / "checkpoints/step-000003/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["step-000003"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # a checkpoint is a plain HF model
+
+    model = AutoModelForCausalLM.from_pretrained(whole / "checkpoints/step-000003")
+    tok = AutoTokenizer.from_pretrained(whole / "checkpoints/step-000003")
+    ids = tok("Observation: [4]", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id).shape[1] > ids.shape[1]
 
 
 def test_resume_after_a_crash_drops_lines_logged_after_the_checkpoint(tmp_path):
@@ -896,3 +903,89 @@ def test_random_model_command_and_gpu_tools_fail_clearly_on_a_cpu(tmp_path, caps
         assert "needs a CUDA GPU" in error_of(capsys, ["sync-check", "--model", str(tmp_path / "m")])
     err = error_of(capsys, ["--tiny", "--backend", "vllm", "--out", str(tmp_path / "r")])
     assert "vllm" in err and not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------ evaluation, plots, viewer
+def test_legal_actions_are_read_off_the_game_and_leave_its_dice_alone():
+    env = S.make_env("TicTacToe-v0", 1, 0)
+    pid, obs = env.get_observation()
+    assert sorted(S.legal_actions(env, pid, obs)) == sorted(f"[{i}]" for i in range(9))
+    env = S.make_env("ConnectFour-v0", 1, 0)
+    pid, obs = env.get_observation()
+    assert sorted(S.legal_actions(env, pid, obs)) == [f"[col {i}]" for i in range(7)]
+    env = S.make_env("PigDice-v0", 1, 0)
+    pid, obs = env.get_observation()
+    state = random.getstate()
+    assert sorted(S.legal_actions(env, pid, obs)) == ["[hold]", "[roll]"] and random.getstate() == state
+    assert "[Bid: 3, 4]" in S.candidate_actions("make a bid like '[Bid: 3, 4]' or '[Call]' [GAME] [Player 1]")
+    assert "[GAME]" not in S.candidate_actions("[GAME] [Player 0] [roll]")
+
+
+def test_wilson_interval():
+    lo, hi = S.wilson(5, 10)
+    assert (round(lo, 3), round(hi, 3)) == (0.237, 0.763)
+    assert S.wilson(0, 10)[0] == 0.0 and S.wilson(10, 10)[1] == 1.0 and S.wilson(0, 0) == (0.0, 1.0)
+
+
+def first_free(prompt):  # a scripted model: the first free cell of the last board shown
+    return "\\boxed{" + prompt.rsplit("Available Moves:", 1)[1].split("'[")[1].split("]")[0] + "}"
+
+
+def test_play_matches_alternates_seats_and_scores_from_the_models_seat(tiny):
+    _, tok = fresh(tiny)
+    records = S.play_matches(ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 6, S.RandomPlayer(random.Random(0)),
+                             random.Random(0), 50, 0, 4)
+    assert [r["seat"] for r in sorted(records, key=lambda r: r["seat"])] == [0, 0, 0, 1, 1, 1]
+    assert not any(r["invalid"] or r["opponent_invalid"] for r in records)
+    summary = S.summarize_matches(records)
+    cell = summary["games"]["TicTacToe-v0"]["both"]
+    assert cell["n"] == 6 and sum(cell[k]["count"] for k in ("win", "draw", "loss")) == 6
+    assert summary["win_rate"] == cell["win"]["count"] / 6
+
+
+def test_eval_command_against_random_and_against_a_served_model(tiny, tmp_path, capsys, judge_server, secret_key):
+    out = tmp_path / "eval.json"
+    assert run(["eval", str(tiny), "--games", "TicTacToe-v0,Nim-v0,PigDice-v0", "--n", "2", "--max-new-tokens", "8",
+                "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["opponent"] == "random" and len(result["games"]) == 6
+    assert set(result["summary"]["games"]) == {"TicTacToe-v0", "Nim-v0", "PigDice-v0"}
+    printed = capsys.readouterr().out
+    assert "model vs random: 6 games" in printed and "invalid" in printed
+    assert "already exists" in error_of(capsys, ["eval", str(tiny), "--json", str(out)])
+    judge_server.behaviour = lambda body: (200, completion("I take the centre. \\boxed{4}"))
+    out2 = tmp_path / "eval2.json"
+    assert run(["eval", str(tiny), "--games", "TicTacToe-v0", "--n", "2", "--max-new-tokens", "8", "--greedy",
+                "--opponent", f"openai:judge-test@{judge_server.url}", "--json", str(out2)]) == 0
+    assert json.loads(out2.read_text())["opponent"] == "openai:judge-test" and judge_server.requests
+
+
+def test_eval_refuses_games_that_need_the_network(tiny, tmp_path, capsys):
+    err = error_of(capsys, ["eval", str(tiny), "--games", "WordChains-v0", "--json", str(tmp_path / "e.json")])
+    assert "needs data it downloads from the network" in err and not (tmp_path / "e.json").exists()
+
+
+def test_periodic_eval_plots_and_viewer(tmp_path, capsys):
+    runs = []
+    for mode in ("stratagem", "spiral"):
+        runs.append(tmp_path / mode)
+        assert run(SMALL + ["--steps", "2", "--mode", mode, "--eval-every", "1", "--eval-games", "TicTacToe-v0,Snake-v0",
+                            "--eval-n", "2", "--out", str(runs[-1])]) == 0
+        metrics, _ = check_run(runs[-1], 2, beta=0.2, mode=mode)
+        assert all(m["eval"]["n"] == 4 and 0 <= m["eval"]["win_rate"] <= 1 for m in metrics)
+    assert run(["plot", *map(str, runs), "--out", str(tmp_path / "plots")]) == 0
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == sorted(f"{n}.png" for n in S.PLOTS)
+    assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    capsys.readouterr()
+    assert run(["show", str(runs[0]), "--judged", "--index", "0"]) == 0
+    printed = capsys.readouterr().out
+    row = next(r for r in read_jsonl(runs[0] / "trajectories.jsonl") if r["scores"])
+    assert f"= {row['a_mod']:+.4f}" in printed and "--- turn 1 ---" in printed and f"phi = {row['phi']:.4f}" in printed
+    assert "--index must be in" in error_of(capsys, ["show", str(runs[0]), "--index", "9999"])
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert "pip install matplotlib" in error_of(capsys, ["plot", str(tmp_path)])
