@@ -9,7 +9,8 @@ get the batch mean, and REINFORCE is run on
 
 The file reads top to bottom in the order of the paper's Algorithm 1:
 games & self-play (step 1) -> RAE (step 2) -> judge & modulation (step 3) -> REINFORCE (step 4),
-then the policy backends, the run bookkeeping, train() and main().
+then the policy backends, data parallelism, the run bookkeeping and train(); after train() come the
+commands around it (eval, plot, show, agree, serve-judge, bench, random-model, sync-check) and main().
 
     python stratagem.py --tiny --steps 3                  # offline, CPU, random tiny Qwen3
     python stratagem.py --backend vllm --beta 0.2         # the paper's run (GPU, judge key in env)
@@ -97,6 +98,7 @@ class Args:
     """turn cap per game (both players, retries included); a capped game is a draw"""
     error_allowance: int = 0
     """invalid moves a player may retry before it loses (SPIRAL: 0, an invalid move loses)"""
+    # --- evaluation ---
     eval_every: int = 0
     """every N steps, play --eval-n games of each --eval-games id against a random legal player (0: off)"""
     eval_games: str = "TicTacToe-v0,KuhnPoker-v0,SimpleNegotiation-v0,Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
@@ -232,40 +234,23 @@ def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
 
 
 def validate(args: Args) -> None:
-    finite = all(math.isfinite(getattr(args, f.name)) for f in dataclasses.fields(args) if f.type == "float")
-    checks = [
-        (finite, "float flags must be finite numbers"),
-        (args.steps >= 1, f"--steps must be >= 1, got {args.steps}"),
-        (args.save_every >= 1, f"--save-every must be >= 1, got {args.save_every}"),
-        (args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}"),
-        (args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {args.micro_batch_size}"),
-        (args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs}"),
-        (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
-        (args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}"),
-        (args.error_allowance >= 0, f"--error-allowance must be >= 0, got {args.error_allowance}"),
-        (args.eval_every >= 0 and args.eval_n >= 1 and args.eval_max_turns >= 1,
-         "--eval-every must be >= 0, --eval-n and --eval-max-turns >= 1"),
-        (0 <= args.ema < 1, f"--ema must be in [0, 1), got {args.ema}"),
-        (args.beta >= 0, f"--beta must be >= 0, got {args.beta}"),
-        (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
-        (args.temperature > 0, f"--temperature must be > 0, got {args.temperature}"),
-        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
-        (0 <= args.judge_sample_rate <= 1, f"--judge-sample-rate must be in [0, 1], got {args.judge_sample_rate}"),
-        (args.judge_temperature >= 0, f"--judge-temperature must be >= 0, got {args.judge_temperature}"),
-        (args.judge_max_tokens >= 1, f"--judge-max-tokens must be >= 1, got {args.judge_max_tokens}"),
-        (args.judge_concurrency >= 1, f"--judge-concurrency must be >= 1, got {args.judge_concurrency}"),
-        (args.judge_timeout > 0, f"--judge-timeout must be > 0, got {args.judge_timeout}"),
-        (args.judge_retries >= 0, f"--judge-retries must be >= 0, got {args.judge_retries}"),
-        (args.judge_samples >= 1, f"--judge-samples must be >= 1, got {args.judge_samples}"),
-        (min(args.judge_price_in, args.judge_price_out, args.judge_budget) >= 0,
-         "--judge-price-in, --judge-price-out and --judge-budget must be >= 0"),
-        (args.judge_budget == 0 or args.judge_price_in + args.judge_price_out > 0,
-         "--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost"),
-        (0 < args.vllm_gpu_memory_utilization < 1, "--vllm-gpu-memory-utilization must be in (0, 1)"),
+    bounds = [  # (fields, test, wording)
+        (("steps", "save_every", "batch_size", "micro_batch_size", "num_envs", "max_new_tokens", "max_turns",
+          "eval_n", "eval_max_turns", "judge_max_tokens", "judge_concurrency", "judge_samples"), lambda v: v >= 1, ">= 1"),
+        (("error_allowance", "eval_every", "beta", "judge_temperature", "judge_retries", "judge_price_in",
+          "judge_price_out", "judge_budget"), lambda v: v >= 0, ">= 0"),
+        (("lr", "temperature", "max_grad_norm", "judge_timeout"), lambda v: v > 0, "> 0"),
+        (("ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
+        (("judge_sample_rate",), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        (("vllm_gpu_memory_utilization",), lambda v: 0 < v < 1, "in (0, 1)"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
+    for names, ok, wording in bounds:
+        for name in names:
+            value = getattr(args, name)
+            if not (ok(value) and math.isfinite(value)):
+                raise UserError(f"--{name.replace('_', '-')} must be {wording}, got {value}")
+    if args.judge_budget and not args.judge_price_in + args.judge_price_out:
+        raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
 
 
 # =====================================================================================
@@ -293,9 +278,9 @@ def game_ids(spec: str, flag: str = "--games") -> list[str]:
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 ta.make(gid).reset(num_players=2, seed=0)
-        except LookupError as e:  # nltk's "Resource 'words' not found": the game downloads data
-            raise UserError(f"game {gid!r} needs data it downloads from the network "
-                            f"({str(e).split(chr(39))[1] if chr(39) in str(e) else 'nltk'}); it cannot run offline") from None
+        except LookupError:  # nltk's "Resource 'words' not found": the word games download corpora
+            raise UserError(f"game {gid!r} needs data it downloads from the network (NLTK corpora); "
+                            "it cannot run offline") from None
         except Exception as e:  # noqa: BLE001 - any other failure means "this id cannot be played here"
             raise UserError(f"game {gid!r} cannot be played by two players here: {type(e).__name__}: {e}") from None
         finally:
@@ -448,15 +433,19 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
     return finished, counts, calls
 
 
+def game_result(env, done: bool) -> tuple[dict[int, float], dict[int, bool]]:
+    """Terminal rewards R_p in {-1, 0, 1} and which seat lost by an invalid move; a game stopped by the
+    turn cap (not done) is a draw."""
+    if not done:
+        return {0: 0.0, 1: 0.0}, {0: False, 1: False}
+    rewards, info = env.close()
+    return ({p: float((rewards[p] > 0) - (rewards[p] < 0)) for p in (0, 1)},
+            {p: bool(info[p].get("invalid_move")) for p in (0, 1)})
+
+
 def finish_episode(ep: Episode, done: bool, counts: dict) -> list[Trajectory]:
-    """Terminal rewards R_p in {-1, 0, 1}; a capped game is a draw. A seat that never moved yields
-    no trajectory (nothing of it to train), but its outcome is still counted."""
-    if done:
-        rewards, info = ep.env.close()
-        rewards = {p: float((rewards[p] > 0) - (rewards[p] < 0)) for p in (0, 1)}
-        invalid = {p: bool(info[p].get("invalid_move")) for p in (0, 1)}
-    else:
-        rewards, invalid = {0: 0.0, 1: 0.0}, {0: False, 1: False}
+    """A seat that never moved yields no trajectory (nothing of it to train), but its outcome is counted."""
+    rewards, invalid = game_result(ep.env, done)
     for p in (0, 1):
         c = counts[ep.game][f"player{p}"]
         c[{1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[p]]] += 1
@@ -1535,12 +1524,11 @@ def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: ran
             if not (done or m["turns"] >= max_turns):
                 still.append(m)
                 continue
-            rewards, info = m["env"].close() if done else ({0: 0, 1: 0}, {0: {}, 1: {}})
-            r, seat = rewards[m["seat"]], m["seat"]
-            records.append({"index": m["index"], "game": m["game"], "seat": seat, "turns": m["turns"], "capped": not done,
-                            "outcome": "win" if r > 0 else "loss" if r < 0 else "draw",
-                            "invalid": bool(info[seat].get("invalid_move")),
-                            "opponent_invalid": bool(info[1 - seat].get("invalid_move"))})
+            rewards, invalid = game_result(m["env"], done)
+            seat = m["seat"]
+            records.append({"index": m["index"], "game": m["game"], "seat": seat, "turns": m["turns"],
+                            "capped": not done, "outcome": {1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[seat]],
+                            "invalid": invalid[seat], "opponent_invalid": invalid[1 - seat]})
         live = still
     return sorted(records, key=lambda r: r["index"])  # in the order asked for, not the order finished
 
