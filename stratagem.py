@@ -1087,6 +1087,13 @@ class Dist:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def close(self) -> None:
+        """Leave together and tear the group down: a gloo group left to the interpreter's exit can
+        abort the process ("terminate called without an active exception")."""
+        if self.world > 1:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
 
 def shard(model) -> None:
     """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html): one unit per decoder
@@ -1417,6 +1424,7 @@ def train(args: Args) -> Path:
                             shared={"baselines": baselines, "elapsed": elapsed,
                                     "judge_totals": runner.totals if runner else None},
                             own={"rng": rng_states(rng), "lengths": lengths})
+    dist.close()
     return out
 
 
