@@ -82,7 +82,7 @@ class JudgeServer:
                     server.requests.append({"body": body, "auth": self.headers.get("Authorization")})
                 self._send(*server.behaviour(body))
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = S.JudgeHTTPServer(("127.0.0.1", 0), Handler)  # a deep backlog, as real servers have
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
