@@ -97,17 +97,18 @@ def neutralise(text: str) -> str:
     return _TAG_LIKE.sub(TAG_MARKER, text)
 
 
+def new_observations(observations: list[str]) -> list[str]:
+    """TextArena's observations are cumulative: keep only what each turn adds to the one before."""
+    return [obs[len(prev):] if prev and obs.startswith(prev) else obs
+            for prev, obs in zip([""] + observations, observations)]
+
+
 def render_trajectory(game: str, role: int, turns: list[dict]) -> str:
     """One player's game as the judge sees it: per turn, the new part of the observation, the
     player's full response, and the action that was sent to the game. The outcome is left out on
     purpose: the judge grades reasoning, not luck."""
     parts = [f"Game: {game}. The player is Player {role}. It took {len(turns)} turn(s)."]
-    seen = ""
-    for i, turn in enumerate(turns, 1):
-        obs = turn["observation"]
-        # Observations are cumulative in TextArena; show only what is new since the last turn.
-        new = obs[len(seen):] if seen and obs.startswith(seen) else obs
-        seen = obs
+    for i, (turn, new) in enumerate(zip(turns, new_observations([t["observation"] for t in turns])), 1):
         parts.append(f"--- Turn {i} ---\nObservation (new):\n{new.strip()}\n\n"
                      f"Player's response:\n{turn['response'].strip()}\n\n"
                      f"Action sent to the game: {turn['action'] or '(none found)'}")

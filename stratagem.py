@@ -1215,6 +1215,13 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
     dist.gather(None)  # nobody runs ahead of the rename
 
 
+def pick_device(spec: str, local_rank: int = 0) -> torch.device:
+    """'auto': this process's GPU if there is one, else the CPU."""
+    if spec != "auto":
+        return torch.device(spec)
+    return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+
+
 def seed_everything(seed: int) -> random.Random:
     """Global seeds for libraries, and a private Random for our own draws: TextArena's reset()
     reseeds the global `random`, which would otherwise make game sampling follow game seeds."""
@@ -1271,8 +1278,7 @@ def train(args: Args) -> Path:
     out = Path(args.out)
     games = game_ids(args.games)
     eval_games = game_ids(args.eval_games, "--eval-games") if args.eval_every else []
-    auto = f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
+    device = pick_device(args.device, dist.local_rank)
     rng = seed_everything(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
     judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
     rubrics = ["transferability"] + ([] if args.no_psi else ["evolution"])
@@ -1613,14 +1619,9 @@ def eval_main(argv: list[str]) -> int:
     rng = seed_everything(ns.seed)
     args = dataclasses.replace(Args(), temperature=0.0 if ns.greedy else ns.temperature, seed=ns.seed,
                                max_new_tokens=ns.max_new_tokens, backend=ns.backend)
-    if ns.opponent == "random":
-        opponent = RandomPlayer(random.Random(ns.seed + 1))
-    elif ns.opponent.startswith("openai:") and ns.opponent[len("openai:"):].split("@")[0]:
-        model, _, url = ns.opponent[len("openai:"):].partition("@")
-        opponent = LLMPlayer(model, url, args)
-    else:
-        raise UserError(f"--opponent {ns.opponent!r}: use random, openai:MODEL or openai:MODEL@BASE_URL")
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if ns.device == "auto" else ns.device)
+    opponent = (RandomPlayer(random.Random(ns.seed + 1)) if ns.opponent == "random"
+                else LLMPlayer(*openai_spec(ns.opponent, "random"), args))
+    device = pick_device(ns.device)
     path = resolve_model_path(ns.model)
     model, tokenizer = load_policy(path, device)
     policy = VLLMPolicy(path, tokenizer, args, device) if ns.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
@@ -1647,9 +1648,7 @@ def run_label(run: Path) -> str:
 
 
 def read_metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        raise UserError(f"{path} not found (is {run} a stratagem run directory?)")
+    path = run_file(run, "metrics.jsonl")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
@@ -1722,9 +1721,7 @@ def show_main(argv: list[str]) -> int:
     p.add_argument("--index", type=int, default=-1, help="the index among the matching ones (default: random)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random pick (default: 0)")
     ns = p.parse_args(argv)
-    path = Path(ns.run) / "trajectories.jsonl"
-    if not path.exists():
-        raise UserError(f"{path} not found (is {ns.run} a stratagem run directory?)")
+    path = run_file(Path(ns.run), "trajectories.jsonl")
     rows = [r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())
             if (not ns.step or r["step"] == ns.step) and (not ns.judged or r["scores"])]
     if not rows:
@@ -1747,11 +1744,8 @@ def show_main(argv: list[str]) -> int:
               f"psi = {r['psi']:+.4f}")
     print(f"A_mod = A_game*phi + beta*psi = {r['a_game']:+.4f}*{r['phi']:.4f} + {beta}*{r['psi']:+.4f} "
           f"= {r['a_mod']:+.4f}")
-    seen = ""
-    for k, turn in enumerate(r["turns"], 1):
-        obs = turn["observation"]
-        new = obs[len(seen):] if seen and obs.startswith(seen) else obs
-        seen = obs
+    news = judge_prompts.new_observations([t["observation"] for t in r["turns"]])
+    for k, (turn, new) in enumerate(zip(r["turns"], news), 1):
         print(f"\n--- turn {k} ---\n[observation, new part]\n{new.strip()}\n\n[response]\n{turn['response'].strip()}"
               f"\n\n[action sent] {turn['action'] or '(none found)'}")
     return 0
@@ -1792,23 +1786,32 @@ def spearman(x: list[float], y: list[float]) -> float:
     return float("nan") if var == 0 else cov / var
 
 
-def read_trajectories(run: Path) -> list[Trajectory]:
-    path = run / "trajectories.jsonl"
+def run_file(run: Path, name: str) -> Path:
+    path = run / name
     if not path.exists():
         raise UserError(f"{path} not found (is {run} a stratagem run directory?)")
+    return path
+
+
+def read_trajectories(run: Path) -> list[Trajectory]:
+    path = run_file(run, "trajectories.jsonl")
     return [Trajectory(r["game"], r["role"], [Turn(t["observation"], t["response"], t["action"], [], [])
                                               for t in r["turns"]], r["reward"])
             for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())]
 
 
+def openai_spec(spec: str, alternative: str) -> tuple[str, str]:
+    """'openai:MODEL' or 'openai:MODEL@BASE_URL' -> (model, base URL or "")."""
+    model, _, url = spec.removeprefix("openai:").partition("@")
+    if not spec.startswith("openai:") or not model:
+        raise UserError(f"{spec!r}: use {alternative}, openai:MODEL or openai:MODEL@BASE_URL")
+    return model, url
+
+
 def judge_from_spec(spec: str, args: Args) -> HeuristicJudge | OpenAIJudge:
-    """'heuristic', 'openai:MODEL' or 'openai:MODEL@BASE_URL'."""
     if spec == "heuristic":
         return HeuristicJudge()
-    if not spec.startswith("openai:") or not spec[len("openai:"):].split("@")[0]:
-        raise UserError(f"judge {spec!r}: use heuristic, openai:MODEL or openai:MODEL@BASE_URL")
-    model, _, url = spec[len("openai:"):].partition("@")
-    judge = OpenAIJudge(model, url, args)
+    judge = OpenAIJudge(*openai_spec(spec, "heuristic"), args)
     judge.check_reachable()
     return judge
 
@@ -1823,10 +1826,11 @@ def agree_main(argv: list[str]) -> int:
     p.add_argument("--sample", type=int, default=200, help="trajectories to re-score (default: 200, as in the paper)")
     p.add_argument("--seed", type=int, default=1, help="seed of the sample (default: 1)")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
+    docs = field_docs(Args)
     for name in ("judge_temperature", "judge_max_tokens", "judge_concurrency", "judge_timeout", "judge_retries"):
         default = Args.__dataclass_fields__[name].default
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                       help=f"{field_docs(Args)[name][1]} (default: {default})")
+                       help=f"{docs[name][1]} (default: {default})")
     ns = p.parse_args(argv)
     if len(ns.judges) < 2 or ns.sample < 2:
         raise UserError("agree needs at least two --judges and --sample >= 2")
