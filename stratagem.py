@@ -510,13 +510,24 @@ class JudgeFailure(Exception):
         self.kind = kind
 
 
+# Numbers as models write them but JSON forbids: a leading "+" ("d": +1, the rubric's own spelling)
+# and a bare decimal point ("alpha": .5, -.5). Rewritten to JSON before decoding; only a number right
+# after ":", "," or "[" is touched, so keys and quoted strings keep their text.
+_LOOSE_NUMBER = re.compile(r"([:,\[]\s*)\+?(-?)(\.?)(?=\d)")
+
+
+def loosen_numbers(text: str) -> str:
+    """'{"d": +1, "a": .5, "c": -.5}' -> '{"d": 1, "a": 0.5, "c": -0.5}' (other text unchanged)."""
+    return _LOOSE_NUMBER.sub(lambda m: m.group(1) + m.group(2) + ("0." if m.group(3) else ""), text)
+
+
 def parse_scores(reply: str, rubric: str) -> dict[str, float]:
     """The last JSON object in `reply` that holds all of the rubric's keys. Thinking, prose and
-    ```json fences around it are fine; other keys are ignored. Failure kinds: no_json (no JSON
-    object at all), missing_keys (objects, but none with every key), bad_value (a level outside the
-    rubric's set; numbers given as strings are accepted, booleans are not)."""
+    ```json fences around it are fine; other keys are ignored; "+1", ".5" and numbers given as
+    strings ("0.5", "+1") are read. Failure kinds: no_json (no JSON object at all), missing_keys
+    (objects, but none with every key), bad_value (booleans, NaN, or a level outside the rubric's set)."""
     spec = judge_prompts.RUBRICS[rubric]
-    tail = reply[-65536:]  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
+    tail = loosen_numbers(reply[-65536:])  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
     decoder, partial = json.JSONDecoder(), False
     for pos in reversed([m.start() for m in re.finditer(r"\{", tail)][-256:]):
         try:
@@ -536,7 +547,7 @@ def parse_scores(reply: str, rubric: str) -> dict[str, float]:
                 v = None
             if v not in spec["levels"]:
                 raise JudgeFailure("bad_value", f"{k}={obj[k]!r} not in {spec['levels']}")
-            scores[k] = v
+            scores[k] = spec["levels"][spec["levels"].index(v)]  # the level itself: "-0" reads as 0.0
         return scores
     raise JudgeFailure("missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(spec["keys"]))
 
