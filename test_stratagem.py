@@ -1225,3 +1225,25 @@ def test_ppo_epochs_are_logged_by_a_tiny_run(tmp_path):
     assert m["loss"] == pytest.approx(sum(m["ppo"]["loss"]) / 3)
     state = torch.load(out / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=False)
     assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
+
+
+def test_readme_fidelity_table_matches_the_code():
+    """Every row of the README's fidelity table that names one flag states that flag's real default first."""
+    readme = (HERE / "README.md").read_text()
+    table = readme.split("### The table", 1)[1].split("\n\n", 2)[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert len(rows) >= 20 and all(len(r) == 5 for r in rows)
+    checked = 0
+    for choice, _, _, ours, flag in rows:
+        first = re.findall(r"`([^`]*)`", ours)
+        if re.fullmatch(r"`--[a-z-]+`", flag):
+            name = flag.strip("`")[2:].replace("-", "_")
+            default = S.Args.__dataclass_fields__[name].default
+            want = "off" if default is False else str(default)
+            assert first and (first[0] == want or first[0] in want.split(",")), (choice, first, want)
+            checked += 1
+        elif flag == "`SPIRAL_OBSERVATIONS`":
+            game = "TicTacToe-v0" if "TicTacToe" in choice else "SimpleNegotiation-v0"
+            assert first[0] == S.SPIRAL_OBSERVATIONS[game], choice
+            checked += 1
+    assert checked >= 18
