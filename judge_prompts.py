@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-PROMPT_VERSION = "stratagem-rubric-v1"
+PROMPT_VERSION = "stratagem-rubric-v2"
 
 TRAJECTORY_OPEN = "<trajectory>"
 TRAJECTORY_CLOSE = "</trajectory>"
@@ -47,8 +47,9 @@ science or coding problem, or is it lore that only works in this game?
 alpha - abstraction level
   0   : game-specific lore only ("K beats Q so bet", "always take the centre").
   0.5 : some general notions, mixed with lore ("the centre is strong because it is on more lines").
-  1   : the decision is framed in general terms (expected value, probabilities, case enumeration,
-        dominance, invariants), e.g. "with J I lose every showdown, so calling only loses chips".
+  1   : the decision is framed in general, game-independent concepts (expected value, probability,
+        case enumeration, dominance, invariants), e.g. "option A gains 2 with probability 1/3 and
+        loses 1 otherwise, an expected value of 0; option B's is +0.5, so B is better".
 
 sigma - structural clarity
   0   : no visible structure; assertions without steps, or text unrelated to the decision.
@@ -68,23 +69,31 @@ Reply with exactly this JSON object as the last thing you write, each value one 
         "keys": ("d", "a", "c"),
         "levels": (-1.0, 0.0, 1.0),
         "text": """\
-Grade how the player's reasoning EVOLVES over its turns in this game.
+Grade how the player's reasoning CHANGES from its first turn to its last. Each key scores a change,
+not a level: -1 = degradation, 0 = neutral (no change), +1 = improvement. Reasoning that is equally
+good (or equally poor) on every turn is 0, not +1 or -1.
+If the player took only ONE turn, there is nothing to compare: give 0 to all three keys.
 
-d - deepening across turns
-  -1 : regression; later turns are shallower, or repeat the first turn whatever happened (the
-       "reset" failure: "on my first move I take the centre" when the board is half full).
-   0 : flat; each turn is about as deep as the one before (also: a single turn of ordinary depth).
-  +1 : later turns build on earlier conclusions and go further (new cases, sharper estimates).
+d - depth across turns
+  -1 : degradation; later turns are shallower than earlier ones, or start over as if nothing had
+       happened (the "reset" failure: "on my first move I take the centre" when the board is half full).
+   0 : neutral; later turns are about as deep as earlier ones.
+  +1 : improvement; later turns build on earlier conclusions and go further (new cases, sharper
+       estimates, a conclusion reused instead of re-derived).
 
-a - strategic adaptation
-  -1 : ignores the opponent's moves and the new state; plans do not change when they should.
-   0 : reacts to the state only superficially.
-  +1 : updates its plan from what the opponent did and what the state now allows.
+a - adaptation across turns
+  -1 : degradation; the plan stops following the game: the opponent's moves and the new state are
+       ignored, or the player repeats a plan the state has made impossible.
+   0 : neutral; the player reacts to new information about as much as it did at the start.
+  +1 : improvement; the plan is revised from what the opponent did and what the state now allows,
+       and the revision is stated.
 
-c - logical coherence
-  -1 : contradicts itself, or the chosen action contradicts its own reasoning or the rules.
-   0 : mostly consistent with small slips.
-  +1 : every step follows from the previous one and the action follows from the reasoning.
+c - coherence across turns
+  -1 : degradation; later turns contradict earlier ones or themselves, or an action starts to
+       contradict its own reasoning or the rules, when the earlier turns did not.
+   0 : neutral; coherence stays as it was (consistent throughout is 0, and so is muddled throughout).
+  +1 : improvement; later turns fix an earlier contradiction or slip, and the chain from state to
+       reasoning to action becomes tighter than it was.
 
 Reply with exactly this JSON object as the last thing you write, each value one of -1, 0, 1:
 {"d": <level>, "a": <level>, "c": <level>}""",

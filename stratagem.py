@@ -90,18 +90,22 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (saves memory for long responses)"""
     # --- games ---
-    games: str = "TicTacToe-v0,KuhnPoker-v0,SimpleNegotiation-v0"
-    """comma-separated two-player TextArena ids; one is sampled uniformly per episode"""
+    games: str = "TicTacToe-v0,KuhnPoker-v0-short,SimpleNegotiation-v0"
+    """comma-separated two-player TextArena ids, one sampled uniformly per episode; as in SPIRAL, Kuhn Poker plays 5 rounds (-short), TicTacToe shows the current board only, SimpleNegotiation the whole exchange"""
     num_envs: int = 32
     """games played at once in lockstep (one batched generation call per turn)"""
     max_turns: int = 30
     """turn cap per game (both players, retries included); a capped game is a draw"""
     error_allowance: int = 0
     """invalid moves a player may retry before it loses (SPIRAL: 0, an invalid move loses)"""
+    invalid_rewards: str = "-1,1"
+    """OFFENDER,OPPONENT: rewards when a game ends on an invalid move (TextArena: -1,1; SPIRAL's code: -1.5,0.5; write --invalid-rewards=-1.5,0.5)"""
+    strict_actions: bool = False
+    """SPIRAL's action rule: only the last \\boxed{} counts and it must be one legal action, else the move is invalid and the game ends (default: last \\boxed{}, else the last [...], read by TextArena)"""
     # --- evaluation ---
     eval_every: int = 0
     """every N steps, play --eval-n games of each --eval-games id against a random legal player (0: off)"""
-    eval_games: str = "TicTacToe-v0,KuhnPoker-v0,SimpleNegotiation-v0,Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
+    eval_games: str = "TicTacToe-v0,KuhnPoker-v0-short,SimpleNegotiation-v0,Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
     """games of the periodic evaluation: the training games and out-of-distribution ones"""
     eval_n: int = 10
     """games per id and evaluation, the model taking each seat in turn"""
@@ -156,6 +160,32 @@ class Args:
     """Adam learning rate, constant (paper: 1e-6)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this value"""
+    ppo_epochs: int = 1
+    """Adam steps per batch: 1 = REINFORCE (the paper); N > 1 = N passes with PPO's ratio clipping (SPIRAL's code: 2)"""
+    clip_range: float = 0.2
+    """with --ppo-epochs > 1: the ratio pi/pi_old is clipped to [1 - eps, 1 + eps] (SPIRAL's code: 0.2)"""
+    adam_betas: str = "0.9,0.999"
+    """B1,B2 of Adam (torch's default; SPIRAL's code, through oat: 0.9,0.95)"""
+
+    @property
+    def invalid_reward_pair(self) -> tuple[float, float]:
+        return number_pair(self.invalid_rewards, "--invalid-rewards")
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return number_pair(self.adam_betas, "--adam-betas")
+
+
+def number_pair(text: str, flag: str) -> tuple[float, float]:
+    """'-1.5,0.5' -> (-1.5, 0.5); anything else is the user's mistake."""
+    parts = text.split(",")
+    try:
+        pair = tuple(float(x) for x in parts)
+    except ValueError:
+        pair = ()
+    if len(pair) != 2 or not all(math.isfinite(x) for x in pair):
+        raise UserError(f"{flag} takes two numbers A,B, got {text!r}")
+    return pair
 
 
 CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("hf", "vllm"), "judge": ("openai", "heuristic"),
@@ -235,20 +265,23 @@ def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
 
 def validate(args: Args) -> None:
     bounds = [  # (fields, test, wording)
-        (("steps", "save_every", "batch_size", "micro_batch_size", "num_envs", "max_new_tokens", "max_turns",
+        (("steps", "save_every", "ppo_epochs", "batch_size", "micro_batch_size", "num_envs", "max_new_tokens", "max_turns",
           "eval_n", "eval_max_turns", "judge_max_tokens", "judge_concurrency", "judge_samples"), lambda v: v >= 1, ">= 1"),
         (("error_allowance", "eval_every", "beta", "judge_temperature", "judge_retries", "judge_price_in",
           "judge_price_out", "judge_budget"), lambda v: v >= 0, ">= 0"),
         (("lr", "temperature", "max_grad_norm", "judge_timeout"), lambda v: v > 0, "> 0"),
         (("ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
         (("judge_sample_rate",), lambda v: 0 <= v <= 1, "in [0, 1]"),
-        (("vllm_gpu_memory_utilization",), lambda v: 0 < v < 1, "in (0, 1)"),
+        (("vllm_gpu_memory_utilization", "clip_range"), lambda v: 0 < v < 1, "in (0, 1)"),
     ]
     for names, ok, wording in bounds:
         for name in names:
             value = getattr(args, name)
             if not (ok(value) and math.isfinite(value)):
                 raise UserError(f"--{name.replace('_', '-')} must be {wording}, got {value}")
+    number_pair(args.invalid_rewards, "--invalid-rewards")  # a UserError when it is not two numbers
+    if not all(0 <= b < 1 for b in args.betas):
+        raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
     if args.judge_budget and not args.judge_price_in + args.judge_price_out:
         raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
 
@@ -288,10 +321,23 @@ def game_ids(spec: str, flag: str = "--games") -> list[str]:
     return ids
 
 
+# The observation SPIRAL's code gives each training game (spiral/envs/__init__.py, make_env): TicTacToe the
+# rules and the current board only; the others the whole exchange, the opponent's own words included.
+# TextArena 0.7.4's defaults differ for these two (TicTacToe: the whole history; SimpleNegotiation: game
+# messages only, the opponent's words dropped), so they are built from the bare "-raw" game. Both wrappers
+# ship with TextArena.
+SPIRAL_OBSERVATIONS = {"TicTacToe-v0": "FirstLastObservationWrapper", "SimpleNegotiation-v0": "LLMObservationWrapper"}
+
+
 def make_env(game_id: str, seed: int, error_allowance: int):
     import textarena as ta
+    from textarena.wrappers.ObservationWrappers import llm_observation_wrapper
 
-    env = ta.make(game_id)
+    if game_id in SPIRAL_OBSERVATIONS:
+        observe = getattr(llm_observation_wrapper, SPIRAL_OBSERVATIONS[game_id])
+        env = ta.wrappers.ActionFormattingWrapper(observe(ta.make(game_id + "-raw")))
+    else:
+        env = ta.make(game_id)
     env.reset(num_players=2, seed=seed)
     env.state.error_allowance = error_allowance  # TextArena's default is 1 retry; SPIRAL uses 0
     return env
@@ -308,11 +354,9 @@ def format_prompt(tokenizer, observation: str, role: int) -> str:
 _TEXT_WRAPPER = re.compile(r"\\text\{(.*)\}", re.DOTALL)
 
 
-def parse_action(response: str) -> str:
-    """The last \\boxed{...} (braces matched), as "[...]"; else the last [...]; else "".
-
-    Linear in the response length (no regex backtracking), so 100k-character outputs are cheap.
-    """
+def boxed_action(response: str) -> str:
+    """The content of the last \\boxed{...} (braces matched, \\text{} unwrapped), as "[...]"; "" if there
+    is none or it is empty. Linear in the response length (no regex backtracking)."""
     start = response.rfind("\\boxed{")
     if start >= 0:
         i, depth = start + len("\\boxed{"), 1
@@ -325,9 +369,38 @@ def parse_action(response: str) -> str:
                 if content:
                     return content if content.startswith("[") and content.endswith("]") else f"[{content}]"
                 break
+    return ""
+
+
+def parse_action(response: str) -> str:
+    """The last \\boxed{...} as "[...]"; else the last [...]; else "" (TextArena then reads the text as it can)."""
+    if boxed := boxed_action(response):
+        return boxed
     close = response.rfind("]")
     open_ = response.rfind("[", 0, close) if close >= 0 else -1
     return response[open_:close + 1] if open_ >= 0 else ""
+
+
+_ONE_ACTION = re.compile(r"\[[^\[\]]+\]")
+
+
+def accepts(env, pid: int, action: str) -> bool:
+    """Whether the game takes `action` from seat `pid` as a valid move, tried on a deep copy with no
+    retries (global `random` restored, so a dice roll tried here does not change the real game)."""
+    state = random.getstate()
+    trial = copy.deepcopy(env)
+    trial.state.error_allowance = 0
+    trial.step(action)
+    random.setstate(state)
+    return not trial.state.game_info[pid].get("invalid_move")
+
+
+def strict_action(response: str, env, pid: int) -> str:
+    """--strict-actions, SPIRAL's rule: the last \\boxed{} only (whitespace collapsed), and it must be one
+    legal action: a single [...] that the game accepts. Else "": the move is invalid. This refuses what
+    TextArena's lenient parsers would take, e.g. "\\boxed{[I play [4]]}" or a bracket outside the box."""
+    action = re.sub(r"\s+", " ", boxed_action(response))
+    return action if _ONE_ACTION.fullmatch(action) and accepts(env, pid, action) else ""
 
 
 @dataclass
@@ -370,6 +443,7 @@ class Episode:
     env: object
     turns: dict[int, list[Turn]] = field(default_factory=lambda: {0: [], 1: []})
     pending: tuple[int, str] | None = None  # (player id, observation) of the turn being generated
+    forfeit: int | None = None  # the seat whose action --strict-actions refused; the game ends there
 
     @property
     def n_turns(self) -> int:
@@ -420,12 +494,15 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
             still_live = []
             for ep, (prompt_ids, response_ids, text) in zip(live, outputs):
                 pid, obs = ep.pending
-                action = parse_action(text)
+                action = strict_action(text, ep.env, pid) if args.strict_actions else parse_action(text)
                 ep.turns[pid].append(Turn(obs, text, action, prompt_ids, response_ids))
                 collected += 1
-                done, _ = ep.env.step(action)
+                if args.strict_actions and not action:  # SPIRAL ends the game at once, retries or not
+                    ep.forfeit, done = pid, True
+                else:
+                    done, _ = ep.env.step(action)
                 if done or ep.n_turns >= args.max_turns:
-                    finished.extend(finish_episode(ep, done, counts))
+                    finished.extend(finish_episode(ep, done, counts, args.invalid_reward_pair))
                     lengths[ep.game] = 0.9 * lengths.get(ep.game, ep.n_turns) + 0.1 * ep.n_turns
                 else:
                     still_live.append(ep)
@@ -433,9 +510,11 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
     return finished, counts, calls
 
 
-def game_result(env, done: bool) -> tuple[dict[int, float], dict[int, bool]]:
-    """Terminal rewards R_p in {-1, 0, 1} and which seat lost by an invalid move; a game stopped by the
-    turn cap (not done) is a draw."""
+def game_result(env, done: bool, forfeit: int | None = None) -> tuple[dict[int, float], dict[int, bool]]:
+    """Terminal outcomes in {-1, 0, 1} and which seat lost by an invalid move; a game stopped by the
+    turn cap (not done) is a draw; `forfeit` is a seat whose move was refused before the game saw it."""
+    if forfeit is not None:
+        return {p: -1.0 if p == forfeit else 1.0 for p in (0, 1)}, {p: p == forfeit for p in (0, 1)}
     if not done:
         return {0: 0.0, 1: 0.0}, {0: False, 1: False}
     rewards, info = env.close()
@@ -443,12 +522,23 @@ def game_result(env, done: bool) -> tuple[dict[int, float], dict[int, bool]]:
             {p: bool(info[p].get("invalid_move")) for p in (0, 1)})
 
 
-def finish_episode(ep: Episode, done: bool, counts: dict) -> list[Trajectory]:
+def training_rewards(outcomes: dict[int, float], invalid: dict[int, bool],
+                     invalid_rewards: tuple[float, float]) -> dict[int, float]:
+    """R_p: the outcome (-1, 0, 1), except that a game lost by an invalid move pays (offender, opponent)
+    = --invalid-rewards (TextArena: -1, 1; SPIRAL's code: -1.5, 0.5, so that an invalid move costs more
+    than a lost game and the opponent gains less than a won one)."""
+    if not any(invalid.values()):
+        return outcomes
+    return {p: invalid_rewards[0] if invalid[p] else invalid_rewards[1] for p in outcomes}
+
+
+def finish_episode(ep: Episode, done: bool, counts: dict, invalid_rewards: tuple[float, float]) -> list[Trajectory]:
     """A seat that never moved yields no trajectory (nothing of it to train), but its outcome is counted."""
-    rewards, invalid = game_result(ep.env, done)
+    outcomes, invalid = game_result(ep.env, done, ep.forfeit)
+    rewards = training_rewards(outcomes, invalid, invalid_rewards)
     for p in (0, 1):
         c = counts[ep.game][f"player{p}"]
-        c[{1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[p]]] += 1
+        c[{1.0: "win", 0.0: "draw", -1.0: "loss"}[outcomes[p]]] += 1
         c["invalid"] += invalid[p]
     return [Trajectory(ep.game, p, ep.turns[p], rewards[p]) for p in (0, 1) if ep.turns[p]]
 
@@ -510,13 +600,24 @@ class JudgeFailure(Exception):
         self.kind = kind
 
 
+# Numbers as models write them but JSON forbids: a leading "+" ("d": +1, the rubric's own spelling)
+# and a bare decimal point ("alpha": .5, -.5). Rewritten to JSON before decoding; only a number right
+# after ":", "," or "[" is touched, so keys and quoted strings keep their text.
+_LOOSE_NUMBER = re.compile(r"([:,\[]\s*)\+?(-?)(\.?)(?=\d)")
+
+
+def loosen_numbers(text: str) -> str:
+    """'{"d": +1, "a": .5, "c": -.5}' -> '{"d": 1, "a": 0.5, "c": -0.5}' (other text unchanged)."""
+    return _LOOSE_NUMBER.sub(lambda m: m.group(1) + m.group(2) + ("0." if m.group(3) else ""), text)
+
+
 def parse_scores(reply: str, rubric: str) -> dict[str, float]:
     """The last JSON object in `reply` that holds all of the rubric's keys. Thinking, prose and
-    ```json fences around it are fine; other keys are ignored. Failure kinds: no_json (no JSON
-    object at all), missing_keys (objects, but none with every key), bad_value (a level outside the
-    rubric's set; numbers given as strings are accepted, booleans are not)."""
+    ```json fences around it are fine; other keys are ignored; "+1", ".5" and numbers given as
+    strings ("0.5", "+1") are read. Failure kinds: no_json (no JSON object at all), missing_keys
+    (objects, but none with every key), bad_value (booleans, NaN, or a level outside the rubric's set)."""
     spec = judge_prompts.RUBRICS[rubric]
-    tail = reply[-65536:]  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
+    tail = loosen_numbers(reply[-65536:])  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
     decoder, partial = json.JSONDecoder(), False
     for pos in reversed([m.start() for m in re.finditer(r"\{", tail)][-256:]):
         try:
@@ -536,7 +637,7 @@ def parse_scores(reply: str, rubric: str) -> dict[str, float]:
                 v = None
             if v not in spec["levels"]:
                 raise JudgeFailure("bad_value", f"{k}={obj[k]!r} not in {spec['levels']}")
-            scores[k] = v
+            scores[k] = spec["levels"][spec["levels"].index(v)]  # the level itself: "-0" reads as 0.0
         return scores
     raise JudgeFailure("missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(spec["keys"]))
 
@@ -803,6 +904,34 @@ def reinforce_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Te
     return -(advantages[:, None] * logps * mask).sum() / normaliser  # scalar
 
 
+# --ppo-epochs N > 1 (SPIRAL's code, through oat): N Adam steps on the same batch, each on PPO's clipped
+# surrogate with the same constant normaliser, r = pi_theta / pi_old per token, pi_old = the policy that
+# played (before this batch's first step):
+#   loss = -sum_i sum_t min(A_i r_it, A_i clip(r_it, 1-eps, 1+eps)) / normaliser
+# In the first epoch r = 1 and d r/d theta = d log pi/d theta, so that step is the REINFORCE step exactly.
+def ppo_clip_loss(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                  normaliser: float, clip_range: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (loss, r, clipped): r = exp(logps - old_logps) and `clipped` marks the tokens whose loss
+    the clip bounds (oat's pg_clipfrac). logps, old_logps, mask [B, T]; advantages [B]."""
+    ratio = torch.exp(logps - old_logps)  # [B, T]
+    adv = advantages[:, None]  # [B, 1]
+    unclipped, clipped = adv * ratio, adv * ratio.clamp(1 - clip_range, 1 + clip_range)  # [B, T] each
+    loss = -(torch.minimum(unclipped, clipped) * mask).sum() / normaliser  # scalar
+    return loss, ratio.detach(), (clipped < unclipped).detach()  # [B, T] bool: the clip is binding
+
+
+def ppo_summary(epochs_by_rank: list[list[dict]], world: int) -> dict:
+    """Per epoch, over every rank: the loss (summed like the REINFORCE loss), the mean ratio and the
+    fraction of response tokens whose loss the clip bounded. Epoch 1 is always ratio 1, fraction 0."""
+    out = {"loss": [], "ratio_mean": [], "clip_frac": []}
+    for epoch in zip(*epochs_by_rank):
+        tokens = sum(e["tokens"] for e in epoch)
+        out["loss"].append(sum(e["loss"] for e in epoch) / world)
+        out["ratio_mean"].append(sum(e["ratio_sum"] for e in epoch) / max(tokens, 1))
+        out["clip_frac"].append(sum(e["clipped"] for e in epoch) / max(tokens, 1))
+    return out
+
+
 def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
     """LEFT-pad prompt+response so every response ends at the last column: the learner then needs
     logits for the last R+1 positions only (R = longest response), not for the whole prompt."""
@@ -829,30 +958,46 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, resp_len: in
 
 def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device: torch.device, pad_id: int,
                   normaliser: float, dist: "Dist") -> dict:
-    """One Adam step over this rank's transitions, in micro-batches with gradient accumulation.
-    Transitions are sorted by length so each micro-batch carries little padding. Under FSDP every
-    rank must run as many backward passes as the others (each is a collective), so a rank with
-    fewer micro-batches repeats its last one with zero advantage: no gradient, same collectives."""
+    """One Adam step over this rank's transitions (--ppo-epochs of them, see ppo_clip_loss), in
+    micro-batches with gradient accumulation. Transitions are sorted by length so each micro-batch
+    carries little padding. Under FSDP every rank must run as many backward passes as the others (each
+    is a collective), so a rank with fewer micro-batches repeats its last one with zero advantage: no
+    gradient, same collectives. Returns the loss and gradient norm (means over epochs) and per-epoch sums."""
     items = sorted(((t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns),
                    key=lambda x: len(x[0]) + len(x[1]))
     chunks = [items[k:k + args.micro_batch_size] for k in range(0, len(items), args.micro_batch_size)]
+    n_real = len(chunks)
     chunks += [[(p, r, 0.0) for p, r, _ in chunks[-1]]] * (max(dist.gather(len(chunks))) - len(chunks))
     model.train()
+    old_logps: list[torch.Tensor] = []  # per micro-batch log pi_old [b, R], from the first epoch's forward pass
+    epochs = []
+    for epoch in range(args.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "ratio_sum": 0.0, "clipped": 0.0, "tokens": 0.0}
+        for k, chunk in enumerate(chunks):
+            ids, attn, mask = (x.to(device) for x in collate([(p, r) for p, r, _ in chunk], pad_id))
+            adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logps = sequence_logprobs(model, ids, attn, mask.shape[1], args.temperature)  # [b, R]
+            if args.ppo_epochs == 1:
+                loss = reinforce_loss(logps, mask, adv, normaliser)
+            else:
+                if epoch == 0:
+                    old_logps.append(logps.detach())  # [b, R]
+                loss, ratio, clipped = ppo_clip_loss(logps, old_logps[k], mask, adv, normaliser, args.clip_range)
+                if k < n_real:  # FSDP's zero-advantage repeats are not this rank's tokens
+                    sums["ratio_sum"] += (ratio * mask).sum().item()
+                    sums["clipped"] += (clipped * mask).sum().item()
+                    sums["tokens"] += mask.sum().item()
+            loss.backward()
+            sums["loss"] += loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
+        optimizer.step()
+        epochs.append({**sums, "grad_norm": grad_norm.item()})
     optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for chunk in chunks:
-        ids, attn, mask = (x.to(device) for x in collate([(p, r) for p, r, _ in chunk], pad_id))
-        adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logps = sequence_logprobs(model, ids, attn, mask.shape[1], args.temperature)  # [b, R]
-        loss = reinforce_loss(logps, mask, adv, normaliser)
-        loss.backward()
-        total += loss.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": total, "grad_norm": grad_norm.item()}
+    return {"loss": sum(e["loss"] for e in epochs) / len(epochs),
+            "grad_norm": sum(e["grad_norm"] for e in epochs) / len(epochs), "epochs": epochs}
 
 
 # =====================================================================================
@@ -1315,7 +1460,7 @@ def train(args: Args) -> Path:
         policy = (VLLMPolicy(model_path, tokenizer, args, device) if args.backend == "vllm"
                   else HFPolicy(generator, tokenizer, args, device))
         dist.gather(None)  # every rank has loaded and passed the checks before the tiny folder goes or --out comes
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=args.betas)
     baselines: dict[str, float] = {}  # RAE: b[G, p], keyed "game/playerP" (rank 0)
     lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch (per rank)
     start, elapsed, judge_totals = 0, 0.0, None
@@ -1398,7 +1543,7 @@ def train(args: Args) -> Path:
                 evaluation = summarize_matches(records)
 
         # ---- bookkeeping (rank 0 writes) ----
-        ranks = dist.gather((outcomes, calls, upd["loss"]))
+        ranks = dist.gather((outcomes, calls, upd["loss"], upd["epochs"]))
         step_time = time.perf_counter() - t0
         elapsed += step_time
         if dist.main:
@@ -1415,16 +1560,19 @@ def train(args: Args) -> Path:
                 **judge_metrics(judged, usage, runner), **mod,
                 "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
                 "loss": sum(r[2] for r in ranks) / dist.world, "grad_norm": upd["grad_norm"],
+                **({"ppo": ppo_summary([r[3] for r in ranks], dist.world)} if args.ppo_epochs > 1 else {}),
                 "baselines": dict(baselines), **({"eval": evaluation} if evaluation else {}),
             }
             for t in trajs:
                 append_jsonl(out / "trajectories.jsonl", t.record(step))
             append_jsonl(out / "metrics.jsonl", metrics)
             cost = f" ${metrics['judge_cost_total']:.4f}" if args.judge_price_in + args.judge_price_out else ""
+            ppo = (f" (last epoch: ratio {metrics['ppo']['ratio_mean'][-1]:.3f}, clipped {metrics['ppo']['clip_frac'][-1]:.1%})"
+                   if "ppo" in metrics else "")
             print(f"step {step}/{args.steps} | {metrics['episodes']} games, {len(trajs)} trajectories, "
                   f"{transitions} transitions | judged {metrics['judge_judged']} (failed {metrics['judge_failed']})"
                   f"{cost} | phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | A_mod {a_mod_mean:+.3f}"
-                  f"±{a_mod_std:.3f} | loss {metrics['loss']:+.4f} | {step_time:.1f}s", flush=True)
+                  f"±{a_mod_std:.3f} | loss {metrics['loss']:+.4f}{ppo} | {step_time:.1f}s", flush=True)
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(out, step, model, tokenizer, optimizer, dist=dist,
                             shared={"baselines": baselines, "elapsed": elapsed,
@@ -1461,16 +1609,7 @@ def candidate_actions(observation: str) -> list[str]:
 def legal_actions(env, pid: int, observation: str) -> list[str]:
     """The candidates that the game accepts, each tried on a deep copy of it (global `random` restored,
     so trying a dice roll does not change the real game's dice)."""
-    state = random.getstate()
-    legal = []
-    for action in candidate_actions(observation):
-        trial = copy.deepcopy(env)
-        trial.state.error_allowance = 0
-        trial.step(action)
-        if not trial.state.game_info[pid].get("invalid_move"):
-            legal.append(action)
-    random.setstate(state)
-    return legal
+    return [action for action in candidate_actions(observation) if accepts(env, pid, action)]
 
 
 class RandomPlayer:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -990,3 +991,259 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     (tmp_path / "metrics.jsonl").write_text("")
     assert "pip install matplotlib" in error_of(capsys, ["plot", str(tmp_path)])
+
+
+# ==== issue 9: fidelity to the papers (verdicts, rubric, SPIRAL's games, recipe flags) ====
+@pytest.mark.parametrize("reply, rubric, scores", [
+    ('<think>Turn 2 reuses turn 1\'s odds {so d improves}.</think>\n```json\n{"d": +1, "a": 0, "c": -1}\n```',
+     "evolution", {"d": 1.0, "a": 0.0, "c": -1.0}),
+    ('Verdict: {"alpha": .5, "sigma": +.5, "rho": +1} - the player enumerates cases.',
+     "transferability", {"alpha": 0.5, "sigma": 0.5, "rho": 1.0}),
+    ('```\n{\n  "alpha": "0.5",\n  "sigma": "+1",\n  "rho": ".5"\n}\n```', "transferability",
+     {"alpha": 0.5, "sigma": 1.0, "rho": 0.5}),
+    ('Scores {"d": "-1", "a": -0, "c": +0} as asked.', "evolution", {"d": -1.0, "a": 0.0, "c": 0.0}),
+    ('{"d": +1, "a": +1, "c": +1, "why": "ratio: +.5 better"}', "evolution", {"d": 1.0, "a": 1.0, "c": 1.0}),
+])
+def test_verdicts_as_models_write_them_are_read(reply, rubric, scores):
+    parsed = S.parse_scores(reply, rubric)
+    assert parsed == scores and all(math.copysign(1, v) == 1 for v in parsed.values() if v == 0)  # no -0.0
+
+
+@pytest.mark.parametrize("reply, rubric", [
+    ('{"d": +1, "a": NaN, "c": 0}', "evolution"),
+    ('{"d": +1, "a": "nan", "c": 0}', "evolution"),
+    ('{"alpha": false, "sigma": .5, "rho": 1}', "transferability"),
+    ('{"alpha": +.7, "sigma": .5, "rho": 1}', "transferability"),
+    ('{"d": +2, "a": 0, "c": 0}', "evolution"),
+    ('{"d": .5, "a": 0, "c": 0}', "evolution"),
+])
+def test_loose_verdicts_outside_the_levels_are_still_bad_values(reply, rubric):
+    with pytest.raises(S.JudgeFailure) as e:
+        S.parse_scores(reply, rubric)
+    assert e.value.kind == "bad_value"
+
+
+def test_a_plus_one_verdict_from_a_real_server_counts_as_judged(secret_key):
+    """Through the real openai client: '+1' and '.5' verdicts must reach phi and psi, not fail as no_json."""
+    def plus_judge(body):
+        reply = {"transferability": '{"alpha": 1, "sigma": .5, "rho": 0}',
+                 "evolution": 'I weigh each turn.\n{"d": +1, "a": 0, "c": +1}'}[rubric_of(body)]
+        return 200, completion(reply)
+
+    server = JudgeServer(plus_judge)
+    try:
+        args = judge_args(server.url)
+        runner = S.JudgeRunner(S.OpenAIJudge("judge-test", server.url, args), args, S.JudgeCache(None))
+        traj = S.Trajectory("TicTacToe-v0", 0, [S.Turn("board", "I take [4]", "[4]", [], [])], 1.0)
+        [judgement], _ = runner.judge([traj], ["transferability", "evolution"])
+    finally:
+        server.close()
+    assert judgement.failure is None
+    assert judgement.scores == {"alpha": 1.0, "sigma": 0.5, "rho": 0.0, "d": 1.0, "a": 0.0, "c": 1.0}
+
+
+def test_evolution_rubric_grades_change_and_alpha_top_anchor_is_abstract():
+    evolution = judge_prompts.RUBRICS["evolution"]["text"]
+    assert "ONE turn" in evolution and "give 0 to all three keys" in evolution
+    assert "consistent throughout is 0" in evolution
+    for key in ("d", "a", "c"):
+        block = evolution.split(f"\n{key} - ", 1)[1].split("\n\n", 1)[0]
+        assert "degradation" in block and "neutral" in block and "improvement" in block
+    alpha_top = judge_prompts.RUBRICS["transferability"]["text"].split("\n  1   :", 1)[1].split("\n\n", 1)[0]
+    assert "expected value" in alpha_top and "probability" in alpha_top
+    assert not re.search(r"\b(J|Q|K|showdown|centre|chips?)\b", alpha_top)
+    assert judge_prompts.PROMPT_VERSION == "stratagem-rubric-v2"
+
+
+def test_games_are_set_up_as_spiral_sets_them_up():
+    kuhn = S.make_env("KuhnPoker-v0-short", 3, 0)
+    assert kuhn.env.env.max_rounds == 5 and "KuhnPoker-v0-short" in S.Args().games.split(",")
+    ttt = S.make_env("TicTacToe-v0", 3, 0)  # the current board only, not the history
+    for move in ("[4]", "[0]"):
+        ttt.step(move)
+    pid, obs = ttt.get_observation()
+    assert obs.count("Current Board") == 1 and " X | 1 | 2 " in obs and " 3 | O | 5 " in obs
+    assert obs.startswith("You are Player 0 in Tic Tac Toe") and obs.endswith("Next Action:")
+    neg = S.make_env("SimpleNegotiation-v0", 3, 0)  # the opponent's own words are shown
+    neg.step("Let us trade, friend. [Offer: 1 Wheat -> 1 Wood]")
+    pid, obs = neg.get_observation()
+    assert pid == 1 and "[Player 0] Let us trade, friend." in obs
+
+
+def test_judge_still_sees_each_turns_board_with_current_state_observations(tiny):
+    _, tok = fresh(tiny)
+
+    def first_free(prompt):
+        moves = prompt.rsplit("Available Moves:", 1)[1]
+        return "\\boxed{" + moves.split("'[")[1].split("]")[0] + "}"
+
+    trajs, _, _ = S.self_play(ScriptedPolicy(first_free), tok, S.Args(tiny=True, batch_size=1, num_envs=1),
+                              ["TicTacToe-v0"], random.Random(0), S.Timer(), {}, 1)
+    text = S.render_for_judge(trajs[0])  # player 0 played 0, 2, 4, 6 against 1, 3, 5
+    turns = text.split("--- Turn ")[1:]
+    assert len(turns) == 4
+    assert all(turn.count("Current Board") == 1 for turn in turns)  # each turn: the state as it is then
+    assert " O | X | 2 " in turns[1] and " O | X | O " in turns[2] and " X | 4 | 5 " in turns[2]
+    assert " X | O | X " in turns[3] and " O | X | O " not in turns[1]
+
+
+def test_strict_actions_take_the_last_box_and_only_a_legal_action():
+    env = S.make_env("TicTacToe-v0", 1, 0)
+    pid, _ = env.get_observation()
+    assert S.strict_action("I think \\boxed{[4]}", env, pid) == "[4]"
+    assert S.strict_action("\\boxed{ 4 }", env, pid) == "[4]"
+    lenient = "\\boxed{[I play [4]]}"
+    assert S.parse_action(lenient) == "[I play [4]]" and S.accepts(env, pid, "[I play [4]]")  # TextArena takes it
+    assert S.strict_action(lenient, env, pid) == ""
+    assert S.strict_action("I play [4]", env, pid) == ""  # a bracket outside any box
+    assert S.strict_action("\\boxed{9}", env, pid) == "" and S.strict_action("\\boxed{4} then [5]", env, pid) == "[4]"
+    env.step("[4]")
+    pid, _ = env.get_observation()
+    assert S.strict_action("\\boxed{4}", env, pid) == "" and S.strict_action("\\boxed{5}", env, pid) == "[5]"
+    kuhn = S.make_env("KuhnPoker-v0-short", 1, 0)
+    pid, _ = kuhn.get_observation()
+    assert S.strict_action("\\boxed{raise}", kuhn, pid) == "" and S.strict_action("\\boxed{check}", kuhn, pid) == "[check]"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_strict_actions_end_the_game_on_a_bracket_the_game_would_take(tiny, strict):
+    _, tok = fresh(tiny)
+    args = S.Args(tiny=True, batch_size=2, num_envs=2, strict_actions=strict, invalid_rewards="-1.5,0.5")
+    policy = ScriptedPolicy(lambda p: "\\boxed{[I play [" + p.rsplit("Available Moves:", 1)[1].split("'[")[1][0] + "]]}")
+    trajs, counts, _ = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {}, 2)
+    c = counts["TicTacToe-v0"]
+    if strict:
+        assert all(len(t.turns) == 1 and t.turns[0].action == "" and t.reward == -1.5 for t in trajs)
+        assert c["player0"]["invalid"] == c["player0"]["loss"] == c["player1"]["win"] == len(trajs) == 2
+    else:  # lenient: TextArena reads the cell out of the bracket and the game is played to its end
+        assert {t.reward for t in trajs} == {1.0, -1.0} and c["player0"]["invalid"] == 0
+
+
+def test_invalid_move_rewards_through_a_real_game(tiny):
+    _, tok = fresh(tiny)
+    args = S.Args(tiny=True, batch_size=1, num_envs=1, invalid_rewards="-1.5,0.5")
+    trajs, counts, _ = S.self_play(ScriptedPolicy(lambda p: "\\boxed{4}"), tok, args, ["TicTacToe-v0"],
+                                   random.Random(0), S.Timer(), {}, 1)  # seat 1 repeats the taken centre
+    assert [(t.role, t.reward) for t in trajs] == [(0, 0.5), (1, -1.5)]
+    assert counts["TicTacToe-v0"]["player1"] == {"win": 0, "draw": 0, "loss": 1, "invalid": 1}
+    assert S.training_rewards({0: 1.0, 1: -1.0}, {0: False, 1: False}, (-1.5, 0.5)) == {0: 1.0, 1: -1.0}
+
+
+def test_invalid_rewards_are_logged_by_a_tiny_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(SMALL + ["--steps", "1", "--mode", "spiral", "--games", "TicTacToe-v0", "--out", str(out),
+                        "--invalid-rewards=-1.5,0.5"]) == 0
+    trajs, [m] = read_jsonl(out / "trajectories.jsonl"), read_jsonl(out / "metrics.jsonl")
+    invalid = sum(m["games"]["TicTacToe-v0"][p]["invalid"] for p in ("player0", "player1"))
+    assert invalid > 0 and sum(t["reward"] == -1.5 for t in trajs) == invalid  # the random model errs
+    assert {t["reward"] for t in trajs} <= {-1.5, 0.5, 1.0, -1.0, 0.0}
+    assert all(t["a_game"] == pytest.approx(t["reward"] - t["baseline"]) for t in trajs)
+    assert json.loads((out / "config.json").read_text())["invalid_rewards"] == "-1.5,0.5"
+    for bad, flag in ((["--invalid-rewards", "1,x"], "--invalid-rewards"), (["--adam-betas", "0.9"], "--adam-betas"),
+                      (["--adam-betas", "0.9,1.0"], "--adam-betas"), (["--clip-range", "0"], "--clip-range"),
+                      (["--ppo-epochs", "0"], "--ppo-epochs")):
+        assert flag in error_of(capsys, SMALL + bad + ["--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+
+
+def test_ppo_clip_loss_against_hand_computed_ratios_and_clipping():
+    logps = torch.log(torch.tensor([[1.5, 0.5, 1.1], [1.5, 0.5, 1.1]])).requires_grad_()  # old = 0: r = these
+    mask, adv = torch.ones(2, 3), torch.tensor([1.0, -1.0])
+    loss, ratio, clipped = S.ppo_clip_loss(logps, torch.zeros(2, 3), mask, adv, 1.0, 0.2)
+    # A=+1: min(r, clip r) = 1.2 (clipped), 0.5, 1.1; A=-1: min(-r, -clip r) = -1.5, -0.8 (clipped), -1.1
+    assert loss.item() == pytest.approx(-(1.2 + 0.5 + 1.1 - 1.5 - 0.8 - 1.1))
+    assert torch.allclose(ratio, torch.tensor([[1.5, 0.5, 1.1], [1.5, 0.5, 1.1]]))
+    assert clipped.tolist() == [[True, False, False], [False, True, False]]
+    loss.backward()  # d/dlogp of -A r is -A r where the clip is not binding, 0 where it is
+    assert torch.allclose(logps.grad, torch.tensor([[0.0, -0.5, -1.1], [1.5, 0.0, 1.1]]))
+
+
+def test_ppo_first_epoch_gradient_is_the_reinforce_gradient_exactly():
+    torch.manual_seed(0)
+    logps = (-torch.rand(3, 5) * 4)  # [3, 5]
+    mask = (torch.rand(3, 5) > 0.3).float()
+    adv = torch.tensor([1.3, -0.7, 0.2])
+    grads = []
+    for ppo in (False, True):
+        x = logps.clone().requires_grad_()
+        loss = (S.ppo_clip_loss(x, x.detach(), mask, adv, 7.0, 0.2)[0] if ppo else S.reinforce_loss(x, mask, adv, 7.0))
+        loss.backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_two_ppo_epochs_match_a_hand_computed_update(tiny):
+    """SGD, lr 20, no gradient clipping: epoch 1 is one REINFORCE step; epoch 2 is one step on the clipped
+    surrogate with r = pi_1 / pi_0 per token. Replayed by hand with per-token log-probs, and the logged
+    ratio mean and clip fraction checked against the hand-computed ratios."""
+    prompt, responses, advs = [5, 6, 7], [[8, 9, 10], [11], [12, 13]], [1.0, -0.5, 0.8]
+    lr, eps, norm = 20.0, 0.05, 24.0
+    args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=2, max_grad_norm=1e9, ppo_epochs=2, clip_range=eps)
+    model, _ = fresh(tiny)
+    upd = S.policy_update(model, torch.optim.SGD(model.parameters(), lr=lr), make_batch(prompt, responses, advs), args,
+                          torch.device("cpu"), 0, norm, S.Dist())
+
+    hand, _ = fresh(tiny)
+    opt = torch.optim.SGD(hand.parameters(), lr=lr)
+    items = [(prompt, r) for r in responses]
+    ids, attn, mask = S.collate(items, 0)
+    adv = torch.tensor(advs)
+
+    def logps():
+        return S.sequence_logprobs(hand, ids, attn, mask.shape[1], 1.0)  # [3, R]
+
+    old = logps().detach()
+    opt.zero_grad()
+    (-(adv[:, None] * logps() * mask).sum() / norm).backward()  # epoch 1: REINFORCE
+    opt.step()
+    new = logps()
+    r = torch.exp(new - old)  # [3, R]
+    bound = torch.where(adv[:, None] > 0, torch.clamp(r, max=1 + eps), torch.clamp(r, min=1 - eps))
+    binding = (torch.where(adv[:, None] > 0, r > 1 + eps, r < 1 - eps) & mask.bool())
+    opt.zero_grad()
+    (-(adv[:, None] * bound * mask).sum() / norm).backward()  # epoch 2: min(A r, A clip r) written out by case
+    opt.step()
+    for p, q in zip(model.parameters(), hand.parameters()):
+        assert torch.allclose(p, q, atol=1e-5)
+    [epochs] = [upd["epochs"]]
+    summary = S.ppo_summary([epochs], 1)
+    assert summary["ratio_mean"][0] == pytest.approx(1.0) and summary["clip_frac"][0] == 0.0
+    assert summary["ratio_mean"][1] == pytest.approx(((r * mask).sum() / mask.sum()).item(), rel=1e-5)
+    assert summary["clip_frac"][1] == pytest.approx((binding.sum() / mask.sum()).item())
+    assert 0 < summary["clip_frac"][1] < 1 and abs(summary["ratio_mean"][1] - 1) > 1e-3  # both branches exercised
+    assert upd["loss"] == pytest.approx(sum(summary["loss"]) / 2)
+
+
+def test_ppo_epochs_are_logged_by_a_tiny_run(tmp_path):
+    out = tmp_path / "run"
+    assert run(SMALL + ["--steps", "1", "--mode", "spiral", "--out", str(out), "--ppo-epochs", "3",
+                        "--adam-betas", "0.9,0.95", "--lr", "0.01"]) == 0
+    [m] = read_jsonl(out / "metrics.jsonl")
+    assert len(m["ppo"]["loss"]) == len(m["ppo"]["ratio_mean"]) == len(m["ppo"]["clip_frac"]) == 3
+    assert m["ppo"]["ratio_mean"][0] == pytest.approx(1.0) and m["ppo"]["clip_frac"][0] == 0.0
+    assert m["ppo"]["ratio_mean"][2] != pytest.approx(1.0, abs=1e-6)
+    assert m["loss"] == pytest.approx(sum(m["ppo"]["loss"]) / 3)
+    state = torch.load(out / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=False)
+    assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
+
+
+def test_readme_fidelity_table_matches_the_code():
+    """Every row of the README's fidelity table that names one flag states that flag's real default first."""
+    readme = (HERE / "README.md").read_text()
+    table = readme.split("### The table", 1)[1].split("\n\n", 2)[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert len(rows) >= 20 and all(len(r) == 5 for r in rows)
+    checked = 0
+    for choice, _, _, ours, flag in rows:
+        first = re.findall(r"`([^`]*)`", ours)
+        if re.fullmatch(r"`--[a-z-]+`", flag):
+            name = flag.strip("`")[2:].replace("-", "_")
+            default = S.Args.__dataclass_fields__[name].default
+            want = "off" if default is False else str(default)
+            assert first and (first[0] == want or first[0] in want.split(",")), (choice, first, want)
+            checked += 1
+        elif flag == "`SPIRAL_OBSERVATIONS`":
+            game = "TicTacToe-v0" if "TicTacToe" in choice else "SimpleNegotiation-v0"
+            assert first[0] == S.SPIRAL_OBSERVATIONS[game], choice
+            checked += 1
+    assert checked >= 18
