@@ -1130,8 +1130,8 @@ def test_report_to_wandb_offline_gets_config_and_every_scalar(tmp_path, judge_se
               for u in r.run.config.update}
     assert {k: config[k] for k in ("beta", "report_to", "out", "judge_base_url")} == {
         "beta": 0.2, "report_to": "wandb", "out": str(out), "judge_base_url": judge_server.url}
-    history = {r.history.step.num: {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item
-                                    if not i.key.startswith("_")}  # W&B's own _step, _runtime, _timestamp
+    history = {r.history.step.num: {tag: json.loads(i.value_json) for i in r.history.item
+                                    if not (tag := i.key or "/".join(i.nested_key)).startswith("_")}  # not W&B's _step etc.
                for r in records if r.WhichOneof("record_type") == "history"}
     metrics = read_jsonl(out / "metrics.jsonl")
     assert sorted(history) == [1, 2]
