@@ -1306,7 +1306,7 @@ class Progress:
     (disable=None), so logs stay clean lines; every call then returns at once."""
 
     def __init__(self, step: int, steps: int, target: int, show: bool):
-        self.games, self.judge = 0, ""
+        self.games = 0
         self.bar = tqdm(total=target, desc=f"step {step}/{steps}", file=sys.stderr, disable=None if show else True,
                         leave=False, dynamic_ncols=True,
                         bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} transitions{postfix} [{elapsed}]")

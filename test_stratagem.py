@@ -1217,3 +1217,23 @@ def test_plot_colour_per_run_style_per_series_coinciding_lines_visible_legend_ou
         rgb = (np.array(matplotlib.colors.to_rgb(colour)) * 255).round()
         assert (np.abs(pixels - rgb).max(axis=1) <= 2).sum() > 200, colour
     plt.close(fig)
+
+
+def test_report_to_tensorboard_resume_after_a_crash_keeps_one_value_per_step(tmp_path):
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert run(SMALL + ["--steps", "1", "--out", str(out), "--report-to", "tensorboard"]) == 0
+    shutil.copytree(out / "checkpoints", tmp_path / "ckpt-1")
+    assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
+    shutil.rmtree(out / "checkpoints")  # as if it crashed after logging step 2, before its checkpoint
+    shutil.copytree(tmp_path / "ckpt-1", out / "checkpoints")
+    assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    metrics = read_jsonl(out / "metrics.jsonl")
+    for tag in ("time/time_s", "update/loss"):  # time_s differs between the two step-2 runs; the last one stays
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [
+            (m["step"], pytest.approx(m[tag.split("/")[1]], rel=1e-6)) for m in metrics]
