@@ -1390,7 +1390,7 @@ class Reporter:
                                      settings=self.lib.Settings(save_code=False, disable_git=True))
         except self.lib.errors.Error as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--report-to wandb: {first} (wandb login, or WANDB_MODE=offline)") from None
+            raise UserError(f"--report-to wandb: {first} (or run offline: WANDB_MODE=offline)") from None
         id_file.write_text(self.run.id)
 
     def log(self, metrics: dict) -> None:
