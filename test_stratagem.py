@@ -1237,3 +1237,14 @@ def test_report_to_tensorboard_resume_after_a_crash_keeps_one_value_per_step(tmp
     for tag in ("time/time_s", "update/loss"):  # time_s differs between the two step-2 runs; the last one stays
         assert [(e.step, e.value) for e in events.Scalars(tag)] == [
             (m["step"], pytest.approx(m[tag.split("/")[1]], rel=1e-6)) for m in metrics]
+
+
+def test_report_to_wandb_that_cannot_start_is_one_line_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    for name in ("WANDB_API_KEY", "WANDB_SILENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no saved W&B login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home"))
+    err = error_of(capsys, SMALL + ["--steps", "1", "--out", str(tmp_path / "run"), "--report-to", "wandb"])
+    assert "--report-to wandb: No API key configured" in err and "WANDB_MODE=offline" in err
+    assert not (tmp_path / "run").exists()
