@@ -1240,6 +1240,9 @@ def test_report_to_tensorboard_resume_after_a_crash_keeps_one_value_per_step(tmp
 
 
 def test_report_to_wandb_that_cannot_start_is_one_line_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    import wandb
+
+    wandb.teardown()  # W&B keeps its settings per process: forget the offline run of an earlier test
     for name in ("WANDB_API_KEY", "WANDB_SILENT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_MODE", "online")
