@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import judge_prompts
 
@@ -72,6 +73,8 @@ class Args:
     """write a checkpoint every N steps (the last step is always saved)"""
     seed: int = 1
     """seeds Python, NumPy, torch, the games, judge sampling and token sampling"""
+    report_to: str = "none"
+    """also stream every scalar of metrics.jsonl to tensorboard (<out>/tensorboard) or wandb (+ the config)"""
     # --- model ---
     model: str = "Qwen/Qwen3-4B-Base"
     """policy: a hub id or a local directory (paper: Qwen3-4B-Base)"""
@@ -189,13 +192,14 @@ def number_pair(text: str, flag: str) -> tuple[float, float]:
 
 
 CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("hf", "vllm"), "judge": ("openai", "heuristic"),
-           "judge_aggregate": ("majority", "mean")}
+           "judge_aggregate": ("majority", "mean"), "report_to": ("none", "tensorboard", "wandb")}
 # --tiny changes these defaults (an explicit flag still wins): small, fast, offline.
 TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_tokens=48,
                      micro_batch_size=8, lr=1e-4, max_turns=20, eval_n=4, eval_max_turns=60)
 # Flags that may change when a run is resumed; everything else is read back from config.json.
 RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
-             "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization"}
+             "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization",
+             "report_to"}
 
 
 def field_docs(cls) -> dict[str, tuple[str, str]]:
@@ -461,7 +465,7 @@ def merge_counts(parts: list[dict]) -> dict:
 
 
 def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Random, timer: "Timer",
-              lengths: dict[str, float], target: int):
+              lengths: dict[str, float], target: int, progress: "Progress | None" = None):
     """Play games in lockstep until >= `target` transitions: every turn, ONE batched generation call
     for all live games. Games are only played whole (trajectories are judged and rewarded as a whole),
     so a new game is launched only while the transitions expected from the live ones fall short of
@@ -469,7 +473,8 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
     unseen game), which keeps each batch close to the target instead of num_envs whole games.
 
     Returns the player-trajectories in completion order (player 0 before player 1 within a game), the
-    per-game outcome counts and the number of generation calls; updates `lengths`.
+    per-game outcome counts and the number of generation calls; updates `lengths`. `progress` hears
+    of every turn (transitions so far, games finished).
     """
     live: list[Episode] = []
     finished: list[Trajectory] = []
@@ -507,6 +512,8 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
                 else:
                     still_live.append(ep)
             live = still_live
+        if progress is not None:
+            progress.played(collected, sum(c["player0"][k] for c in counts.values() for k in ("win", "draw", "loss")))
     return finished, counts, calls
 
 
@@ -846,13 +853,22 @@ class JudgeRunner:
                 self.totals[k] += v
                 step[k] = step.get(k, 0) + v
 
-    def judge(self, trajs: list[Trajectory], rubrics: list[str]) -> tuple[list[Judgement], dict]:
-        """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits)."""
+    def judge(self, trajs: list[Trajectory], rubrics: list[str], progress: "Progress | None" = None) -> tuple[list[Judgement], dict]:
+        """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits).
+        `progress` hears of every request answered (cache hits and failures included)."""
         texts = [render_for_judge(t) for t in trajs]
         jobs = [(i, r, s) for i in range(len(trajs)) for r in rubrics for s in range(self.args.judge_samples)]
         step: dict = {}
+        done = itertools.count(1)  # next() on a count is atomic under the GIL: a thread-safe tally
+
+        def request(job):
+            result = self._request(job[1], job[2], texts[job[0]], step)
+            if progress is not None:
+                progress.judged(next(done), len(jobs))
+            return result
+
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.judge_concurrency) as pool:
-            results = list(pool.map(lambda job: self._request(job[1], job[2], texts[job[0]], step), jobs))
+            results = list(pool.map(request, jobs))
         judgements = []
         for i in range(len(trajs)):
             scores, kinds = {}, []
@@ -1412,6 +1428,141 @@ def judge_metrics(judged: dict[int, Judgement], usage: dict, runner: JudgeRunner
             "judge_budget_exhausted": bool(runner and runner.budget_exhausted())}
 
 
+def start_line(args: Args, out: Path, device: torch.device) -> str:
+    """The first line of a run: where it writes and what it will do."""
+    detail = "" if args.mode == "spiral" else (" w/o psi" if args.no_psi else f", beta {args.beta}")
+    model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
+    if args.mode == "spiral":
+        judge = "none (spiral)"
+    elif args.judge == "heuristic":
+        judge = f"heuristic stand-in (offline, NOT the paper's judge) on {args.judge_sample_rate:.0%} of trajectories"
+    else:
+        judge = (f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'} "
+                 f"on {args.judge_sample_rate:.0%} of trajectories")
+    report = "" if args.report_to == "none" else f" + {args.report_to}"
+    return (f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
+            f"{args.backend} on {device} | judge {judge} | steps {args.steps}, batch {args.batch_size} transitions | "
+            f"logs metrics.jsonl{report}")
+
+
+class Progress:
+    """One step on a terminal: a tqdm bar on stderr of transitions played (of the batch), games finished
+    and judge requests answered. With stderr not a terminal (a log file, a pipe) tqdm draws nothing
+    (disable=None), so logs stay clean lines; every call then returns at once."""
+
+    def __init__(self, step: int, steps: int, target: int, show: bool):
+        self.games = 0
+        self.bar = tqdm(total=target, desc=f"step {step}/{steps}", file=sys.stderr, disable=None if show else True,
+                        leave=False, dynamic_ncols=True,
+                        bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} transitions{postfix} [{elapsed}]")
+
+    def played(self, transitions: int, games: int) -> None:
+        if not self.bar.disable:
+            self.games = games
+            self.bar.set_postfix_str(f"{games} games finished", refresh=False)
+            self.bar.total = max(self.bar.total, transitions)  # live games finish past the target
+            self.bar.update(transitions - self.bar.n)
+
+    def judged(self, done: int, total: int) -> None:
+        if not self.bar.disable:
+            self.bar.set_postfix_str(f"{self.games} games finished, judge {done}/{total} requests")
+
+    def phase(self, name: str) -> None:
+        if not self.bar.disable:
+            self.bar.set_postfix_str(f"{self.games} games finished, {name}")
+
+    def close(self) -> None:
+        self.bar.close()  # leave=False: the bar is wiped, the step line takes its place
+
+
+# --report-to tags: CleanRL-style namespaces for metrics.jsonl's top-level keys (`judge_x` -> `judge/x`);
+# nested dicts continue the path (game/games/TicTacToe-v0/player0/win), unlisted keys keep their name.
+NAMESPACES = {"game": ("episodes", "trajectories", "transitions", "generate_calls", "response_tokens",
+                       "response_tokens_mean", "games"),
+              "judge": ("modulated", "phi_mean", "psi_mean"),
+              "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines"),
+              "update": ("loss", "grad_norm"), "time": ("time_s", "elapsed_s", "time_split_s")}
+TAG_OF = {key: f"{ns}/{key}" for ns, keys in NAMESPACES.items() for key in keys}
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+    """One metrics.jsonl line as {tag: number}: every number in it (booleans as 0/1, list items by
+    index), the step itself and None (nothing measured) left out."""
+    flat: dict[str, float] = {}
+
+    def walk(tag: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{tag}/{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for k, v in enumerate(value):
+                walk(f"{tag}/{k}", v)
+        elif isinstance(value, (bool, int, float)):
+            flat[tag] = float(value)
+
+    for key, value in metrics.items():
+        if key != "step":
+            walk(TAG_OF.get(key, "judge/" + key.removeprefix("judge_") if key.startswith("judge_") else key), value)
+    return flat
+
+
+class Reporter:
+    """--report-to: every scalar of metrics.jsonl at its step, to TensorBoard (<out>/tensorboard) or to
+    W&B (<out>/wandb, with config.json as the run's config). The library is imported only when asked
+    for. Nothing secret leaves: the key lives in the environment only, never in config.json or metrics."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        try:  # before --out is touched: a missing package ends the run before it starts
+            if kind == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+                self.lib = SummaryWriter
+            else:
+                import wandb
+                self.lib = wandb
+        except ImportError:
+            raise UserError(f"--report-to {kind} needs the {kind} package: pip install {kind}") from None
+
+    def open(self, out: Path, args: Args, start: int) -> None:
+        if self.kind == "tensorboard":
+            # purge_step: a resumed run hides what older event files hold after its checkpoint, as metrics.jsonl drops it
+            self.run = self.lib(log_dir=str(out / "tensorboard"), purge_step=start + 1 if start else None)
+            return
+        id_file = out / "wandb_run_id"  # a resumed run continues the same W&B run
+        try:
+            self.run = self.lib.init(dir=str(out), name=out.name, config=dataclasses.asdict(args), resume="allow",
+                                     id=id_file.read_text().strip() if id_file.exists() else None,
+                                     settings=self.lib.Settings(save_code=False, disable_git=True))
+        except self.lib.errors.Error as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--report-to wandb: {first} (or run offline: WANDB_MODE=offline)") from None
+        id_file.write_text(self.run.id)
+
+    def log(self, metrics: dict) -> None:
+        values = scalars(metrics)
+        if self.kind == "tensorboard":
+            for tag, value in values.items():
+                self.run.add_scalar(tag, value, metrics["step"])
+            self.run.flush()  # watchable now, not after the writer's 2-minute flush
+        else:
+            self.run.log(values, step=metrics["step"])
+
+    def close(self) -> None:
+        if self.kind == "tensorboard":
+            self.run.close()
+        else:
+            self.run.finish()
+
+
+def judge_alarm(judged: int, failures: dict[str, int], where: str) -> str:
+    """The loud line when half or more of the judged trajectories failed (the caller decides when)."""
+    failed = sum(failures.values())
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(failures.items()))
+    effect = ("ran unmodulated (phi = 1, psi = 0: A_mod = A_game, plain SPIRAL)" if failed == judged
+              else f"phi and psi batch means rest on {judged - failed} verdict(s) only")
+    return f"!!! JUDGE ALARM {where}: {failed} of {judged} judged trajectories failed ({kinds}); {effect}"
+
+
 # =====================================================================================
 # train(): Algorithm 1.
 # =====================================================================================
@@ -1439,6 +1590,12 @@ def train(args: Args) -> Path:
                         f"resume it with as many (this is {dist.world})")
     if not args.resume and out.exists():
         raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
+    reporter = Reporter(args.report_to) if args.report_to != "none" and dist.main else None
+    if dist.main:
+        print(start_line(args, out, device), flush=True)
+        what = ckpt or ("a random tiny Qwen3, built offline" if args.tiny else args.model)
+        print(f"loading the policy: {what} ...", flush=True)
+    t_load = time.perf_counter()
     with tempfile.TemporaryDirectory() as tiny_dir:
         if ckpt is not None:
             model_path = str(ckpt)
@@ -1460,6 +1617,8 @@ def train(args: Args) -> Path:
         policy = (VLLMPolicy(model_path, tokenizer, args, device) if args.backend == "vllm"
                   else HFPolicy(generator, tokenizer, args, device))
         dist.gather(None)  # every rank has loaded and passed the checks before the tiny folder goes or --out comes
+    if dist.main:
+        print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=args.betas)
     baselines: dict[str, float] = {}  # RAE: b[G, p], keyed "game/playerP" (rank 0)
     lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch (per rank)
@@ -1478,7 +1637,15 @@ def train(args: Args) -> Path:
             print(f"resuming {out} from step {start}")
     elif dist.main:
         (out / "checkpoints").mkdir(parents=True)
+    if reporter is not None:
+        try:
+            reporter.open(out, args, start)
+        except UserError:
+            if ckpt is None:  # this call made --out, and nothing is in it yet
+                shutil.rmtree(out)
+            raise
     runner = None
+    run_judged, run_failures = 0, {}  # over this process's steps, for the end-of-run alarm
     if dist.main:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         if judge is not None:
@@ -1493,10 +1660,11 @@ def train(args: Args) -> Path:
 
     for step in range(start + 1, args.steps + 1):
         t0, timer = time.perf_counter(), Timer()
+        target = math.ceil(args.batch_size / dist.world)
+        progress = Progress(step, args.steps, target, show=dist.main)
 
         # ---- Algorithm 1, step 1: self-play trajectory generation (one policy, both seats) ----
-        mine, outcomes, calls = self_play(policy, tokenizer, args, games, rng, timer, lengths,
-                                          math.ceil(args.batch_size / dist.world))
+        mine, outcomes, calls = self_play(policy, tokenizer, args, games, rng, timer, lengths, target, progress)
         parts = dist.gather(mine)
         trajs = [t for part in parts for t in part]  # the whole batch, rank by rank
         judged: dict[int, Judgement] = {}
@@ -1513,11 +1681,12 @@ def train(args: Args) -> Path:
             with timer("judge"):
                 if runner is not None and not runner.budget_exhausted():
                     picked = sample_for_judging(len(trajs), args.judge_sample_rate, rng)
-                    results, usage = runner.judge([trajs[i] for i in picked], rubrics)
+                    results, usage = runner.judge([trajs[i] for i in picked], rubrics, progress)
                     judged = dict(zip(picked, results))
             mod = modulate(trajs, judged, args)
             if runner is not None and runner.budget_exhausted() and not announced:
-                announce_budget(runner, step)
+                with tqdm.external_write_mode(file=sys.stderr):  # the bar steps aside for the announcement
+                    announce_budget(runner, step)
                 announced = True
         a_mods = dist.broadcast([t.a_mod for t in trajs])
         offset = sum(len(part) for part in parts[:dist.rank])
@@ -1528,6 +1697,7 @@ def train(args: Args) -> Path:
         transitions = sum(len(t.turns) for t in trajs)
         # constant normaliser (see reinforce_loss); times world because FSDP averages gradients over ranks
         normaliser = transitions * args.max_new_tokens / dist.world
+        progress.phase("learning")
         with timer("sync"):
             policy.before_learn()  # colocated vLLM sleeps: its weights go to CPU, its KV cache is freed
         with timer("learn"):
@@ -1535,6 +1705,7 @@ def train(args: Args) -> Path:
         with timer("sync"):
             policy.sync(model)
         evaluation = None
+        progress.close()
         if eval_games and step % args.eval_every == 0 and dist.main:
             with timer("eval"), torch.random.fork_rng():  # evaluation draws nothing from training's streams
                 records = play_matches(policy, tokenizer, eval_games, args.eval_n, RandomPlayer(random.Random(step)),
@@ -1566,6 +1737,8 @@ def train(args: Args) -> Path:
             for t in trajs:
                 append_jsonl(out / "trajectories.jsonl", t.record(step))
             append_jsonl(out / "metrics.jsonl", metrics)
+            if reporter is not None:
+                reporter.log(metrics)
             cost = f" ${metrics['judge_cost_total']:.4f}" if args.judge_price_in + args.judge_price_out else ""
             ppo = (f" (last epoch: ratio {metrics['ppo']['ratio_mean'][-1]:.3f}, clipped {metrics['ppo']['clip_frac'][-1]:.1%})"
                    if "ppo" in metrics else "")
@@ -1573,11 +1746,24 @@ def train(args: Args) -> Path:
                   f"{transitions} transitions | judged {metrics['judge_judged']} (failed {metrics['judge_failed']})"
                   f"{cost} | phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | A_mod {a_mod_mean:+.3f}"
                   f"±{a_mod_std:.3f} | loss {metrics['loss']:+.4f}{ppo} | {step_time:.1f}s", flush=True)
+            run_judged += metrics["judge_judged"]
+            for kind, n in metrics["judge_failures"].items():
+                run_failures[kind] = run_failures.get(kind, 0) + n
+            if metrics["judge_judged"] and 2 * metrics["judge_failed"] >= metrics["judge_judged"]:
+                print(judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {step}"),
+                      file=sys.stderr, flush=True)
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(out, step, model, tokenizer, optimizer, dist=dist,
                             shared={"baselines": baselines, "elapsed": elapsed,
                                     "judge_totals": runner.totals if runner else None},
                             own={"rng": rng_states(rng), "lengths": lengths})
+    if runner is not None and start < args.steps and sum(run_failures.values()) == run_judged:
+        where = f"over the whole run (steps {start + 1}-{args.steps}), no valid verdict"
+        print(judge_alarm(run_judged, run_failures, where) if run_judged else
+              f"!!! JUDGE ALARM {where}: no trajectory was judged (--judge-sample-rate, --judge-budget); "
+              f"the run trained as plain SPIRAL (A_mod = A_game)", file=sys.stderr, flush=True)
+    if reporter is not None:
+        reporter.close()
     dist.close()
     return out
 
@@ -1806,6 +1992,43 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
 }
 
 
+SERIES_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]  # line style and marker of a figure's 1st, 2nd, ... series
+
+
+def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
+    """One figure of PLOTS: a colour per run, a line style and marker per series. Lines that coincide
+    stay visible: each line drawn is thinner and on top of the one before (nested stripes), and hollow
+    markers of different shapes sit at shifted steps. The legend sits right of the axes, off the data."""
+    import matplotlib.ticker
+
+    title, ylabel, series = PLOTS[name]
+    fig, ax = plt.subplots(figsize=(8.4, 3.6), dpi=110, layout="constrained")
+    n = len(runs) * len(series)
+    drawn = 0
+    for r, (run, metrics) in enumerate(runs):
+        for s, (label, value) in enumerate(series):
+            k = r * len(series) + s  # draw order
+            points = [(m["step"], value(m)) for m in metrics if value(m) is not None]
+            if points:
+                style, marker = SERIES_STYLES[s % len(SERIES_STYLES)]
+                every = max(1, len(points) // 12)
+                ax.plot(*zip(*points), color=f"C{r % 10}", linestyle=style, marker=marker, fillstyle="none",
+                        markevery=(k % every, every), markersize=4 + 3 * (n - 1 - k) / max(1, n - 1),
+                        linewidth=1.2 + 2.4 * (n - 1 - k) / max(1, n - 1), zorder=2 + k,
+                        label=" ".join(x for x in (run_label(run), label) if x))
+                drawn += 1
+    if not drawn:
+        ax.text(0.5, 0.5, "no data in these runs" + (" (train with --eval-every N)" if name == "eval_win_rate" else ""),
+                ha="center", va="center", transform=ax.transAxes)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    if name in ("eval_win_rate", "invalid_rate"):
+        ax.set_ylim(-0.02, 1.02)
+    if drawn:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
+    return fig
+
+
 def plot_main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py plot", description=(
         "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
@@ -1820,31 +2043,12 @@ def plot_main(argv: list[str]) -> int:
         raise UserError("plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     runs = [(Path(r), read_metrics(Path(r))) for r in ns.runs]
     out = Path(ns.out) if ns.out else runs[0][0] / "plots"
     out.mkdir(parents=True, exist_ok=True)
-    for name, (title, ylabel, series) in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
-        drawn = 0
-        for run, metrics in runs:
-            for label, value in series:
-                points = [(m["step"], value(m)) for m in metrics if value(m) is not None]
-                if points:
-                    ax.plot(*zip(*points), marker="." if len(points) < 30 else None,
-                            label=" ".join(x for x in (run_label(run), label) if x))
-                    drawn += 1
-        if not drawn:
-            ax.text(0.5, 0.5, "no data in these runs" + (" (train with --eval-every N)" if name == "eval_win_rate" else ""),
-                    ha="center", va="center", transform=ax.transAxes)
-        ax.set(title=title, xlabel="step", ylabel=ylabel)
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        if name in ("eval_win_rate", "invalid_rate"):
-            ax.set_ylim(-0.02, 1.02)
-        if drawn:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
+    for name in PLOTS:
+        fig = draw_plot(plt, name, runs)
         fig.savefig(out / f"{name}.png")
         plt.close(fig)
     print(f"wrote {len(PLOTS)} figures to {out}: " + ", ".join(f"{n}.png" for n in PLOTS))
@@ -2256,6 +2460,7 @@ COMMANDS = {"agree": agree_main, "serve-judge": serve_judge_main, "bench": bench
 def main(argv: list[str] | None = None) -> int:
     """`stratagem.py [flags]` trains; `stratagem.py COMMAND ...` runs one of COMMANDS."""
     argv = sys.argv[1:] if argv is None else argv
+    out = None  # the run directory, once known, for the Ctrl-C advice
     try:
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])
@@ -2268,12 +2473,17 @@ def main(argv: list[str] | None = None) -> int:
             if not config.exists():
                 raise UserError(f"--resume: {config} not found")
             saved = json.loads(config.read_text())
-        train(resolve_args(explicit, saved))
+        args = resolve_args(explicit, saved)
+        out = Path(args.out)
+        train(args)
     except UserError as e:
         print(f"stratagem: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("stratagem: interrupted (a training run continues with --resume --out <run dir>)", file=sys.stderr)
+        ckpt = latest_checkpoint(out) if out is not None and (out / "checkpoints").is_dir() else None
+        advice = ("" if out is None else f" (no checkpoint in {out} yet)" if ckpt is None else
+                  f" (continue from {ckpt.name} with: python stratagem.py --resume --out {out})")
+        print(f"stratagem: interrupted{advice}", file=sys.stderr)
         return 130
     return 0
 

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -1247,3 +1248,262 @@ def test_readme_fidelity_table_matches_the_code():
             assert first[0] == S.SPIRAL_OBSERVATIONS[game], choice
             checked += 1
     assert checked >= 18
+
+
+# ==== issue 11: observability (start lines, progress bar, --report-to, judge alarm, plot styling) ====
+def test_start_lines_name_the_run_and_logs_stay_clean_lines(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines()
+    assert lines[0] == (f"stratagem: new run in {out} | mode stratagem, beta 0.2 | model tiny (a random Qwen3 built "
+                        f"offline), hf on cpu | judge heuristic stand-in (offline, NOT the paper's judge) on 25% of "
+                        f"trajectories | steps 1, batch 12 transitions | logs metrics.jsonl")
+    assert lines[1] == "loading the policy: a random tiny Qwen3, built offline ..."
+    assert lines[2].startswith("loaded in ") and lines[3].startswith("step 1/1 | ") and len(lines) == 4
+    assert printed.err == ""  # stderr is not a terminal here: no progress bar, no alarm
+
+
+def test_ctrl_c_names_the_run_directory_to_resume(tmp_path, capsys, monkeypatch):
+    out, update, calls = tmp_path / "run", S.policy_update, []
+
+    def interrupted_at_step_2(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return update(*a, **kw)
+
+    monkeypatch.setattr(S, "policy_update", interrupted_at_step_2)
+    assert run(SMALL + ["--steps", "3", "--save-every", "1", "--out", str(out)]) == 130
+    assert capsys.readouterr().err == (f"stratagem: interrupted (continue from step-000001 with: "
+                                       f"python stratagem.py --resume --out {out})\n")
+
+
+def test_progress_bar_on_a_terminal(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns: a real size
+    argv = SMALL + ["--steps", "1", "--out", str(tmp_path / "run"), "--judge-sample-rate", "1"]
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys, stratagem; sys.exit(stratagem.main({argv!r}))"],
+                            cwd=HERE, stdout=subprocess.PIPE, stderr=slave, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child has closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    stdout = proc.stdout.read().decode()
+    assert proc.wait() == 0
+    os.close(master)
+    frames = [f for f in b"".join(chunks).decode(errors="replace").split("\r") if f.strip()]
+    assert any(re.search(r"^step 1/1 .* \d+/\d+ transitions, \d+ games finished \[", f) for f in frames)
+    assert any(re.search(r"games finished, judge \d+/\d+ requests", f) for f in frames)
+    assert any("games finished, learning" in f for f in frames)
+    assert "\r" not in stdout and stdout.splitlines()[-1].startswith("step 1/1 | ")  # the step line stays clean
+
+
+def scalar_leaves(x) -> int:
+    """Numbers (booleans included) in a metrics.jsonl line, counted independently of stratagem.scalars."""
+    if isinstance(x, dict):
+        return sum(scalar_leaves(v) for v in x.values())
+    if isinstance(x, list):
+        return sum(scalar_leaves(v) for v in x)
+    return isinstance(x, (bool, int, float))
+
+
+def check_logged(m: dict, logged: dict[str, float]) -> None:
+    """`logged`: the tags stored for step m['step'] by TensorBoard or W&B."""
+    assert len(logged) == scalar_leaves(m) - 1  # every number of the line but the step itself
+    assert logged["judge/judged"] == m["judge_judged"] and logged["judge/requests"] == m["judge_requests"]
+    assert logged["judge/modulated"] == float(m["modulated"]) and logged["game/transitions"] == m["transitions"]
+    assert logged["update/loss"] == pytest.approx(m["loss"], rel=1e-6)
+    assert logged["adv/a_mod_std"] == pytest.approx(m["a_mod_std"], rel=1e-6)
+    assert logged["time/time_split_s/generate"] == pytest.approx(m["time_split_s"]["generate"], rel=1e-6)
+    for game, seats in m["games"].items():
+        assert logged[f"game/games/{game}/player1/loss"] == seats["player1"]["loss"]
+    for key, b in m["baselines"].items():
+        assert logged[f"adv/baselines/{key}"] == pytest.approx(b, rel=1e-6, abs=1e-7)
+
+
+def files_contain(root: Path, secret: str) -> bool:
+    return any(secret.encode() in p.read_bytes() for p in root.rglob("*") if p.is_file())
+
+
+def test_report_to_tensorboard_logs_every_scalar_at_its_step(tmp_path, judge_server, secret_key):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert run(SMALL + ["--steps", "2", "--out", str(out), "--report-to", "tensorboard", "--judge", "openai",
+                        "--judge-base-url", judge_server.url, "--judge-sample-rate", "0.5"]) == 0
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert len(metrics) == 2 and all(set(steps) == {1, 2} for steps in logged.values())
+    for m in metrics:
+        check_logged(m, {tag: steps[m["step"]] for tag, steps in logged.items()})
+    assert not files_contain(out / "tensorboard", secret_key)
+
+
+def wandb_records(path: Path):
+    """The records of a W&B offline run file: LevelDB's log format (32 KiB blocks of 7-byte-headed chunks)
+    after a 7-byte W&B header, each record a wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block, buf = path.read_bytes(), 7, 32768, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        buf, pos = buf + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk: a record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            yield record
+
+
+def test_report_to_wandb_offline_gets_config_and_every_scalar(tmp_path, judge_server, secret_key, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    assert run(SMALL + ["--steps", "2", "--out", str(out), "--report-to", "wandb", "--judge", "openai",
+                        "--judge-base-url", judge_server.url, "--judge-sample-rate", "0.5"]) == 0
+    [path] = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    assert path.name == f"run-{(out / 'wandb_run_id').read_text()}.wandb"
+    records = list(wandb_records(path))
+    config = {u.key: json.loads(u.value_json) for r in records if r.WhichOneof("record_type") == "run"
+              for u in r.run.config.update}
+    assert {k: config[k] for k in ("beta", "report_to", "out", "judge_base_url")} == {
+        "beta": 0.2, "report_to": "wandb", "out": str(out), "judge_base_url": judge_server.url}
+    history = {r.history.step.num: {tag: json.loads(i.value_json) for i in r.history.item
+                                    if not (tag := i.key or "/".join(i.nested_key)).startswith("_")}  # not W&B's _step etc.
+               for r in records if r.WhichOneof("record_type") == "history"}
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert sorted(history) == [1, 2]
+    for m in metrics:
+        check_logged(m, history[m["step"]])
+    assert not files_contain(out / "wandb", secret_key)
+
+
+def test_report_to_imports_only_when_asked_and_rejects_unknown_values(tmp_path, capsys, monkeypatch):
+    for module in ("wandb", "tensorboard", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing any of them now fails
+    assert "pip install wandb" in error_of(capsys, SMALL + ["--report-to", "wandb", "--out", str(tmp_path / "w")])
+    assert "pip install tensorboard" in error_of(capsys, SMALL + ["--report-to", "tensorboard", "--out", str(tmp_path / "t")])
+    assert "argument --report-to: invalid choice: 'mlflow'" in error_of(capsys, SMALL + ["--report-to", "mlflow"])
+    assert not (tmp_path / "w").exists() and not (tmp_path / "t").exists()
+    assert run(SMALL + ["--steps", "1", "--out", str(tmp_path / "none")]) == 0  # the default imports neither
+
+
+def test_judge_alarm_when_every_request_fails(tmp_path, secret_key, capsys):
+    server = JudgeServer(lambda body: (500, {"error": {"message": "boom"}}))
+    out = tmp_path / "run"
+    try:
+        assert run(SMALL + ["--steps", "2", "--out", str(out), "--judge", "openai", "--judge-base-url", server.url,
+                            "--judge-sample-rate", "1", "--judge-retries", "0"]) == 0
+    finally:
+        server.close()
+    metrics = read_jsonl(out / "metrics.jsonl")
+    n = [m["judge_judged"] for m in metrics]
+    assert capsys.readouterr().err.splitlines() == [
+        *(f"!!! JUDGE ALARM at step {s}: {k} of {k} judged trajectories failed ({k} server_error); ran unmodulated "
+          f"(phi = 1, psi = 0: A_mod = A_game, plain SPIRAL)" for s, k in zip((1, 2), n)),
+        f"!!! JUDGE ALARM over the whole run (steps 1-2), no valid verdict: {sum(n)} of {sum(n)} judged trajectories "
+        f"failed ({sum(n)} server_error); ran unmodulated (phi = 1, psi = 0: A_mod = A_game, plain SPIRAL)"]
+
+
+def test_judge_alarm_when_half_or_more_fail_names_the_verdicts_left(tmp_path, secret_key, capsys):
+    answered, lock = [], threading.Lock()
+
+    def first_request_only(body):
+        with lock:
+            answered.append(1)
+            first = len(answered) == 1
+        return good_judge(body) if first else (500, {"error": {"message": "boom"}})
+
+    server = JudgeServer(first_request_only)
+    out = tmp_path / "run"
+    try:
+        assert run(SMALL + ["--steps", "1", "--out", str(out), "--judge", "openai", "--judge-base-url", server.url,
+                            "--judge-sample-rate", "1", "--judge-retries", "0", "--no-psi"]) == 0
+    finally:
+        server.close()
+    [m] = read_jsonl(out / "metrics.jsonl")
+    k = m["judge_judged"]
+    assert k >= 2 and m["judge_failed"] == k - 1 and m["modulated"]
+    assert capsys.readouterr().err == (f"!!! JUDGE ALARM at step 1: {k - 1} of {k} judged trajectories failed "
+                                       f"({k - 1} server_error); phi and psi batch means rest on 1 verdict(s) only\n")
+
+
+def test_plot_colour_per_run_style_per_series_coinciding_lines_visible_legend_outside(tmp_path):
+    import matplotlib
+    import matplotlib.colors
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [{"step": s, "a_mod_std": 0.5 + 0.01 * s, "a_game_std": 0.5 + 0.01 * s} for s in range(1, 41)]
+    runs = [(tmp_path / "a", rows), (tmp_path / "b", rows)]  # two identical runs whose two series coincide too
+    fig = S.draw_plot(plt, "a_mod_spread", runs)
+    ax = fig.axes[0]
+    lines = ax.get_lines()
+    assert len(lines) == 4 == len(ax.get_legend().get_texts())
+    assert [matplotlib.colors.to_hex(l.get_color()) for l in lines] == [matplotlib.colors.to_hex(c) for c in ("C0", "C0", "C1", "C1")]
+    assert [l.get_linestyle() for l in lines] == ["-", "--", "-", "--"]
+    assert [l.get_marker() for l in lines] == ["o", "s", "o", "s"] and all(l.get_fillstyle() == "none" for l in lines)
+    widths, zorders = [l.get_linewidth() for l in lines], [l.get_zorder() for l in lines]
+    assert widths == sorted(widths, reverse=True) and len(set(widths)) == 4  # each later line thinner ...
+    assert zorders == sorted(zorders) and len(set(zorders)) == 4  # ... and on top: nested stripes
+    fig.canvas.draw()
+    assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1  # the legend is off the data
+    pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].reshape(-1, 3)
+    for colour in ("C0", "C1"):  # both runs are seen although their lines coincide
+        rgb = (np.array(matplotlib.colors.to_rgb(colour)) * 255).round()
+        assert (np.abs(pixels - rgb).max(axis=1) <= 2).sum() > 200, colour
+    plt.close(fig)
+
+
+def test_report_to_tensorboard_resume_after_a_crash_keeps_one_value_per_step(tmp_path):
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert run(SMALL + ["--steps", "1", "--out", str(out), "--report-to", "tensorboard"]) == 0
+    shutil.copytree(out / "checkpoints", tmp_path / "ckpt-1")
+    assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
+    shutil.rmtree(out / "checkpoints")  # as if it crashed after logging step 2, before its checkpoint
+    shutil.copytree(tmp_path / "ckpt-1", out / "checkpoints")
+    assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    metrics = read_jsonl(out / "metrics.jsonl")
+    for tag in ("time/time_s", "update/loss"):  # time_s differs between the two step-2 runs; the last one stays
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [
+            (m["step"], pytest.approx(m[tag.split("/")[1]], rel=1e-6)) for m in metrics]
+
+
+def test_report_to_wandb_that_cannot_start_is_one_line_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    import wandb
+
+    wandb.teardown()  # W&B keeps its settings per process: forget the offline run of an earlier test
+    for name in ("WANDB_API_KEY", "WANDB_SILENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no saved W&B login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home"))
+    err = error_of(capsys, SMALL + ["--steps", "1", "--out", str(tmp_path / "run"), "--report-to", "wandb"])
+    assert "--report-to wandb: No API key configured" in err and "WANDB_MODE=offline" in err
+    assert not (tmp_path / "run").exists()
