@@ -503,11 +503,12 @@ def sample_for_judging(n: int, rate: float, rng: random.Random) -> list[int]:
 
 
 class JudgeFailure(Exception):
-    """A request that did not produce valid scores; `kind` is counted in metrics."""
+    """A request that did not produce valid scores; `kind` is counted in metrics, `tokens` (prompt,
+    completion) are what the failed request was billed, so its cost is still counted."""
 
-    def __init__(self, kind: str, detail: str = ""):
+    def __init__(self, kind: str, detail: str = "", tokens: tuple[int, int] = (0, 0)):
         super().__init__(f"{kind}: {detail}" if detail else kind)
-        self.kind = kind
+        self.kind, self.tokens = kind, tokens
 
 
 def parse_scores(reply: str, rubric: str) -> dict[str, float]:
@@ -649,11 +650,32 @@ class OpenAIJudge:
             raise JudgeFailure(f"http_{e.status_code}", str(e)) from None
         except oa.APIError as e:  # e.g. a body that is not a chat completion
             raise JudgeFailure("bad_response", str(e)) from None
-        usage = resp.usage
-        tokens = (usage.prompt_tokens or 0, usage.completion_tokens or 0) if usage else (0, 0)
-        if not resp.choices or not resp.choices[0].message.content:
-            raise JudgeFailure("empty")
-        return resp.choices[0].message.content, *tokens
+        except ValueError as e:  # an HTTP 200 whose body is not JSON at all
+            raise JudgeFailure("bad_response", f"body is not JSON: {e}") from None
+        return chat_reply(resp)
+
+
+def chat_reply(resp) -> tuple[str, int, int]:
+    """(reply text, prompt tokens, completion tokens) of a chat completion, checked field by field: the
+    `openai` client builds its objects without validating them, so an HTTP 200 with a broken body (an
+    HTML page, `choices` not a list, `content` a list of parts, usage that is not a count) arrives as
+    odd types, not as an error. Any of these is a `bad_response` failure, never an exception."""
+    usage = getattr(resp, "usage", None)
+    counts = [getattr(usage, k, None) or 0 for k in ("prompt_tokens", "completion_tokens")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        raise JudgeFailure("bad_response", f"usage is not a token count: {usage!r:.80}")
+    tokens = (counts[0], counts[1])
+    choices = getattr(resp, "choices", None)
+    if not isinstance(choices, list):
+        raise JudgeFailure("bad_response", f"not a chat completion: {resp!r:.80}", tokens)
+    if not choices:
+        raise JudgeFailure("empty", tokens=tokens)
+    content = getattr(getattr(choices[0], "message", None), "content", None)
+    if content is not None and not isinstance(content, str):
+        raise JudgeFailure("bad_response", f"content is not a string: {content!r:.80}", tokens)
+    if not content:
+        raise JudgeFailure("empty", tokens=tokens)
+    return content, *tokens
 
 
 def render_for_judge(traj: Trajectory) -> str:
@@ -733,6 +755,7 @@ class JudgeRunner:
             scores, kind = parse_scores(reply, rubric), None
         except JudgeFailure as e:
             scores, kind = None, e.kind
+            p_tok, c_tok = (p_tok, c_tok) if reply is not None else e.tokens
         cost = p_tok * self.args.judge_price_in / 1e6 + c_tok * self.args.judge_price_out / 1e6
         self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
         if scores is not None and self.client.cacheable:

@@ -63,8 +63,8 @@ class JudgeServer:
             def log_message(self, *a):
                 pass
 
-            def _send(self, status: int, payload: dict, headers: dict | None = None):
-                data = json.dumps(payload).encode()
+            def _send(self, status: int, payload: dict | bytes, headers: dict | None = None):
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()  # bytes: a raw body
                 self.send_response(status)
                 for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}.items():
                     self.send_header(k, v)
@@ -990,3 +990,35 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     (tmp_path / "metrics.jsonl").write_text("")
     assert "pip install matplotlib" in error_of(capsys, ["plot", str(tmp_path)])
+
+
+# ==== issue 10: robustness (nothing lost, nothing forged) ====
+def _completion_with(**fields) -> dict:
+    body = completion('{"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}')
+    return {**body, **fields}
+
+
+@pytest.mark.parametrize("name, behaviour", [
+    ("not JSON", only_role1(200, b"this is not json {", {"Content-Type": "application/json"})),
+    ("HTML error page", only_role1(200, b"<html><body><h1>502 Bad Gateway</h1></body></html>",
+                                   {"Content-Type": "text/html"})),
+    ("JSON but a list", only_role1(200, b"[1, 2, 3]", {"Content-Type": "application/json"})),
+    ("choices not a list", only_role1(200, _completion_with(choices={"0": "x"}))),
+    ("content a list of parts", only_role1(200, _completion_with(choices=[
+        {"index": 0, "finish_reason": "stop",
+         "message": {"role": "assistant", "content": [{"type": "text", "text": '{"alpha": 1}'}]}}]))),
+    ("non-numeric usage", only_role1(200, _completion_with(usage={"prompt_tokens": "lots", "completion_tokens": None}))),
+])
+def test_judge_200_with_a_broken_body_is_a_counted_failure_never_a_crash(tmp_path, secret_key, name, behaviour):
+    server = JudgeServer(behaviour)
+    out = tmp_path / "run"
+    try:
+        assert run(SMALL + ["--steps", "1", "--out", str(out), "--judge", "openai", "--judge-base-url", server.url,
+                            "--judge-sample-rate", "1", "--judge-retries", "0"]) == 0, name
+    finally:
+        server.close()
+    metrics, trajs = check_run(out, 1, beta=0.2)
+    bad = [t for t in trajs if t["role"] == 1]
+    assert bad and all(t["judged"] and t["scores"] is None for t in bad)
+    assert all(t["scores"] == {k: float(v) for r in GOOD.values() for k, v in r.items()} for t in trajs if t["role"] == 0)
+    assert metrics[0]["judge_failures"] == {"bad_response": len(bad)}, name
