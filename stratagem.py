@@ -1186,13 +1186,46 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+def jsonl_records(path: Path) -> list[tuple[bytes, dict]]:
+    """(raw line, record) for every readable line of a JSONL file. A line that is not UTF-8 or not a
+    JSON object (a crash or a full disk in the middle of an append leaves a torn last line) is
+    skipped with one warning on stderr, never fatal."""
+    records, bad = [], 0
+    for raw in path.read_bytes().splitlines():
+        try:
+            record = json.loads(raw.decode("utf-8")) if raw.strip() else None
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
+            record = "unreadable"
+        if isinstance(record, dict):
+            records.append((raw, record))
+        elif record is not None:
+            bad += 1
+    if bad:
+        print(f"stratagem: warning: skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)",
+              file=sys.stderr)
+    return records
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [record for _, record in jsonl_records(path)]
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file whole or not at all: a temporary file beside it, then an atomic rename."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop lines written after the checkpoint we resume from (a crash can leave some)."""
+    """Drop lines written after the checkpoint we resume from (a crash can leave some), and a torn last line."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(keep), encoding="utf-8")
+    keep = [raw + b"\n" for raw, record in jsonl_records(path) if record.get("step", math.inf) <= last_step]
+    write_atomic(path, b"".join(keep))
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -1671,8 +1704,7 @@ def run_label(run: Path) -> str:
 
 
 def read_metrics(run: Path) -> list[dict]:
-    path = run_file(run, "metrics.jsonl")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return read_jsonl(run_file(run, "metrics.jsonl"))
 
 
 PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None)])
@@ -1745,7 +1777,7 @@ def show_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random pick (default: 0)")
     ns = p.parse_args(argv)
     path = run_file(Path(ns.run), "trajectories.jsonl")
-    rows = [r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())
+    rows = [r for r in read_jsonl(path)
             if (not ns.step or r["step"] == ns.step) and (not ns.judged or r["scores"])]
     if not rows:
         raise UserError("no trajectory matches (check --step and --judged)")
@@ -1820,7 +1852,7 @@ def read_trajectories(run: Path) -> list[Trajectory]:
     path = run_file(run, "trajectories.jsonl")
     return [Trajectory(r["game"], r["role"], [Turn(t["observation"], t["response"], t["action"], [], [])
                                               for t in r["turns"]], r["reward"])
-            for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())]
+            for r in read_jsonl(path)]
 
 
 def openai_spec(spec: str, alternative: str) -> tuple[str, str]:
@@ -2031,7 +2063,7 @@ def bench_main(argv: list[str]) -> int:
                 torch.cuda.reset_peak_memory_stats()
             print(f"--- bench: {mode} rollout, {args.num_envs} game(s) in flight ---", flush=True)
             train(args)
-            results[mode] = bench_summary([json.loads(x) for x in open(Path(args.out) / "metrics.jsonl")])
+            results[mode] = bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl"))
         if ns.judgements > 0:
             results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
     print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))

@@ -1022,3 +1022,27 @@ def test_judge_200_with_a_broken_body_is_a_counted_failure_never_a_crash(tmp_pat
     assert bad and all(t["judged"] and t["scores"] is None for t in bad)
     assert all(t["scores"] == {k: float(v) for r in GOOD.values() for k, v in r.items()} for t in trajs if t["role"] == 0)
     assert metrics[0]["judge_failures"] == {"bad_response": len(bad)}, name
+
+
+def test_torn_last_lines_are_dropped_on_resume_and_skipped_by_the_readers(tmp_path, capsys):
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert run(SMALL + ["--steps", "2", "--out", str(whole)]) == 0
+    assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
+    clean = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "trajectories.jsonl")}
+    with open(out / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 2, "time_s": 1.2, "gam')  # a crash (or a full disk) in the middle of an append
+    with open(out / "trajectories.jsonl", "ab") as f:
+        f.write(b'{"step": 2, "game": "Kuhn\xff\xfe')  # ... cut inside a multi-byte character: not UTF-8
+    capsys.readouterr()
+    assert run(["show", str(out), "--index", "0"]) == 0
+    assert run(["plot", str(out), "--out", str(tmp_path / "plots")]) == 0
+    assert run(["agree", str(out), "--judges", "heuristic", "heuristic", "--sample", "4"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("stratagem: warning: skipped 1 unreadable line(s) of") == 3 and "Traceback" not in err
+    assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("stratagem: warning: skipped 1 unreadable line(s)") == 2
+    for name, before in clean.items():  # the torn lines are gone, the rest is byte for byte the same
+        assert (out / name).read_bytes().startswith(before)
+    assert read_jsonl(out / "trajectories.jsonl") == read_jsonl(whole / "trajectories.jsonl")
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
