@@ -1342,10 +1342,8 @@ def train(args: Args) -> Path:
         raise UserError("--backend vllm runs in one process; under torchrun use --backend hf (see README)")
 
     # ---- load the policy (the resumed weights, the tiny model, or --model) before touching --out ----
-    ckpt = latest_checkpoint(out) if args.resume else None
-    if args.resume and ckpt is None:
-        raise UserError(f"--resume: no checkpoint in {out}")
-    if args.resume and len(list(ckpt.glob("rank*.pt"))) != dist.world:
+    ckpt = latest_checkpoint(out) if args.resume else None  # None on resume: stopped before its first save
+    if ckpt is not None and len(list(ckpt.glob("rank*.pt"))) != dist.world:
         raise UserError(f"--resume: {ckpt} was written by {len(list(ckpt.glob('rank*.pt')))} process(es); "
                         f"resume it with as many (this is {dist.world})")
     if not args.resume and out.exists():
@@ -1388,7 +1386,11 @@ def train(args: Args) -> Path:
                 truncate_jsonl(out / name, start)
             print(f"resuming {out} from step {start}")
     elif dist.main:
-        (out / "checkpoints").mkdir(parents=True)
+        (out / "checkpoints").mkdir(parents=True, exist_ok=args.resume)
+        if args.resume:  # nothing was saved yet: start again from step 0, with the saved config
+            for name in ("metrics.jsonl", "trajectories.jsonl"):
+                truncate_jsonl(out / name, 0)
+            print(f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
     runner = None
     if dist.main:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))

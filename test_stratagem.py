@@ -1046,3 +1046,17 @@ def test_torn_last_lines_are_dropped_on_resume_and_skipped_by_the_readers(tmp_pa
         assert (out / name).read_bytes().startswith(before)
     assert read_jsonl(out / "trajectories.jsonl") == read_jsonl(whole / "trajectories.jsonl")
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_resume_before_the_first_checkpoint_starts_from_step_0_with_the_saved_config(tmp_path, capsys):
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert run(SMALL + ["--steps", "2", "--beta", "0.3", "--out", str(whole)]) == 0
+    assert run(SMALL + ["--steps", "2", "--beta", "0.3", "--out", str(out)]) == 0
+    import shutil
+
+    shutil.rmtree(out / "checkpoints")  # as if stopped (--save-every 50) after logging step 2, before any save
+    assert run(["--resume", "--out", str(out)]) == 0
+    assert "no checkpoint yet, so it starts again from step 0" in capsys.readouterr().out
+    check_run(out, 2, beta=0.3)
+    assert read_jsonl(out / "trajectories.jsonl") == read_jsonl(whole / "trajectories.jsonl")
+    assert json.loads((out / "config.json").read_text())["beta"] == 0.3
