@@ -33,6 +33,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import re
 import resource
@@ -939,6 +940,7 @@ def load_policy(path: str, device: torch.device):
     """Model and tokenizer through the real from_pretrained. The learner keeps fp32 weights: with
     lr = 1e-6 most Adam updates are smaller than one bf16 ulp and would round away (compute runs
     in bf16 autocast on CUDA; Adam's state is fp32 like the weights)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     looks_local = path.startswith((".", "/", "~")) or os.path.exists(path)
@@ -947,9 +949,9 @@ def load_policy(path: str, device: torch.device):
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(path))
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), dtype=torch.float32)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a truncated or empty weights file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load model {path!r} (offline, or not a causal LM?): {first}") from None
+        raise UserError(f"cannot load model {path!r} (offline, damaged, or not a causal LM?): {first}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer
@@ -1233,6 +1235,43 @@ def latest_checkpoint(out: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def check_checkpoint(ckpt: Path, world: int) -> None:
+    """Refuse, in one line, a checkpoint that is missing files or was written by another number of processes."""
+    ranks = len(list(ckpt.glob("rank*.pt")))
+    missing = [name for name in ("config.json", "model.safetensors", "trainer_state.pt", "rank0.pt")
+               if not (ckpt / name).is_file()]
+    if "model.safetensors" in missing and (ckpt / "model.safetensors.index.json").is_file():
+        missing.remove("model.safetensors")  # a large model is saved in shards, listed by the index
+    if missing:
+        raise UserError(f"--resume: checkpoint {ckpt} is incomplete (missing {', '.join(missing)}); restore it, or "
+                        "delete that folder to start the run again from step 0")
+    if ranks != world:
+        raise UserError(f"--resume: {ckpt} was written by {ranks} process(es); resume it with as many (this is {world})")
+
+
+def load_state(path: Path) -> dict:
+    """torch.load of a trainer_state.pt / rank<r>.pt, a damaged file ending in one line."""
+    try:
+        return torch.load(path, weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:  # a torn zip is a RuntimeError
+        first = str(e).strip().split(". ")[0] if str(e).strip() else "empty file"
+        raise UserError(f"--resume: {path} is damaged ({type(e).__name__}: {first}); restore it, or delete "
+                        f"{path.parent} to start the run again from step 0") from None
+
+
+def read_config(run: Path) -> dict:
+    """A run's config.json; a damaged one ends in one line."""
+    path = run / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise UserError(f"{path} is damaged ({e}); restore it from a copy") from None
+    unknown = set(config) - set(Args.__dataclass_fields__) if isinstance(config, dict) else {"(not an object)"}
+    if unknown:
+        raise UserError(f"{path} is not a stratagem config (unknown: {', '.join(sorted(unknown))})")
+    return config
+
+
 def rng_states(rng: random.Random) -> dict:
     return {"rng": rng.getstate(), "python": random.getstate(), "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
@@ -1343,9 +1382,8 @@ def train(args: Args) -> Path:
 
     # ---- load the policy (the resumed weights, the tiny model, or --model) before touching --out ----
     ckpt = latest_checkpoint(out) if args.resume else None  # None on resume: stopped before its first save
-    if ckpt is not None and len(list(ckpt.glob("rank*.pt"))) != dist.world:
-        raise UserError(f"--resume: {ckpt} was written by {len(list(ckpt.glob('rank*.pt')))} process(es); "
-                        f"resume it with as many (this is {dist.world})")
+    if ckpt is not None:
+        check_checkpoint(ckpt, dist.world)
     if not args.resume and out.exists():
         raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
     with tempfile.TemporaryDirectory() as tiny_dir:
@@ -1374,8 +1412,8 @@ def train(args: Args) -> Path:
     lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch (per rank)
     start, elapsed, judge_totals = 0, 0.0, None
     if ckpt is not None:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        own = torch.load(ckpt / f"rank{dist.rank}.pt", weights_only=False)
+        state = load_state(ckpt / "trainer_state.pt")
+        own = load_state(ckpt / f"rank{dist.rank}.pt")
         load_optimizer_state(model, optimizer, state["optimizer"])
         baselines, start, elapsed, judge_totals = state["baselines"], state["step"], state["elapsed"], state["judge_totals"]
         lengths = own["lengths"]
@@ -1699,7 +1737,7 @@ def eval_main(argv: list[str]) -> int:
 # Seeing a run: plots over steps, and one trajectory read closely.
 # =====================================================================================
 def run_label(run: Path) -> str:
-    config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    config = read_config(run) if (run / "config.json").exists() else {}
     mode = config.get("mode", "?")
     detail = "" if mode == "spiral" else (" w/o psi" if config.get("no_psi") else f" beta={config.get('beta')}")
     return f"{run.name} ({mode}{detail})"
@@ -1787,7 +1825,7 @@ def show_main(argv: list[str]) -> int:
         raise UserError(f"--index must be in [0, {len(rows) - 1}]")
     i = ns.index if ns.index >= 0 else random.Random(ns.seed).randrange(len(rows))
     r = rows[i]
-    beta = json.loads((Path(ns.run) / "config.json").read_text()).get("beta", 0.0)
+    beta = read_config(Path(ns.run)).get("beta", 0.0)
     print(f"{ns.run} | step {r['step']} | trajectory {i} of {len(rows)} | {r['game']}, Player {r['role']}, "
           f"{len(r['turns'])} turn(s)")
     print(f"reward R = {r['reward']:+g}   baseline b = {r['baseline']:+.4f}   A_game = R - b = {r['a_game']:+.4f}")
@@ -2185,7 +2223,7 @@ def main(argv: list[str] | None = None) -> int:
             config = Path(explicit["out"]) / "config.json"
             if not config.exists():
                 raise UserError(f"--resume: {config} not found")
-            saved = json.loads(config.read_text())
+            saved = read_config(config.parent)
         train(resolve_args(explicit, saved))
     except UserError as e:
         print(f"stratagem: error: {e}", file=sys.stderr)

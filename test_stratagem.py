@@ -1060,3 +1060,38 @@ def test_resume_before_the_first_checkpoint_starts_from_step_0_with_the_saved_co
     check_run(out, 2, beta=0.3)
     assert read_jsonl(out / "trajectories.jsonl") == read_jsonl(whole / "trajectories.jsonl")
     assert json.loads((out / "config.json").read_text())["beta"] == 0.3
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("base") / "run"
+    assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
+    return out
+
+
+def _truncate(path: Path, n: int):
+    path.write_bytes(path.read_bytes()[:n])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: _truncate(c / "trainer_state.pt", 1000), "trainer_state.pt is damaged (RuntimeError"),
+    (lambda c: _truncate(c / "trainer_state.pt", 0), "trainer_state.pt is damaged (EOFError"),
+    (lambda c: _truncate(c / "rank0.pt", 10), "rank0.pt is damaged"),
+    (lambda c: _truncate(c / "model.safetensors", 1000), "cannot load model"),
+    (lambda c: _truncate(c / "model.safetensors", 0), "cannot load model"),
+    (lambda c: _truncate(c / "config.json", 0), "cannot load model"),
+    (lambda c: _truncate(c.parent.parent / "config.json", 50), "config.json is damaged"),
+    (lambda c: _truncate(c.parent.parent / "config.json", 0), "config.json is damaged"),
+    (lambda c: (c / "rank0.pt").unlink(), "is incomplete (missing rank0.pt)"),
+    (lambda c: [p.unlink() for p in c.iterdir()], "is incomplete (missing config.json, model.safetensors, "
+                                                   "trainer_state.pt, rank0.pt)"),
+])
+def test_corrupt_run_files_end_in_one_line(one_step_run, tmp_path, capsys, damage, message):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(one_step_run, out)
+    damage(out / "checkpoints" / "step-000001")
+    before = sorted((p.relative_to(out), p.stat().st_size) for p in out.rglob("*"))
+    assert message in error_of(capsys, ["--resume", "--out", str(out), "--steps", "2"])
+    assert sorted((p.relative_to(out), p.stat().st_size) for p in out.rglob("*")) == before  # nothing touched
