@@ -530,17 +530,21 @@ def parse_scores(reply: str, rubric: str) -> dict[str, float]:
         if not all(k in obj for k in spec["keys"]):
             partial = partial or any(k in obj for k in spec["keys"])
             continue
-        scores = {}
-        for k in spec["keys"]:
-            try:
-                v = None if isinstance(obj[k], bool) else float(obj[k])
-            except (TypeError, ValueError):
-                v = None
-            if v not in spec["levels"]:
-                raise JudgeFailure("bad_value", f"{k}={obj[k]!r} not in {spec['levels']}")
-            scores[k] = v
-        return scores
+        return {k: score_level(obj[k], k, rubric) for k in spec["keys"]}
     raise JudgeFailure("missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(spec["keys"]))
+
+
+def score_level(value, key: str, rubric: str) -> float:
+    """One verdict value as a level of the rubric, or a bad_value failure (numbers given as strings are
+    accepted, booleans are not). Fresh verdicts and cached ones both pass through here."""
+    levels = judge_prompts.RUBRICS[rubric]["levels"]
+    try:
+        v = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        v = None
+    if v not in levels:
+        raise JudgeFailure("bad_value", f"{key}={value!r} not in {levels}")
+    return v
 
 
 def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
@@ -687,7 +691,9 @@ class JudgeCache:
     """Valid verdicts, keyed by judge model, prompt version, rubric, temperature, sample index and the
     rendered trajectory, so a resumed or repeated run never pays twice for the same request.
     Append-only JSONL, one line flushed per verdict: a crash loses at most the line being written,
-    and a torn or corrupt line is skipped on load (and counted), never fatal."""
+    and a torn or corrupt line is skipped on load (and counted), never fatal. A line's scores must
+    pass the same validation as a fresh verdict, or the line is skipped too: the request is made
+    again rather than trusting a hand-edited or foreign file."""
 
     def __init__(self, path: Path | None):
         self.path, self.entries, self.skipped = path, {}, 0
@@ -697,8 +703,11 @@ class JudgeCache:
             for line in text.splitlines():
                 try:
                     record = json.loads(line)
-                    self.entries[record["key"]] = record["scores"]
-                except (ValueError, KeyError, TypeError):
+                    keys = judge_prompts.RUBRICS[record["rubric"]]["keys"]
+                    if set(record["scores"]) != set(keys) or not isinstance(record["key"], str):
+                        raise JudgeFailure("missing_keys")
+                    self.entries[record["key"]] = {k: score_level(record["scores"][k], k, record["rubric"]) for k in keys}
+                except (ValueError, KeyError, TypeError, JudgeFailure):
                     self.skipped += 1
             if text and not text.endswith("\n"):  # a torn last line must not swallow the next record
                 with open(path, "a", encoding="utf-8") as f:
@@ -1435,7 +1444,8 @@ def train(args: Args) -> Path:
         if judge is not None:
             cache = JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
             if cache.skipped:
-                print(f"judge cache: skipped {cache.skipped} unreadable line(s) of {cache.path}", file=sys.stderr)
+                print(f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
+                      "their requests are made again", file=sys.stderr)
             runner = JudgeRunner(judge, args, cache)
             runner.totals.update(judge_totals or {})
     announced = bool(runner and runner.budget_exhausted())

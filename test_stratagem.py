@@ -7,6 +7,7 @@ on 127.0.0.1 and reach it through the real `openai` client.
 from __future__ import annotations
 
 import http.server
+import itertools
 import json
 import math
 import os
@@ -1095,3 +1096,24 @@ def test_corrupt_run_files_end_in_one_line(one_step_run, tmp_path, capsys, damag
     before = sorted((p.relative_to(out), p.stat().st_size) for p in out.rglob("*"))
     assert message in error_of(capsys, ["--resume", "--out", str(out), "--steps", "2"])
     assert sorted((p.relative_to(out), p.stat().st_size) for p in out.rglob("*")) == before  # nothing touched
+
+
+def test_judge_cache_lines_with_bad_scores_are_not_trusted(tmp_path, judge_server, secret_key, capsys):
+    cache = tmp_path / "cache.jsonl"
+    common = SMALL + ["--steps", "1", "--judge", "openai", "--judge-base-url", judge_server.url,
+                      "--judge-sample-rate", "1", "--judge-cache", str(cache)]
+    assert run(common + ["--out", str(tmp_path / "a")]) == 0
+    paid = len(judge_server.requests)
+    forged = [{"alpha": 7, "sigma": 1, "rho": 1}, {"alpha": True, "sigma": 1, "rho": 1}, {"alpha": "x", "sigma": 1, "rho": 1},
+              {"alpha": 1}, ["alpha"], {"alpha": None, "sigma": 1, "rho": 1}, {"d": 0.5, "a": 0, "c": 0}]
+    lines = [json.loads(x) for x in cache.read_text().splitlines()]
+    for line, scores in zip(lines, itertools.cycle(forged)):
+        line["scores"] = scores
+    lines[-1]["rubric"] = "no-such-rubric"
+    cache.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    capsys.readouterr()
+    assert run(common + ["--out", str(tmp_path / "b")]) == 0
+    assert f"judge cache: skipped {len(lines)} unreadable or invalid line(s)" in capsys.readouterr().err
+    assert len(judge_server.requests) == 2 * paid  # every forged entry is asked for again, none is trusted
+    assert read_jsonl(tmp_path / "a" / "trajectories.jsonl") == read_jsonl(tmp_path / "b" / "trajectories.jsonl")
+    check_run(tmp_path / "b", 1, beta=0.2)
