@@ -564,8 +564,6 @@ class HeuristicJudge:
 
     name = "heuristic"
     cacheable = False  # free and deterministic: caching it would only grow the file
-    _TURN = re.compile(r"Player's response:\n(.*?)\n\nAction sent to the game: (.*?)(?=\n\n--- Turn \d+ ---|\Z)",
-                       re.DOTALL)
     _ABSTRACT = re.compile(r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
                            r"outcome\w*|if|then|compare\w*)\b", re.IGNORECASE)
     _STRUCTURE = re.compile(r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)",
@@ -578,15 +576,15 @@ class HeuristicJudge:
         return 0.0 if count == 0 else 0.5 if count < 3 else 1.0
 
     def scores(self, rubric: str, trajectory_text: str) -> dict[str, float]:
-        turns = self._TURN.findall(trajectory_text)
-        texts, actions = [r for r, _ in turns], [a for _, a in turns]
+        turns = judge_prompts.read_turns(trajectory_text)  # the renderer's turns; quoted text cannot add one
+        texts, actions = [t["response"] for t in turns], [t["action"] for t in turns]
         if rubric == "transferability":
             text = "\n".join(texts)
             return {"alpha": self._level(len({m.lower() for m in self._ABSTRACT.findall(text)})),
                     "sigma": self._level(len(self._STRUCTURE.findall(text))),
                     "rho": self._level(len(self._REASON.findall(text)))}
         repeated = len(set(texts)) < len(texts)
-        valid = sum(a != "(none found)" for a in actions) / max(1, len(actions))
+        valid = sum(a != "" for a in actions) / max(1, len(actions))
         return {"d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
                 "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
                 "c": 1.0 if valid == 1 else (-1.0 if valid == 0 else 0.0)}
