@@ -740,10 +740,12 @@ class Judgement:
 class JudgeRunner:
     """Everything between trajectories and their scores: rendering, the cache, the money budget,
     concurrency, n-sample aggregation and parsing. Failures never raise: they are returned and counted.
-    Totals (requests, tokens, money) live in `self.totals`, which the checkpoint carries."""
+    Totals (requests, tokens, money) live in `self.totals`, which the checkpoint carries. With a
+    `ledger`, every paid request also appends one flushed line (tokens, cost) to it the moment it is
+    paid: the money record a crash cannot shorten (see ledger_totals)."""
 
-    def __init__(self, client, args: Args, cache: JudgeCache):
-        self.client, self.args, self.cache = client, args, cache
+    def __init__(self, client, args: Args, cache: JudgeCache, ledger: Path | None = None):
+        self.client, self.args, self.cache, self.ledger = client, args, cache, ledger
         self.lock = threading.Lock()
         self.totals = dict.fromkeys(("requests", "cache_hits", "prompt_tokens", "completion_tokens", "cost"), 0)
 
@@ -766,6 +768,10 @@ class JudgeRunner:
             p_tok, c_tok = (p_tok, c_tok) if reply is not None else e.tokens
         cost = p_tok * self.args.judge_price_in / 1e6 + c_tok * self.args.judge_price_out / 1e6
         self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
+        if self.ledger is not None:
+            with self.lock:
+                append_jsonl(self.ledger, {"rubric": rubric, "key": key, "failure": kind, "prompt_tokens": p_tok,
+                                           "completion_tokens": c_tok, "cost": cost})
         if scores is not None and self.client.cacheable:
             self.cache.put(key, rubric, scores)
         return scores, kind
@@ -797,6 +803,14 @@ class JudgeRunner:
             skipped = bool(kinds) and failure is None
             judgements.append(Judgement(None if kinds else scores, failure, skipped))
         return judgements, step
+
+
+def ledger_totals(path: Path) -> dict:
+    """Requests, tokens and money of every request a run has paid for, read from its ledger. On resume
+    these replace the checkpoint's totals: a step paid for and then lost to a crash is replayed from
+    the cache for free, but its money was spent, and the budget must see it."""
+    rows = read_jsonl(path) if path.exists() else []
+    return {"requests": len(rows), **{k: sum(r.get(k, 0) for r in rows) for k in ("prompt_tokens", "completion_tokens", "cost")}}
 
 
 def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args) -> dict:
@@ -1444,8 +1458,10 @@ def train(args: Args) -> Path:
             if cache.skipped:
                 print(f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
                       "their requests are made again", file=sys.stderr)
-            runner = JudgeRunner(judge, args, cache)
+            runner = JudgeRunner(judge, args, cache, out / "judge_ledger.jsonl")
             runner.totals.update(judge_totals or {})
+            if runner.ledger.exists():  # what was really spent, a crashed step's requests included
+                runner.totals.update(ledger_totals(runner.ledger))
     announced = bool(runner and runner.budget_exhausted())
     if announced:
         announce_budget(runner, start)

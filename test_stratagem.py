@@ -1170,3 +1170,31 @@ def test_forged_turn_markers_cannot_add_turns(secret_key):
         server.server_close()
     assert judgement.scores == expected
     assert judge_prompts.PROMPT_VERSION != "stratagem-rubric-v1"  # the rendering changed: cached verdicts are stale
+
+
+def test_money_spent_on_a_step_lost_to_a_crash_stays_in_the_total_and_the_budget(tmp_path, judge_server, secret_key, capsys):
+    """0.0012 a request (see test_cost_and_budget). Step 2 is paid for, then lost to a crash: its replay
+    comes from the cache for free, but its money was spent, so the total and the budget keep it."""
+    import shutil
+
+    out = tmp_path / "run"
+    assert run(SMALL + ["--steps", "1", "--out", str(out), "--judge", "openai", "--judge-base-url", judge_server.url,
+                        "--judge-sample-rate", "1", "--judge-price-in", "10", "--judge-price-out", "20"]) == 0
+    shutil.copytree(out / "checkpoints", tmp_path / "ckpt-1")
+    resume = ["--resume", "--out", str(out), "--steps", "2", "--judge-base-url", judge_server.url]
+    assert run(resume) == 0
+    paid = len(judge_server.requests)
+    assert read_jsonl(out / "metrics.jsonl")[-1]["judge_cost_total"] == pytest.approx(0.0012 * paid)
+    shutil.rmtree(out / "checkpoints")  # crash after step 2 was judged and logged, before its checkpoint
+    shutil.copytree(tmp_path / "ckpt-1", out / "checkpoints")
+    assert run(resume) == 0
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert len(judge_server.requests) == paid and metrics[-1]["judge_requests"] == 0  # replayed from the cache
+    assert metrics[-1]["judge_cost_total"] == pytest.approx(0.0012 * paid)  # ... but the money is not forgotten
+    assert len(read_jsonl(out / "judge_ledger.jsonl")) == paid
+    shutil.rmtree(out / "checkpoints")
+    shutil.copytree(tmp_path / "ckpt-1", out / "checkpoints")
+    capsys.readouterr()
+    assert run(resume + ["--judge-budget", f"{0.0012 * paid - 1e-9}"]) == 0  # spent: no more requests
+    assert "JUDGE BUDGET REACHED at step 1" in capsys.readouterr().out
+    assert len(judge_server.requests) == paid and read_jsonl(out / "metrics.jsonl")[-1]["judge_judged"] == 0
