@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import errno
 import hashlib
 import http.server
 import inspect
@@ -38,6 +39,7 @@ import random
 import re
 import resource
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -47,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 import judge_prompts
 
@@ -961,7 +964,6 @@ def load_policy(path: str, device: torch.device):
     """Model and tokenizer through the real from_pretrained. The learner keeps fp32 weights: with
     lr = 1e-6 most Adam updates are smaller than one bf16 ulp and would round away (compute runs
     in bf16 autocast on CUDA; Adam's state is fp32 like the weights)."""
-    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     looks_local = path.startswith((".", "/", "~")) or os.path.exists(path)
@@ -1317,17 +1319,34 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
     final = root / f"step-{step:06d}"
     weights = full_weights(model) if dist.world > 1 else None  # None: save_pretrained reads the model
     optim = optimizer_state(model, optimizer)
-    tmp = Path(dist.broadcast(tempfile.mkdtemp(prefix=".tmp-", dir=root) if dist.main else None))
-    torch.save(own, tmp / f"rank{dist.rank}.pt")
-    dist.gather(None)  # every rank's file is written before the rename
+    tmp = root / f".tmp-step-{step:06d}"
     if dist.main:
-        model.save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
-        os.replace(tmp, final)
-        for old in root.iterdir():
-            if old != final:
-                shutil.rmtree(old)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill -9 during an earlier save of this step
+        tmp.mkdir()  # not mkdtemp: its 0700 would ignore the user's umask
+    dist.gather(None)
+    try:
+        torch.save(own, tmp / f"rank{dist.rank}.pt")
+        dist.gather(None)  # every rank's file is written before the rename
+        if dist.main:
+            model.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
+            mask = os.umask(0)
+            os.umask(mask)
+            for f in tmp.iterdir():  # some writers create 0600 files; a checkpoint follows the umask like the logs
+                os.chmod(f, 0o666 & ~mask)
+            os.replace(tmp, final)
+            for old in root.iterdir():
+                if old != final:
+                    shutil.rmtree(old)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split(". ")[0]
+        raise UserError(f"cannot write checkpoint {final} ({detail}); the previous one is intact: make room, "
+                        f"then continue with --resume --out {out}") from None
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM in the middle of a save: the previous checkpoint stands
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     dist.gather(None)  # nobody runs ahead of the rename
 
 
@@ -1405,6 +1424,16 @@ def train(args: Args) -> Path:
     ckpt = latest_checkpoint(out) if args.resume else None  # None on resume: stopped before its first save
     if ckpt is not None:
         check_checkpoint(ckpt, dist.world)
+        done = int(ckpt.name.removeprefix("step-"))
+        if args.steps < done:  # refused rather than rewriting config.json with a run that did more
+            raise UserError(f"--resume: {out} has already done {done} steps; --steps {args.steps} cannot undo them "
+                            f"(pass --steps > {done} to train further)")
+        if args.steps == done:  # a finished run: nothing to do, nothing touched (a re-queued job ends cleanly)
+            if dist.main:
+                print(f"{out} is already finished ({done} of {done} steps); nothing to do "
+                      f"(pass --resume --steps N with N > {done} to train it further)")
+            dist.close()
+            return out
     if not args.resume and out.exists():
         raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
     with tempfile.TemporaryDirectory() as tiny_dir:
@@ -1452,7 +1481,7 @@ def train(args: Args) -> Path:
             print(f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
     runner = None
     if dist.main:
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(args), indent=2).encode())
         if judge is not None:
             cache = JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
             if cache.skipped:
@@ -2061,7 +2090,12 @@ def serve_judge_main(argv: list[str]) -> int:
     except OSError as e:
         raise UserError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}") from None
     print(f"heuristic judge on http://{ns.host}:{server.server_address[1]}/v1 (Ctrl-C to stop)", flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the normal way to stop a server
+        print("serve-judge: stopped", file=sys.stderr)
+    finally:
+        server.server_close()
     return 0
 
 
@@ -2233,9 +2267,20 @@ COMMANDS = {"agree": agree_main, "serve-judge": serve_judge_main, "bench": bench
             "plot": plot_main, "show": show_main}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, `kill`), raised where the program is, so it stops like Ctrl-C."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`stratagem.py [flags]` trains; `stratagem.py COMMAND ...` runs one of COMMANDS."""
     argv = sys.argv[1:] if argv is None else argv
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
+    run_dir = None  # set once a training run is resolved: the resume advice names it
     try:
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])
@@ -2248,13 +2293,27 @@ def main(argv: list[str] | None = None) -> int:
             if not config.exists():
                 raise UserError(f"--resume: {config} not found")
             saved = read_config(config.parent)
-        train(resolve_args(explicit, saved))
+        args = resolve_args(explicit, saved)
+        run_dir = Path(args.out)
+        train(args)
     except UserError as e:
         print(f"stratagem: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("stratagem: interrupted (a training run continues with --resume --out <run dir>)", file=sys.stderr)
-        return 130
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"stratagem: error: no space left on the device writing {e.filename or 'a file'}"
+              + (f"; make room, then continue with --resume --out {run_dir}" if run_dir else ""), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        resumable = run_dir is not None and (run_dir / "config.json").exists()
+        print(f"stratagem: stopped by {how}" + (f"; continue the run with --resume --out {run_dir}" if resumable else ""),
+              file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

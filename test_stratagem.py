@@ -1198,3 +1198,82 @@ def test_money_spent_on_a_step_lost_to_a_crash_stays_in_the_total_and_the_budget
     assert run(resume + ["--judge-budget", f"{0.0012 * paid - 1e-9}"]) == 0  # spent: no more requests
     assert "JUDGE BUDGET REACHED at step 1" in capsys.readouterr().out
     assert len(judge_server.requests) == paid and read_jsonl(out / "metrics.jsonl")[-1]["judge_judged"] == 0
+
+
+def spawn(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(HERE / "stratagem.py"), *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_sigterm_stops_a_run_like_ctrl_c_and_it_resumes(tmp_path):
+    import signal
+
+    out = tmp_path / "run"
+    proc = spawn(SMALL + ["--steps", "500", "--save-every", "1", "--out", str(out)], tmp_path)
+    for line in proc.stdout:  # a real signal, sent in the middle of training
+        if line.startswith("step 2/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err == f"stratagem: stopped by SIGTERM; continue the run with --resume --out {out}\n"
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    done = int(sorted((out / "checkpoints").glob("step-*"))[-1].name[5:])
+    assert run(["--resume", "--out", str(out), "--steps", str(done + 1)]) == 0
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, done + 2))
+
+
+def test_ctrl_c_on_serve_judge_stops_it_without_training_advice(tmp_path):
+    import signal
+
+    proc = spawn(["serve-judge", "--port", "0"], tmp_path)
+    assert proc.stdout.readline().startswith("heuristic judge on http://127.0.0.1:")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and err == "serve-judge: stopped\n"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real, nearly full disk: a 1 MiB tmpfs (needs root; skipped where mounting is not allowed)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_temporary_folder(small_tmpfs, capsys):
+    out = small_tmpfs / "run"
+    err = error_of(capsys, SMALL + ["--steps", "1", "--out", str(out)])  # the logs fit, the 1.5 MB checkpoint not
+    assert "cannot write checkpoint" in err and f"--resume --out {out}" in err
+    assert list((out / "checkpoints").iterdir()) == []  # no .tmp-* left behind
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]  # nothing logged is lost
+
+
+def test_resume_with_fewer_steps_is_refused_and_a_finished_run_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(SMALL + ["--steps", "2", "--save-every", "1", "--out", str(out)]) == 0
+    snapshot = lambda: sorted((p, p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")  # noqa: E731
+                              for p in out.rglob("*"))
+    before = snapshot()
+    capsys.readouterr()
+    assert "has already done 2 steps; --steps 1 cannot undo them" in error_of(capsys, ["--resume", "--out", str(out),
+                                                                                       "--steps", "1"])
+    assert run(["--resume", "--out", str(out)]) == 0
+    assert "is already finished (2 of 2 steps); nothing to do" in capsys.readouterr().out
+    assert snapshot() == before
+    assert json.loads((out / "config.json").read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775)])
+def test_run_files_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
+    old = os.umask(umask)
+    try:
+        assert run(SMALL + ["--steps", "1", "--out", str(tmp_path / "run")]) == 0
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in (tmp_path / "run").rglob("*")}
+    assert modes and all(m == (dir_mode if (tmp_path / p).is_dir() else file_mode) for p, m in modes.items()), modes
