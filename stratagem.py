@@ -1491,6 +1491,9 @@ def train(args: Args) -> Path:
             runner.totals.update(judge_totals or {})
             if runner.ledger.exists():  # what was really spent, a crashed step's requests included
                 runner.totals.update(ledger_totals(runner.ledger))
+                if not runner.ledger.read_bytes().endswith(b"\n"):  # a torn last line must not swallow the next
+                    with open(runner.ledger, "ab") as f:
+                        f.write(b"\n")
     announced = bool(runner and runner.budget_exhausted())
     if announced:
         announce_budget(runner, start)
