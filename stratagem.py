@@ -255,6 +255,7 @@ def validate(args: Args) -> None:
                 raise UserError(f"--{name.replace('_', '-')} must be {wording}, got {value}")
     if args.judge_budget and not args.judge_price_in + args.judge_price_out:
         raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
+    pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
 
 
 # =====================================================================================
@@ -1351,10 +1352,59 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
 
 
 def pick_device(spec: str, local_rank: int = 0) -> torch.device:
-    """'auto': this process's GPU if there is one, else the CPU."""
-    if spec != "auto":
-        return torch.device(spec)
-    return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    """'auto': this process's GPU if there is one, else the CPU. A device torch does not know, or a GPU
+    this machine does not have, ends in one line before any work."""
+    if spec == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UserError(f"--device {spec!r} is not a torch device (auto, cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {spec}: no CUDA GPU is available here (use --device cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {spec}: MPS is not available here")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device {spec}: only cpu, cuda[:N] and mps are supported")
+    return device
+
+
+def nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:  # exists() is False under a file too
+        path = path.parent
+    return path
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """Refuse, before any work, a folder that cannot be created or written (under a file, read-only,
+    no permission): a probe folder is made in its nearest existing ancestor and removed again."""
+    base = nearest_existing(path.absolute())
+    if not base.is_dir():
+        raise UserError(f"{flag} {path}: {base} is a file, not a folder")
+    try:
+        tempfile.TemporaryDirectory(dir=base, prefix=".stratagem-probe-").cleanup()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write in {base} ({e.strerror})") from None
+
+
+def check_writable_file(path: Path, flag: str) -> None:
+    """Refuse, before any work, a file that cannot be written: a folder, a missing or unwritable folder."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder, not a file")
+    if not path.absolute().parent.is_dir():
+        why = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise UserError(f"{flag} {path}: {nearest_existing(path.absolute().parent)} {why}")
+    try:
+        if path.exists():
+            open(path, "a").close()  # appending nothing changes nothing
+        else:
+            fd, probe = tempfile.mkstemp(dir=path.absolute().parent, prefix=".stratagem-probe-")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write it ({e.strerror})") from None
 
 
 def seed_everything(seed: int) -> random.Random:
@@ -1436,6 +1486,10 @@ def train(args: Args) -> Path:
             return out
     if not args.resume and out.exists():
         raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
+    if dist.main:  # every output is checked before the model is loaded, and before --out is made
+        check_writable_dir(out, "--out")
+        if judge is not None and args.judge_cache:
+            check_writable_file(Path(args.judge_cache), "--judge-cache")
     with tempfile.TemporaryDirectory() as tiny_dir:
         if ckpt is not None:
             model_path = str(ckpt)
@@ -1761,11 +1815,15 @@ def eval_main(argv: list[str]) -> int:
     p.add_argument("--device", default="auto", help="torch device (default: auto)")
     p.add_argument("--json", default="", help="write the results here (default: eval-<seed>.json, never overwritten)")
     ns = p.parse_args(argv)
-    if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1 or ns.temperature < 0:
+    if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1 or not 0 <= ns.temperature < math.inf:
         raise UserError("--n, --max-new-tokens, --max-turns and --concurrency must be >= 1, --temperature >= 0")
+    if ns.error_allowance < 0:
+        raise UserError("--error-allowance must be >= 0")
     out = Path(ns.json or f"eval-{ns.seed}.json")
     if out.exists():
         raise UserError(f"{out} already exists; choose another --json")
+    check_writable_file(out, "--json")  # now, not after every game is played
+    pick_device(ns.device)
     games = game_ids(ns.games)
     quiet_transformers()
     rng = seed_everything(ns.seed)
@@ -1836,6 +1894,7 @@ def plot_main(argv: list[str]) -> int:
 
     runs = [(Path(r), read_metrics(Path(r))) for r in ns.runs]
     out = Path(ns.out) if ns.out else runs[0][0] / "plots"
+    check_writable_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     for name, (title, ylabel, series) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
@@ -1986,15 +2045,19 @@ def agree_main(argv: list[str]) -> int:
     if len(ns.judges) < 2 or ns.sample < 2:
         raise UserError("agree needs at least two --judges and --sample >= 2")
     run = Path(ns.run)
-    pool = read_trajectories(run)
-    trajs = [pool[i] for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))]
     args = dataclasses.replace(Args(), judge_temperature=ns.judge_temperature, judge_max_tokens=ns.judge_max_tokens,
                                judge_concurrency=ns.judge_concurrency, judge_timeout=ns.judge_timeout,
                                judge_retries=ns.judge_retries)
+    validate(args)  # NaN or negative judge settings end here, in one line
+    if ns.json:
+        check_writable_file(Path(ns.json), "--json")
+    pool = read_trajectories(run)
+    trajs = [pool[i] for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))]
     cache = JudgeCache(run / "judge_cache.jsonl")
+    judges = [judge_from_spec(spec, args) for spec in ns.judges]  # every judge is checked before any is paid
     verdicts = []
-    for spec in ns.judges:
-        judgements, usage = JudgeRunner(judge_from_spec(spec, args), args, cache).judge(trajs, list(judge_prompts.RUBRICS))
+    for spec, judge in zip(ns.judges, judges):
+        judgements, usage = JudgeRunner(judge, args, cache).judge(trajs, list(judge_prompts.RUBRICS))
         verdicts.append([j.scores for j in judgements])
         print(f"{spec}: {usage.get('requests', 0)} requests, {usage.get('cache_hits', 0)} from cache, "
               f"{sum(j.failure is not None for j in judgements)} failed", file=sys.stderr)
@@ -2086,8 +2149,10 @@ def serve_judge_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the noise (default: 0)")
     p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each answer (default: 0)")
     ns = p.parse_args(argv)
-    if not (0 <= ns.noise <= 1 and ns.delay >= 0):
+    if not (0 <= ns.noise <= 1 and 0 <= ns.delay < math.inf):
         raise UserError("--noise must be in [0, 1] and --delay >= 0")
+    if not 0 <= ns.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535] (0: any free port), got {ns.port}")
     try:
         server = make_judge_server(ns.host, ns.port, ns.noise, ns.seed, ns.delay)
     except OSError as e:
@@ -2152,6 +2217,9 @@ def bench_main(argv: list[str]) -> int:
     explicit = vars(build_parser().parse_args(rest))
     if "out" in explicit or "resume" in explicit:
         raise UserError("bench runs in a temporary directory; drop --out and --resume")
+    if ns.judgements < 0:
+        raise UserError(f"--judgements must be >= 0, got {ns.judgements}")
+    check_writable_file(Path(ns.json), "--json")  # now, not after the benchmark has run
     explicit.setdefault("steps", 3)
     base = resolve_args(explicit)
     modes = ["lockstep", "sequential"] if ns.rollout == "both" else [ns.rollout]
@@ -2204,6 +2272,7 @@ def random_model_main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     if os.path.exists(ns.dir):
         raise UserError(f"{ns.dir} already exists")
+    check_writable_dir(Path(ns.dir), "dir")
     quiet_transformers()
     build_random_model(ns.dir, ns.seed, ns.arch)
     print(f"saved a random {ns.arch} Qwen3 to {ns.dir}")
@@ -2219,6 +2288,10 @@ def sync_check_main(argv: list[str]) -> int:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the one update (default: 1e-3)")
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
     ns = p.parse_args(argv)
+    if ns.tokens < 2 or not 0 < ns.lr < math.inf:
+        raise UserError("--tokens must be >= 2 and --lr > 0")
+    if ns.json:
+        check_writable_file(Path(ns.json), "--json")
     if not torch.cuda.is_available():
         raise UserError("sync-check needs a CUDA GPU")
     quiet_transformers()

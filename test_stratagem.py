@@ -1277,3 +1277,51 @@ def test_run_files_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
         os.umask(old)
     modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in (tmp_path / "run").rglob("*")}
     assert modes and all(m == (dir_mode if (tmp_path / p).is_dir() else file_mode) for p, m in modes.items()), modes
+
+
+BAD_COMMAND_LINES = [  # (argv with {file}, {dir}, {run}, {port} filled in, part of the one-line message)
+    (SMALL + ["--out", "{file}/run"], "is a file, not a folder"),
+    (SMALL + ["--out", "/sys/stratagem-run"], "cannot write in /sys"),
+    (SMALL + ["--out", "{new}", "--judge-cache", "{dir}"], "--judge-cache {dir} is a folder, not a file"),
+    (SMALL + ["--out", "{new}", "--judge-cache", "{file}/cache.jsonl"], "{file} is a file, not a folder"),
+    (SMALL + ["--out", "{new}", "--device", "nonsense"], "--device 'nonsense' is not a torch device"),
+    (SMALL + ["--out", "{new}", "--device", "cuda:7"], "--device cuda:7: "),
+    (["eval", "{run}", "--json", "{file}/eval.json"], "{file} is a file, not a folder"),
+    (["eval", "{run}", "--json", "{new}/eval.json"], "does not exist"),
+    (["eval", "{run}", "--temperature", "nan", "--json", "{new}.json"], "--temperature >= 0"),
+    (["eval", "{run}", "--device", "warp-drive", "--json", "{new}.json"], "is not a torch device"),
+    (["agree", "{run}", "--judges", "heuristic", "heuristic", "--json", "{file}/a.json"], "is a file, not a folder"),
+    (["agree", "{run}", "--judges", "heuristic", "heuristic", "--judge-timeout", "nan"], "--judge-timeout must be > 0"),
+    (["agree", "{run}", "--judges", "heuristic", "heuristic", "--judge-temperature", "-1"], "--judge-temperature must be"),
+    (["agree", "{run}", "--judges", "heuristic", "heuristic", "--judge-concurrency", "0"], "--judge-concurrency must be"),
+    (["serve-judge", "--port", "70000"], "--port must be in [0, 65535]"),
+    (["serve-judge", "--port", "-1"], "--port must be in [0, 65535]"),
+    (["serve-judge", "--delay", "inf"], "--delay >= 0"),
+    (["bench"] + SMALL + ["--json", "{file}/bench.jsonl"], "is a file, not a folder"),
+    (["bench"] + SMALL + ["--judgements", "-1"], "--judgements must be >= 0"),
+    (["plot", "{run}", "--out", "{file}/plots"], "is a file, not a folder"),
+    (["random-model", "{file}/model"], "is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_COMMAND_LINES, ids=[" ".join(a[-2:]) for a, _ in BAD_COMMAND_LINES])
+def test_bad_command_lines_fail_in_one_line_before_any_work(one_step_run, tmp_path, capsys, monkeypatch, argv, message):
+    if torch.cuda.device_count() > 7 and "cuda:7" in argv:
+        pytest.skip("this machine has a GPU 7")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("a file, not a folder")
+    (tmp_path / "dir").mkdir()
+    names = {"file": str(tmp_path / "file"), "dir": str(tmp_path / "dir"), "run": str(one_step_run),
+             "new": str(tmp_path / "new")}
+    before = sorted(p for p in tmp_path.rglob("*")), sorted((p, p.stat().st_mtime_ns) for p in one_step_run.rglob("*"))
+    err = error_of(capsys, [a.format(**names) for a in argv])
+    assert message.format(**names) in err
+    assert (sorted(p for p in tmp_path.rglob("*")), sorted((p, p.stat().st_mtime_ns) for p in one_step_run.rglob("*"))) == before
+
+
+def test_agree_checks_every_judge_before_paying_any(one_step_run, judge_server, secret_key, capsys):
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    err = error_of(capsys, ["agree", str(one_step_run), "--judges", f"openai:judge-test@{judge_server.url}",
+                            f"openai:judge-test@{dead}", "--judge-retries", "0"])
+    assert f"the judge at {dead} is unreachable" in err
+    assert judge_server.requests == []  # the first, reachable (and paid) judge was not run
