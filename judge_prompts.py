@@ -7,23 +7,36 @@ which action was taken) on two rubrics:
 - evolution, giving psi = 0.35*d + 0.25*a + 0.40*c, each level in {-1, 0, 1}.
 
 The trajectory is *data*, never instructions. It is placed between the TRAJECTORY_OPEN and
-TRAJECTORY_CLOSE tags, and any text inside it that looks like one of those tags (opening or closing,
-any case or spacing) is replaced by a visible marker first, so the policy cannot close the block
-early, open a second one, or forge rubric text outside it. The rubric tells the judge the same.
+TRAJECTORY_CLOSE tags. Every piece of text that comes from the game or the policy is first cleaned
+(HTML entities decoded, NFKC-normalised, invisible format characters dropped, all line breaks made
+"\n"), then anything that looks like one of those tags (any case or spacing, Unicode lookalikes of
+the brackets and letters) is replaced by a visible marker, and finally every one of its lines is
+quoted with QUOTE. The renderer's own lines (turn headers, field labels) are never quoted, so the
+policy cannot close the block early, open a second one, forge rubric text outside it, or write a
+turn header that passes for the renderer's (read_turns, the inverse, reads unquoted lines only).
+Nothing is ever deleted: only the tag itself becomes the marker. The rubric tells the judge the same.
 
 Bump PROMPT_VERSION whenever the wording below changes: the judge cache is keyed on it.
 """
 
 from __future__ import annotations
 
+import html
 import re
+import unicodedata
 
 PROMPT_VERSION = "stratagem-rubric-v2"
 
 TRAJECTORY_OPEN = "<trajectory>"
 TRAJECTORY_CLOSE = "</trajectory>"
-_TAG_LIKE = re.compile(r"<\s*/?\s*trajectory\b[^>]*>?", re.IGNORECASE)
+# The brackets, and the letters of the tag name, with the lookalikes NFKC leaves alone (Cyrillic,
+# Greek, angle quotes); NFKC already folds fullwidth and small forms and mathematical letters.
+_LOOKALIKES = {"<": "<‹〈⟨❮❬⧼《«", ">": ">›〉⟩❯❭⧽》»", "t": "tтτ", "r": "rг", "a": "aаα", "j": "jј",
+               "e": "eеε", "c": "cсϲ", "o": "oоο", "y": "yуγ"}
+_TAG_LIKE = re.compile("[{}]\\s*/?\\s*{}(?:\\s*[{}])?".format(
+    _LOOKALIKES["<"], "".join(f"[{_LOOKALIKES[ch]}]" for ch in "trajectory"), _LOOKALIKES[">"]), re.IGNORECASE)
 TAG_MARKER = "[tag removed]"
+QUOTE = "| "  # starts every line of game and policy text in the rendering, and nothing else
 
 SYSTEM = (
     "You are a strict, impartial grader of reasoning quality. You grade one player's reasoning in a "
@@ -101,9 +114,30 @@ Reply with exactly this JSON object as the last thing you write, each value one 
 }
 
 
+def clean(text: str) -> str:
+    """What a reader would see: HTML entities decoded and NFKC applied until nothing changes (so
+    `&amp;lt;` and fullwidth `＜` are `<`), every line break made "\\n", and invisible format and
+    control characters (zero-width spaces, joiners, bidi marks: Unicode category Cf; Cc but tab
+    and newline) dropped, so none of them can hide a tag from neutralise()."""
+    for _ in range(8):  # each pass undoes one layer of encoding; 8 layers is already absurd
+        before = text
+        text = "\n".join(text.splitlines())
+        text = "".join(ch for ch in text if ch in "\t\n" or unicodedata.category(ch) not in ("Cf", "Cc"))
+        text = html.unescape(unicodedata.normalize("NFKC", text))
+        if text == before:
+            break
+    return text
+
+
 def neutralise(text: str) -> str:
-    """Replace anything that looks like a trajectory tag, so data cannot close or open the block."""
-    return _TAG_LIKE.sub(TAG_MARKER, text)
+    """Replace anything that looks like a trajectory tag by TAG_MARKER, so data cannot close or open
+    the block. Only the tag goes: a bare `<trajectory` with no `>` loses nothing after it."""
+    return _TAG_LIKE.sub(TAG_MARKER, clean(text))
+
+
+def quote(text: str) -> str:
+    """Game or policy text as the judge sees it: cleaned, neutralised, every line prefixed by QUOTE."""
+    return "\n".join(QUOTE + line if line else QUOTE.rstrip() for line in neutralise(text).strip().split("\n"))
 
 
 def new_observations(observations: list[str]) -> list[str]:
@@ -112,16 +146,39 @@ def new_observations(observations: list[str]) -> list[str]:
             for prev, obs in zip([""] + observations, observations)]
 
 
+_FIELDS = {"Observation (new):": "observation", "Player's response:": "response", "Action sent to the game:": "action"}
+_HEADER = re.compile(r"--- Turn \d+ of \d+ ---")
+NO_ACTION = "(none found)"
+
+
 def render_trajectory(game: str, role: int, turns: list[dict]) -> str:
     """One player's game as the judge sees it: per turn, the new part of the observation, the
-    player's full response, and the action that was sent to the game. The outcome is left out on
-    purpose: the judge grades reasoning, not luck."""
-    parts = [f"Game: {game}. The player is Player {role}. It took {len(turns)} turn(s)."]
+    player's full response, and the action that was sent to the game, each quoted (see quote()).
+    The outcome is left out on purpose: the judge grades reasoning, not luck."""
+    parts = [f"Game: {game}. The player is Player {role}. It took {len(turns)} turn(s). Lines starting "
+             f"with \"{QUOTE.strip()}\" quote the game and the player word for word."]
     for i, (turn, new) in enumerate(zip(turns, new_observations([t["observation"] for t in turns])), 1):
-        parts.append(f"--- Turn {i} ---\nObservation (new):\n{new.strip()}\n\n"
-                     f"Player's response:\n{turn['response'].strip()}\n\n"
-                     f"Action sent to the game: {turn['action'] or '(none found)'}")
-    return neutralise("\n\n".join(parts))
+        parts.append(f"--- Turn {i} of {len(turns)} ---\nObservation (new):\n{quote(new)}\n\n"
+                     f"Player's response:\n{quote(turn['response'])}\n\n"
+                     f"Action sent to the game:\n{quote(turn['action']) if turn['action'] else NO_ACTION}")
+    return "\n\n".join(parts)
+
+
+def read_turns(rendered: str) -> list[dict]:
+    """The inverse of render_trajectory: per turn, its observation, response and action ("" when
+    none was found). Only unquoted lines are structure, so quoted text can never add a turn."""
+    turns: list[dict] = []
+    field = None
+    for line in rendered.split("\n"):
+        if line.startswith(QUOTE.rstrip()):
+            if turns and field:
+                turns[-1][field].append(line[len(QUOTE):])
+        elif _HEADER.fullmatch(line):
+            turns.append({"observation": [], "response": [], "action": []})
+            field = None
+        elif line in _FIELDS:
+            field = _FIELDS[line]
+    return [{k: "\n".join(v) for k, v in turn.items()} for turn in turns]
 
 
 def build_messages(rubric: str, trajectory_text: str) -> list[dict]:

@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import errno
 import hashlib
 import http.server
 import inspect
@@ -33,10 +34,12 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import re
 import resource
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -46,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 import judge_prompts
@@ -288,6 +292,7 @@ def validate(args: Args) -> None:
         raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
     if args.judge_budget and not args.judge_price_in + args.judge_price_out:
         raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
+    pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
 
 
 # =====================================================================================
@@ -600,11 +605,12 @@ def sample_for_judging(n: int, rate: float, rng: random.Random) -> list[int]:
 
 
 class JudgeFailure(Exception):
-    """A request that did not produce valid scores; `kind` is counted in metrics."""
+    """A request that did not produce valid scores; `kind` is counted in metrics, `tokens` (prompt,
+    completion) are what the failed request was billed, so its cost is still counted."""
 
-    def __init__(self, kind: str, detail: str = ""):
+    def __init__(self, kind: str, detail: str = "", tokens: tuple[int, int] = (0, 0)):
         super().__init__(f"{kind}: {detail}" if detail else kind)
-        self.kind = kind
+        self.kind, self.tokens = kind, tokens
 
 
 # Numbers as models write them but JSON forbids: a leading "+" ("d": +1, the rubric's own spelling)
@@ -636,17 +642,21 @@ def parse_scores(reply: str, rubric: str) -> dict[str, float]:
         if not all(k in obj for k in spec["keys"]):
             partial = partial or any(k in obj for k in spec["keys"])
             continue
-        scores = {}
-        for k in spec["keys"]:
-            try:
-                v = None if isinstance(obj[k], bool) else float(obj[k])
-            except (TypeError, ValueError):
-                v = None
-            if v not in spec["levels"]:
-                raise JudgeFailure("bad_value", f"{k}={obj[k]!r} not in {spec['levels']}")
-            scores[k] = spec["levels"][spec["levels"].index(v)]  # the level itself: "-0" reads as 0.0
-        return scores
+        return {k: score_level(obj[k], k, rubric) for k in spec["keys"]}
     raise JudgeFailure("missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(spec["keys"]))
+
+
+def score_level(value, key: str, rubric: str) -> float:
+    """One verdict value as a level of the rubric, or a bad_value failure (numbers given as strings are
+    accepted, booleans are not). Fresh verdicts and cached ones both pass through here."""
+    levels = judge_prompts.RUBRICS[rubric]["levels"]
+    try:
+        v = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        v = None
+    if v not in levels:
+        raise JudgeFailure("bad_value", f"{key}={value!r} not in {levels}")
+    return levels[levels.index(v)]  # the level itself: "-0" reads as 0.0
 
 
 def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
@@ -666,8 +676,6 @@ class HeuristicJudge:
 
     name = "heuristic"
     cacheable = False  # free and deterministic: caching it would only grow the file
-    _TURN = re.compile(r"Player's response:\n(.*?)\n\nAction sent to the game: (.*?)(?=\n\n--- Turn \d+ ---|\Z)",
-                       re.DOTALL)
     _ABSTRACT = re.compile(r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
                            r"outcome\w*|if|then|compare\w*)\b", re.IGNORECASE)
     _STRUCTURE = re.compile(r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)",
@@ -680,15 +688,15 @@ class HeuristicJudge:
         return 0.0 if count == 0 else 0.5 if count < 3 else 1.0
 
     def scores(self, rubric: str, trajectory_text: str) -> dict[str, float]:
-        turns = self._TURN.findall(trajectory_text)
-        texts, actions = [r for r, _ in turns], [a for _, a in turns]
+        turns = judge_prompts.read_turns(trajectory_text)  # the renderer's turns; quoted text cannot add one
+        texts, actions = [t["response"] for t in turns], [t["action"] for t in turns]
         if rubric == "transferability":
             text = "\n".join(texts)
             return {"alpha": self._level(len({m.lower() for m in self._ABSTRACT.findall(text)})),
                     "sigma": self._level(len(self._STRUCTURE.findall(text))),
                     "rho": self._level(len(self._REASON.findall(text)))}
         repeated = len(set(texts)) < len(texts)
-        valid = sum(a != "(none found)" for a in actions) / max(1, len(actions))
+        valid = sum(a != "" for a in actions) / max(1, len(actions))
         return {"d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
                 "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
                 "c": 1.0 if valid == 1 else (-1.0 if valid == 0 else 0.0)}
@@ -757,11 +765,32 @@ class OpenAIJudge:
             raise JudgeFailure(f"http_{e.status_code}", str(e)) from None
         except oa.APIError as e:  # e.g. a body that is not a chat completion
             raise JudgeFailure("bad_response", str(e)) from None
-        usage = resp.usage
-        tokens = (usage.prompt_tokens or 0, usage.completion_tokens or 0) if usage else (0, 0)
-        if not resp.choices or not resp.choices[0].message.content:
-            raise JudgeFailure("empty")
-        return resp.choices[0].message.content, *tokens
+        except ValueError as e:  # an HTTP 200 whose body is not JSON at all
+            raise JudgeFailure("bad_response", f"body is not JSON: {e}") from None
+        return chat_reply(resp)
+
+
+def chat_reply(resp) -> tuple[str, int, int]:
+    """(reply text, prompt tokens, completion tokens) of a chat completion, checked field by field: the
+    `openai` client builds its objects without validating them, so an HTTP 200 with a broken body (an
+    HTML page, `choices` not a list, `content` a list of parts, usage that is not a count) arrives as
+    odd types, not as an error. Any of these is a `bad_response` failure, never an exception."""
+    usage = getattr(resp, "usage", None)
+    counts = [getattr(usage, k, None) or 0 for k in ("prompt_tokens", "completion_tokens")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        raise JudgeFailure("bad_response", f"usage is not a token count: {usage!r:.80}")
+    tokens = (counts[0], counts[1])
+    choices = getattr(resp, "choices", None)
+    if not isinstance(choices, list):
+        raise JudgeFailure("bad_response", f"not a chat completion: {resp!r:.80}", tokens)
+    if not choices:
+        raise JudgeFailure("empty", tokens=tokens)
+    content = getattr(getattr(choices[0], "message", None), "content", None)
+    if content is not None and not isinstance(content, str):
+        raise JudgeFailure("bad_response", f"content is not a string: {content!r:.80}", tokens)
+    if not content:
+        raise JudgeFailure("empty", tokens=tokens)
+    return content, *tokens
 
 
 def render_for_judge(traj: Trajectory) -> str:
@@ -772,7 +801,9 @@ class JudgeCache:
     """Valid verdicts, keyed by judge model, prompt version, rubric, temperature, sample index and the
     rendered trajectory, so a resumed or repeated run never pays twice for the same request.
     Append-only JSONL, one line flushed per verdict: a crash loses at most the line being written,
-    and a torn or corrupt line is skipped on load (and counted), never fatal."""
+    and a torn or corrupt line is skipped on load (and counted), never fatal. A line's scores must
+    pass the same validation as a fresh verdict, or the line is skipped too: the request is made
+    again rather than trusting a hand-edited or foreign file."""
 
     def __init__(self, path: Path | None):
         self.path, self.entries, self.skipped = path, {}, 0
@@ -782,8 +813,11 @@ class JudgeCache:
             for line in text.splitlines():
                 try:
                     record = json.loads(line)
-                    self.entries[record["key"]] = record["scores"]
-                except (ValueError, KeyError, TypeError):
+                    keys = judge_prompts.RUBRICS[record["rubric"]]["keys"]
+                    if set(record["scores"]) != set(keys) or not isinstance(record["key"], str):
+                        raise JudgeFailure("missing_keys")
+                    self.entries[record["key"]] = {k: score_level(record["scores"][k], k, record["rubric"]) for k in keys}
+                except (ValueError, KeyError, TypeError, JudgeFailure):
                     self.skipped += 1
             if text and not text.endswith("\n"):  # a torn last line must not swallow the next record
                 with open(path, "a", encoding="utf-8") as f:
@@ -818,10 +852,12 @@ class Judgement:
 class JudgeRunner:
     """Everything between trajectories and their scores: rendering, the cache, the money budget,
     concurrency, n-sample aggregation and parsing. Failures never raise: they are returned and counted.
-    Totals (requests, tokens, money) live in `self.totals`, which the checkpoint carries."""
+    Totals (requests, tokens, money) live in `self.totals`, which the checkpoint carries. With a
+    `ledger`, every paid request also appends one flushed line (tokens, cost) to it the moment it is
+    paid: the money record a crash cannot shorten (see ledger_totals)."""
 
-    def __init__(self, client, args: Args, cache: JudgeCache):
-        self.client, self.args, self.cache = client, args, cache
+    def __init__(self, client, args: Args, cache: JudgeCache, ledger: Path | None = None):
+        self.client, self.args, self.cache, self.ledger = client, args, cache, ledger
         self.lock = threading.Lock()
         self.totals = dict.fromkeys(("requests", "cache_hits", "prompt_tokens", "completion_tokens", "cost"), 0)
 
@@ -841,8 +877,13 @@ class JudgeRunner:
             scores, kind = parse_scores(reply, rubric), None
         except JudgeFailure as e:
             scores, kind = None, e.kind
+            p_tok, c_tok = (p_tok, c_tok) if reply is not None else e.tokens
         cost = p_tok * self.args.judge_price_in / 1e6 + c_tok * self.args.judge_price_out / 1e6
         self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
+        if self.ledger is not None:
+            with self.lock:
+                append_jsonl(self.ledger, {"rubric": rubric, "key": key, "failure": kind, "prompt_tokens": p_tok,
+                                           "completion_tokens": c_tok, "cost": cost})
         if scores is not None and self.client.cacheable:
             self.cache.put(key, rubric, scores)
         return scores, kind
@@ -883,6 +924,14 @@ class JudgeRunner:
             skipped = bool(kinds) and failure is None
             judgements.append(Judgement(None if kinds else scores, failure, skipped))
         return judgements, step
+
+
+def ledger_totals(path: Path) -> dict:
+    """Requests, tokens and money of every request a run has paid for, read from its ledger. On resume
+    these replace the checkpoint's totals: a step paid for and then lost to a crash is replayed from
+    the cache for free, but its money was spent, and the budget must see it."""
+    rows = read_jsonl(path) if path.exists() else []
+    return {"requests": len(rows), **{k: sum(r.get(k, 0) for r in rows) for k in ("prompt_tokens", "completion_tokens", "cost")}}
 
 
 def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args) -> dict:
@@ -1085,9 +1134,9 @@ def load_policy(path: str, device: torch.device):
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(path))
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), dtype=torch.float32)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a truncated or empty weights file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load model {path!r} (offline, or not a causal LM?): {first}") from None
+        raise UserError(f"cannot load model {path!r} (offline, damaged, or not a causal LM?): {first}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer
@@ -1324,18 +1373,88 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+def jsonl_records(path: Path) -> list[tuple[bytes, dict]]:
+    """(raw line, record) for every readable line of a JSONL file. A line that is not UTF-8 or not a
+    JSON object (a crash or a full disk in the middle of an append leaves a torn last line) is
+    skipped with one warning on stderr, never fatal."""
+    records, bad = [], 0
+    for raw in path.read_bytes().splitlines():
+        try:
+            record = json.loads(raw.decode("utf-8")) if raw.strip() else None
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
+            record = "unreadable"
+        if isinstance(record, dict):
+            records.append((raw, record))
+        elif record is not None:
+            bad += 1
+    if bad:
+        print(f"stratagem: warning: skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)",
+              file=sys.stderr)
+    return records
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [record for _, record in jsonl_records(path)]
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file whole or not at all: a temporary file beside it, then an atomic rename."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop lines written after the checkpoint we resume from (a crash can leave some)."""
+    """Drop lines written after the checkpoint we resume from (a crash can leave some), and a torn last line."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(keep), encoding="utf-8")
+    keep = [raw + b"\n" for raw, record in jsonl_records(path) if record.get("step", math.inf) <= last_step]
+    write_atomic(path, b"".join(keep))
 
 
 def latest_checkpoint(out: Path) -> Path | None:
     ckpts = sorted((out / "checkpoints").glob("step-*"))
     return ckpts[-1] if ckpts else None
+
+
+def check_checkpoint(ckpt: Path, world: int) -> None:
+    """Refuse, in one line, a checkpoint that is missing files or was written by another number of processes."""
+    ranks = len(list(ckpt.glob("rank*.pt")))
+    missing = [name for name in ("config.json", "model.safetensors", "trainer_state.pt", "rank0.pt")
+               if not (ckpt / name).is_file()]
+    if "model.safetensors" in missing and (ckpt / "model.safetensors.index.json").is_file():
+        missing.remove("model.safetensors")  # a large model is saved in shards, listed by the index
+    if missing:
+        raise UserError(f"--resume: checkpoint {ckpt} is incomplete (missing {', '.join(missing)}); restore it, or "
+                        "delete that folder to start the run again from step 0")
+    if ranks != world:
+        raise UserError(f"--resume: {ckpt} was written by {ranks} process(es); resume it with as many (this is {world})")
+
+
+def load_state(path: Path) -> dict:
+    """torch.load of a trainer_state.pt / rank<r>.pt, a damaged file ending in one line."""
+    try:
+        return torch.load(path, weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:  # a torn zip is a RuntimeError
+        first = str(e).strip().split(". ")[0] if str(e).strip() else "empty file"
+        raise UserError(f"--resume: {path} is damaged ({type(e).__name__}: {first}); restore it, or delete "
+                        f"{path.parent} to start the run again from step 0") from None
+
+
+def read_config(run: Path) -> dict:
+    """A run's config.json; a damaged one ends in one line."""
+    path = run / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise UserError(f"{path} is damaged ({e}); restore it from a copy") from None
+    unknown = set(config) - set(Args.__dataclass_fields__) if isinstance(config, dict) else {"(not an object)"}
+    if unknown:
+        raise UserError(f"{path} is not a stratagem config (unknown: {', '.join(sorted(unknown))})")
+    return config
 
 
 def rng_states(rng: random.Random) -> dict:
@@ -1362,25 +1481,91 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
     final = root / f"step-{step:06d}"
     weights = full_weights(model) if dist.world > 1 else None  # None: save_pretrained reads the model
     optim = optimizer_state(model, optimizer)
-    tmp = Path(dist.broadcast(tempfile.mkdtemp(prefix=".tmp-", dir=root) if dist.main else None))
-    torch.save(own, tmp / f"rank{dist.rank}.pt")
-    dist.gather(None)  # every rank's file is written before the rename
+    tmp = root / f".tmp-step-{step:06d}"
     if dist.main:
-        model.save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
-        os.replace(tmp, final)
-        for old in root.iterdir():
-            if old != final:
-                shutil.rmtree(old)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill -9 during an earlier save of this step
+        tmp.mkdir()  # not mkdtemp: its 0700 would ignore the user's umask
+    dist.gather(None)
+    try:
+        torch.save(own, tmp / f"rank{dist.rank}.pt")
+        dist.gather(None)  # every rank's file is written before the rename
+        if dist.main:
+            model.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
+            mask = os.umask(0)
+            os.umask(mask)
+            for f in tmp.iterdir():  # some writers create 0600 files; a checkpoint follows the umask like the logs
+                os.chmod(f, 0o666 & ~mask)
+            os.replace(tmp, final)
+            for old in root.iterdir():
+                if old != final:
+                    shutil.rmtree(old)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split(". ")[0]
+        raise UserError(f"cannot write checkpoint {final} ({detail}); the previous one is intact: make room, "
+                        f"then continue with --resume --out {out}") from None
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM in the middle of a save: the previous checkpoint stands
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     dist.gather(None)  # nobody runs ahead of the rename
 
 
 def pick_device(spec: str, local_rank: int = 0) -> torch.device:
-    """'auto': this process's GPU if there is one, else the CPU."""
-    if spec != "auto":
-        return torch.device(spec)
-    return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    """'auto': this process's GPU if there is one, else the CPU. A device torch does not know, or a GPU
+    this machine does not have, ends in one line before any work."""
+    if spec == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UserError(f"--device {spec!r} is not a torch device (auto, cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {spec}: no CUDA GPU is available here (use --device cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {spec}: MPS is not available here")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device {spec}: only cpu, cuda[:N] and mps are supported")
+    return device
+
+
+def nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:  # exists() is False under a file too
+        path = path.parent
+    return path
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """Refuse, before any work, a folder that cannot be created or written (under a file, read-only,
+    no permission): a probe folder is made in its nearest existing ancestor and removed again."""
+    base = nearest_existing(path.absolute())
+    if not base.is_dir():
+        raise UserError(f"{flag} {path}: {base} is a file, not a folder")
+    try:
+        tempfile.TemporaryDirectory(dir=base, prefix=".stratagem-probe-").cleanup()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write in {base} ({e.strerror})") from None
+
+
+def check_writable_file(path: Path, flag: str) -> None:
+    """Refuse, before any work, a file that cannot be written: a folder, a missing or unwritable folder."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder, not a file")
+    if not path.absolute().parent.is_dir():
+        why = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise UserError(f"{flag} {path}: {nearest_existing(path.absolute().parent)} {why}")
+    try:
+        if path.exists():
+            open(path, "a").close()  # appending nothing changes nothing
+        else:
+            fd, probe = tempfile.mkstemp(dir=path.absolute().parent, prefix=".stratagem-probe-")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write it ({e.strerror})") from None
 
 
 def seed_everything(seed: int) -> random.Random:
@@ -1582,14 +1767,25 @@ def train(args: Args) -> Path:
         raise UserError("--backend vllm runs in one process; under torchrun use --backend hf (see README)")
 
     # ---- load the policy (the resumed weights, the tiny model, or --model) before touching --out ----
-    ckpt = latest_checkpoint(out) if args.resume else None
-    if args.resume and ckpt is None:
-        raise UserError(f"--resume: no checkpoint in {out}")
-    if args.resume and len(list(ckpt.glob("rank*.pt"))) != dist.world:
-        raise UserError(f"--resume: {ckpt} was written by {len(list(ckpt.glob('rank*.pt')))} process(es); "
-                        f"resume it with as many (this is {dist.world})")
+    ckpt = latest_checkpoint(out) if args.resume else None  # None on resume: stopped before its first save
+    if ckpt is not None:
+        check_checkpoint(ckpt, dist.world)
+        done = int(ckpt.name.removeprefix("step-"))
+        if args.steps < done:  # refused rather than rewriting config.json with a run that did more
+            raise UserError(f"--resume: {out} has already done {done} steps; --steps {args.steps} cannot undo them "
+                            f"(pass --steps > {done} to train further)")
+        if args.steps == done:  # a finished run: nothing to do, nothing touched (a re-queued job ends cleanly)
+            if dist.main:
+                print(f"{out} is already finished ({done} of {done} steps); nothing to do "
+                      f"(pass --resume --steps N with N > {done} to train it further)")
+            dist.close()
+            return out
     if not args.resume and out.exists():
         raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
+    if dist.main:  # every output is checked before the model is loaded, and before --out is made
+        check_writable_dir(out, "--out")
+        if judge is not None and args.judge_cache:
+            check_writable_file(Path(args.judge_cache), "--judge-cache")
     reporter = Reporter(args.report_to) if args.report_to != "none" and dist.main else None
     if dist.main:
         print(start_line(args, out, device), flush=True)
@@ -1624,8 +1820,8 @@ def train(args: Args) -> Path:
     lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch (per rank)
     start, elapsed, judge_totals = 0, 0.0, None
     if ckpt is not None:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        own = torch.load(ckpt / f"rank{dist.rank}.pt", weights_only=False)
+        state = load_state(ckpt / "trainer_state.pt")
+        own = load_state(ckpt / f"rank{dist.rank}.pt")
         load_optimizer_state(model, optimizer, state["optimizer"])
         baselines, start, elapsed, judge_totals = state["baselines"], state["step"], state["elapsed"], state["judge_totals"]
         lengths = own["lengths"]
@@ -1636,24 +1832,34 @@ def train(args: Args) -> Path:
                 truncate_jsonl(out / name, start)
             print(f"resuming {out} from step {start}")
     elif dist.main:
-        (out / "checkpoints").mkdir(parents=True)
+        (out / "checkpoints").mkdir(parents=True, exist_ok=args.resume)
+        if args.resume:  # nothing was saved yet: start again from step 0, with the saved config
+            for name in ("metrics.jsonl", "trajectories.jsonl"):
+                truncate_jsonl(out / name, 0)
+            print(f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
     if reporter is not None:
         try:
             reporter.open(out, args, start)
         except UserError:
-            if ckpt is None:  # this call made --out, and nothing is in it yet
+            if not args.resume:  # this call made --out, and nothing is in it yet
                 shutil.rmtree(out)
             raise
     runner = None
     run_judged, run_failures = 0, {}  # over this process's steps, for the end-of-run alarm
     if dist.main:
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(args), indent=2).encode())
         if judge is not None:
             cache = JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
             if cache.skipped:
-                print(f"judge cache: skipped {cache.skipped} unreadable line(s) of {cache.path}", file=sys.stderr)
-            runner = JudgeRunner(judge, args, cache)
+                print(f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
+                      "their requests are made again", file=sys.stderr)
+            runner = JudgeRunner(judge, args, cache, out / "judge_ledger.jsonl")
             runner.totals.update(judge_totals or {})
+            if runner.ledger.exists():  # what was really spent, a crashed step's requests included
+                runner.totals.update(ledger_totals(runner.ledger))
+                if not runner.ledger.read_bytes().endswith(b"\n"):  # a torn last line must not swallow the next
+                    with open(runner.ledger, "ab") as f:
+                        f.write(b"\n")
     announced = bool(runner and runner.budget_exhausted())
     if announced:
         announce_budget(runner, start)
@@ -1934,11 +2140,15 @@ def eval_main(argv: list[str]) -> int:
     p.add_argument("--device", default="auto", help="torch device (default: auto)")
     p.add_argument("--json", default="", help="write the results here (default: eval-<seed>.json, never overwritten)")
     ns = p.parse_args(argv)
-    if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1 or ns.temperature < 0:
+    if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1 or not 0 <= ns.temperature < math.inf:
         raise UserError("--n, --max-new-tokens, --max-turns and --concurrency must be >= 1, --temperature >= 0")
+    if ns.error_allowance < 0:
+        raise UserError("--error-allowance must be >= 0")
     out = Path(ns.json or f"eval-{ns.seed}.json")
     if out.exists():
         raise UserError(f"{out} already exists; choose another --json")
+    check_writable_file(out, "--json")  # now, not after every game is played
+    pick_device(ns.device)
     games = game_ids(ns.games)
     quiet_transformers()
     rng = seed_everything(ns.seed)
@@ -1966,15 +2176,14 @@ def eval_main(argv: list[str]) -> int:
 # Seeing a run: plots over steps, and one trajectory read closely.
 # =====================================================================================
 def run_label(run: Path) -> str:
-    config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    config = read_config(run) if (run / "config.json").exists() else {}
     mode = config.get("mode", "?")
     detail = "" if mode == "spiral" else (" w/o psi" if config.get("no_psi") else f" beta={config.get('beta')}")
     return f"{run.name} ({mode}{detail})"
 
 
 def read_metrics(run: Path) -> list[dict]:
-    path = run_file(run, "metrics.jsonl")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return read_jsonl(run_file(run, "metrics.jsonl"))
 
 
 PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None)])
@@ -2046,6 +2255,7 @@ def plot_main(argv: list[str]) -> int:
 
     runs = [(Path(r), read_metrics(Path(r))) for r in ns.runs]
     out = Path(ns.out) if ns.out else runs[0][0] / "plots"
+    check_writable_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     for name in PLOTS:
         fig = draw_plot(plt, name, runs)
@@ -2065,7 +2275,7 @@ def show_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random pick (default: 0)")
     ns = p.parse_args(argv)
     path = run_file(Path(ns.run), "trajectories.jsonl")
-    rows = [r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())
+    rows = [r for r in read_jsonl(path)
             if (not ns.step or r["step"] == ns.step) and (not ns.judged or r["scores"])]
     if not rows:
         raise UserError("no trajectory matches (check --step and --judged)")
@@ -2073,7 +2283,7 @@ def show_main(argv: list[str]) -> int:
         raise UserError(f"--index must be in [0, {len(rows) - 1}]")
     i = ns.index if ns.index >= 0 else random.Random(ns.seed).randrange(len(rows))
     r = rows[i]
-    beta = json.loads((Path(ns.run) / "config.json").read_text()).get("beta", 0.0)
+    beta = read_config(Path(ns.run)).get("beta", 0.0)
     print(f"{ns.run} | step {r['step']} | trajectory {i} of {len(rows)} | {r['game']}, Player {r['role']}, "
           f"{len(r['turns'])} turn(s)")
     print(f"reward R = {r['reward']:+g}   baseline b = {r['baseline']:+.4f}   A_game = R - b = {r['a_game']:+.4f}")
@@ -2140,7 +2350,7 @@ def read_trajectories(run: Path) -> list[Trajectory]:
     path = run_file(run, "trajectories.jsonl")
     return [Trajectory(r["game"], r["role"], [Turn(t["observation"], t["response"], t["action"], [], [])
                                               for t in r["turns"]], r["reward"])
-            for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())]
+            for r in read_jsonl(path)]
 
 
 def openai_spec(spec: str, alternative: str) -> tuple[str, str]:
@@ -2178,15 +2388,19 @@ def agree_main(argv: list[str]) -> int:
     if len(ns.judges) < 2 or ns.sample < 2:
         raise UserError("agree needs at least two --judges and --sample >= 2")
     run = Path(ns.run)
-    pool = read_trajectories(run)
-    trajs = [pool[i] for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))]
     args = dataclasses.replace(Args(), judge_temperature=ns.judge_temperature, judge_max_tokens=ns.judge_max_tokens,
                                judge_concurrency=ns.judge_concurrency, judge_timeout=ns.judge_timeout,
                                judge_retries=ns.judge_retries)
+    validate(args)  # NaN or negative judge settings end here, in one line
+    if ns.json:
+        check_writable_file(Path(ns.json), "--json")
+    pool = read_trajectories(run)
+    trajs = [pool[i] for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))]
     cache = JudgeCache(run / "judge_cache.jsonl")
+    judges = [judge_from_spec(spec, args) for spec in ns.judges]  # every judge is checked before any is paid
     verdicts = []
-    for spec in ns.judges:
-        judgements, usage = JudgeRunner(judge_from_spec(spec, args), args, cache).judge(trajs, list(judge_prompts.RUBRICS))
+    for spec, judge in zip(ns.judges, judges):
+        judgements, usage = JudgeRunner(judge, args, cache).judge(trajs, list(judge_prompts.RUBRICS))
         verdicts.append([j.scores for j in judgements])
         print(f"{spec}: {usage.get('requests', 0)} requests, {usage.get('cache_hits', 0)} from cache, "
               f"{sum(j.failure is not None for j in judgements)} failed", file=sys.stderr)
@@ -2278,14 +2492,21 @@ def serve_judge_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the noise (default: 0)")
     p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each answer (default: 0)")
     ns = p.parse_args(argv)
-    if not (0 <= ns.noise <= 1 and ns.delay >= 0):
+    if not (0 <= ns.noise <= 1 and 0 <= ns.delay < math.inf):
         raise UserError("--noise must be in [0, 1] and --delay >= 0")
+    if not 0 <= ns.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535] (0: any free port), got {ns.port}")
     try:
         server = make_judge_server(ns.host, ns.port, ns.noise, ns.seed, ns.delay)
     except OSError as e:
         raise UserError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}") from None
     print(f"heuristic judge on http://{ns.host}:{server.server_address[1]}/v1 (Ctrl-C to stop)", flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the normal way to stop a server
+        print("serve-judge: stopped", file=sys.stderr)
+    finally:
+        server.server_close()
     return 0
 
 
@@ -2339,6 +2560,9 @@ def bench_main(argv: list[str]) -> int:
     explicit = vars(build_parser().parse_args(rest))
     if "out" in explicit or "resume" in explicit:
         raise UserError("bench runs in a temporary directory; drop --out and --resume")
+    if ns.judgements < 0:
+        raise UserError(f"--judgements must be >= 0, got {ns.judgements}")
+    check_writable_file(Path(ns.json), "--json")  # now, not after the benchmark has run
     explicit.setdefault("steps", 3)
     base = resolve_args(explicit)
     modes = ["lockstep", "sequential"] if ns.rollout == "both" else [ns.rollout]
@@ -2351,7 +2575,7 @@ def bench_main(argv: list[str]) -> int:
                 torch.cuda.reset_peak_memory_stats()
             print(f"--- bench: {mode} rollout, {args.num_envs} game(s) in flight ---", flush=True)
             train(args)
-            results[mode] = bench_summary([json.loads(x) for x in open(Path(args.out) / "metrics.jsonl")])
+            results[mode] = bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl"))
         if ns.judgements > 0:
             results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
     print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
@@ -2391,6 +2615,7 @@ def random_model_main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     if os.path.exists(ns.dir):
         raise UserError(f"{ns.dir} already exists")
+    check_writable_dir(Path(ns.dir), "dir")
     quiet_transformers()
     build_random_model(ns.dir, ns.seed, ns.arch)
     print(f"saved a random {ns.arch} Qwen3 to {ns.dir}")
@@ -2406,6 +2631,10 @@ def sync_check_main(argv: list[str]) -> int:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the one update (default: 1e-3)")
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
     ns = p.parse_args(argv)
+    if ns.tokens < 2 or not 0 < ns.lr < math.inf:
+        raise UserError("--tokens must be >= 2 and --lr > 0")
+    if ns.json:
+        check_writable_file(Path(ns.json), "--json")
     if not torch.cuda.is_available():
         raise UserError("sync-check needs a CUDA GPU")
     quiet_transformers()
@@ -2457,10 +2686,30 @@ COMMANDS = {"agree": agree_main, "serve-judge": serve_judge_main, "bench": bench
             "plot": plot_main, "show": show_main}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, `kill`), raised where the program is, so it stops like Ctrl-C."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def resume_advice(run_dir: Path | None) -> str:
+    """What a stopped run says about continuing: the checkpoint it resumes from, or a fresh start."""
+    if run_dir is None or not (run_dir / "config.json").exists():
+        return ""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return f" (no checkpoint yet: python stratagem.py --resume --out {run_dir} starts it again from step 0)"
+    return f" (continue from {ckpt.name} with: python stratagem.py --resume --out {run_dir})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """`stratagem.py [flags]` trains; `stratagem.py COMMAND ...` runs one of COMMANDS."""
     argv = sys.argv[1:] if argv is None else argv
-    out = None  # the run directory, once known, for the Ctrl-C advice
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
+    run_dir = None  # set once a training run is resolved: the resume advice names it
     try:
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])
@@ -2472,19 +2721,26 @@ def main(argv: list[str] | None = None) -> int:
             config = Path(explicit["out"]) / "config.json"
             if not config.exists():
                 raise UserError(f"--resume: {config} not found")
-            saved = json.loads(config.read_text())
+            saved = read_config(config.parent)
         args = resolve_args(explicit, saved)
-        out = Path(args.out)
+        run_dir = Path(args.out)
         train(args)
     except UserError as e:
         print(f"stratagem: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        ckpt = latest_checkpoint(out) if out is not None and (out / "checkpoints").is_dir() else None
-        advice = ("" if out is None else f" (no checkpoint in {out} yet)" if ckpt is None else
-                  f" (continue from {ckpt.name} with: python stratagem.py --resume --out {out})")
-        print(f"stratagem: interrupted{advice}", file=sys.stderr)
-        return 130
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"stratagem: error: no space left on the device writing {e.filename or 'a file'}"
+              + (f"; make room, then continue with --resume --out {run_dir}" if run_dir else ""), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"stratagem: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}{resume_advice(run_dir)}",
+              file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 
