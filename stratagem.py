@@ -979,6 +979,9 @@ class HFPolicy:
         if model is not self.model:
             self.model.load_state_dict(full_weights(model))
 
+    def close(self) -> None:
+        """Nothing to tear down."""
+
 
 def sync_vllm_weights(llm, model) -> None:
     """Copy the learner's weights into a vLLM engine running in this process (bf16), on a GPU or a CPU.
@@ -1096,6 +1099,11 @@ class VLLMPolicy:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
 
+    def close(self) -> None:
+        """Shut the engine down now (vLLM internal: LLM has no public shutdown in 0.32). Its teardown also
+        destroys torch.distributed's default group, which at interpreter exit would already be gone."""
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 # =====================================================================================
 # Data parallelism: `torchrun --nproc-per-node N stratagem.py ...` shards the learner with PyTorch's
@@ -1135,7 +1143,7 @@ class Dist:
     def close(self) -> None:
         """Leave together and tear the group down: a gloo group left to the interpreter's exit can
         abort the process ("terminate called without an active exception")."""
-        if self.world > 1:
+        if self.world > 1 and torch.distributed.is_initialized():  # vLLM's teardown may have done it
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
@@ -1473,6 +1481,8 @@ def train(args: Args) -> Path:
                             shared={"baselines": baselines, "elapsed": elapsed,
                                     "judge_totals": runner.totals if runner else None},
                             own={"rng": rng_states(rng), "lengths": lengths})
+    dist.gather(None)  # every rank is done with the group before vLLM's teardown may destroy it
+    policy.close()
     dist.close()
     return out
 
@@ -1673,6 +1683,7 @@ def eval_main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     records = play_matches(policy, tokenizer, games, ns.n, opponent, rng, ns.max_turns, ns.error_allowance,
                            ns.concurrency)
+    policy.close()
     summary = summarize_matches(records)
     print_matches(summary, opponent.name)
     print(f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}")
@@ -2141,6 +2152,7 @@ def sync_check_main(argv: list[str]) -> int:
     figures["after_update_before_sync"] = gap()
     policy.sync(model)
     figures["after_sync"] = gap()
+    policy.close()
     ok = (figures["after_sync"][0] <= 2 * figures["same_weights"][0] + 1e-3
           and figures["after_update_before_sync"][0] > 4 * figures["after_sync"][0])
     for name, (mx, mean) in figures.items():
