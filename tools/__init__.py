@@ -1,0 +1,15 @@
+"""The commands a training run never executes, one module each, run as `python stratagem.py COMMAND`
+(stratagem.py imports the module only when its command is asked for):
+
+    eval          tools/eval.py          a model against a fixed opponent, per game and seat
+    plot          tools/plot.py          PNG figures of runs over steps
+    show          tools/show.py          one trajectory read closely
+    agree         tools/agree.py         the cross-judge agreement check (Table 1)
+    serve-judge   tools/serve_judge.py   the heuristic stand-in judge as an OpenAI-compatible server
+    bench         tools/bench.py         where a step's time goes; lockstep vs sequential rollouts
+    random-model  tools/random_model.py  a random Qwen3 of a real shape, saved offline
+    sync-check    tools/sync_check.py    proof that the vLLM weight sync is right
+
+tools/runs.py holds what several of them read from a run directory. Each imports `stratagem` for the
+pieces it shares with the trainer; nothing in stratagem.py imports from here.
+"""

@@ -1,0 +1,111 @@
+"""`stratagem.py bench`: a few training steps, measured: games/s, tokens/s, where the wall time goes,
+lockstep against one-game-at-a-time rollouts, and optionally the judge's latency."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import judge_prompts
+from stratagem import (
+    Args, FriendlyParser, JudgeCache, JudgeRunner, OpenAIJudge, Trajectory, UserError, build_parser,
+    check_writable_file, make_judge, read_jsonl, resolve_args, train,
+)
+from tools.runs import read_trajectories
+
+
+PHASES = ("generate", "game", "judge", "learn", "sync")
+
+
+def bench_summary(metrics: list[dict]) -> dict:
+    """Rates and the wall-time split over the measured steps (step 1 is warm-up when there are more)."""
+    rows = metrics[1:] if len(metrics) > 1 else metrics
+    total = sum(m["time_s"] for m in rows)
+    split = {k: sum(m["time_split_s"].get(k, 0.0) for m in rows) / total for k in PHASES}
+    split["other"] = 1 - sum(split.values())
+    return {"steps_measured": len(rows), "s_per_step": total / len(rows),
+            "games_per_s": sum(m["episodes"] for m in rows) / total,
+            "rollout_games_per_s": sum(m["episodes"] for m in rows) / (total * (split["generate"] + split["game"])),
+            "transitions_per_s": sum(m["transitions"] for m in rows) / total,
+            "tokens_per_s": sum(m["response_tokens"] for m in rows) / total,
+            "live_games_per_call": sum(m["transitions"] for m in rows) / sum(m["generate_calls"] for m in rows),
+            "time_split": split,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
+
+
+def bench_judge(args: Args, trajs: list[Trajectory], n: int) -> dict:
+    """Wall time of n judgements (both rubrics) with the configured judge, bypassing the cache."""
+    judge = make_judge(args)
+    if isinstance(judge, OpenAIJudge):
+        judge.check_reachable()
+    runner = JudgeRunner(judge, args, JudgeCache(None))
+    batch = [trajs[i % len(trajs)] for i in range(n)]
+    t0 = time.perf_counter()
+    judgements, usage = runner.judge(batch, list(judge_prompts.RUBRICS))
+    return {"judgements": n, "requests": usage.get("requests", 0), "seconds": time.perf_counter() - t0,
+            "concurrency": args.judge_concurrency, "failed": sum(j.failure is not None for j in judgements)}
+
+
+def main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py bench", description=(
+        "Run a few training steps (any training flag applies; --steps defaults to 3, step 1 is warm-up) and "
+        "print games/s, transitions/s, generated tokens/s, the split of wall time and peak memory; "
+        "optionally against the sequential reference (one game at a time, one generate call per turn)."))
+    p.add_argument("--rollout", choices=("lockstep", "sequential", "both"), default="both",
+                   help="lockstep (--num-envs games per generate call), sequential (one), or both (default)")
+    p.add_argument("--judgements", type=int, default=0,
+                   help="also time this many uncached judgements with the configured judge (default: 0)")
+    p.add_argument("--json", default="bench.jsonl", help="append the results here, one JSON line (default: bench.jsonl)")
+    ns, rest = p.parse_known_args(argv)
+    explicit = vars(build_parser().parse_args(rest))
+    if "out" in explicit or "resume" in explicit:
+        raise UserError("bench runs in a temporary directory; drop --out and --resume")
+    if ns.judgements < 0:
+        raise UserError(f"--judgements must be >= 0, got {ns.judgements}")
+    check_writable_file(Path(ns.json), "--json")  # now, not after the benchmark has run
+    explicit.setdefault("steps", 3)
+    base = resolve_args(explicit)
+    modes = ["lockstep", "sequential"] if ns.rollout == "both" else [ns.rollout]
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            args = dataclasses.replace(base, out=os.path.join(tmp, mode),
+                                       num_envs=base.num_envs if mode == "lockstep" else 1)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            print(f"--- bench: {mode} rollout, {args.num_envs} game(s) in flight ---", flush=True)
+            train(args)
+            results[mode] = bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl"))
+        if ns.judgements > 0:
+            results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
+    print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
+    rows = [("s/step", "s_per_step", 2), ("games/s", "games_per_s", 2), ("games/s in rollout", "rollout_games_per_s", 2),
+            ("transitions/s", "transitions_per_s", 1),
+            ("generated tokens/s", "tokens_per_s", 0), ("live games per call", "live_games_per_call", 1),
+            ("peak RSS MB", "peak_rss_mb", 0)]
+    for label, key, digits in rows:
+        print(f"{label:24}" + "".join(f"{results[m][key]:>12.{digits}f}" for m in modes))
+    for phase in (*PHASES, "other"):
+        print(f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes))
+    for m in modes:
+        print(f"{m}: 400 steps (the paper's run) at this rate would take {400 * results[m]['s_per_step'] / 3600:.2f} h")
+    if len(modes) == 2:
+        speedup = results["lockstep"]["games_per_s"] / results["sequential"]["games_per_s"]
+        rollout = results["lockstep"]["rollout_games_per_s"] / results["sequential"]["rollout_games_per_s"]
+        results["lockstep_speedup"], results["lockstep_rollout_speedup"] = speedup, rollout
+        print(f"lockstep / sequential games/s: {speedup:.1f}x per step, {rollout:.1f}x in rollout")
+    if "judge" in results:
+        j = results["judge"]
+        print(f"judge: {j['judgements']} judgements ({j['requests']} requests, {j['failed']} failed) in "
+              f"{j['seconds']:.2f} s with {j['concurrency']} in flight")
+    with open(ns.json, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"argv": argv, "config": dataclasses.asdict(base), "results": results}) + "\n")
+    return 0

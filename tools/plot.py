@@ -1,0 +1,87 @@
+"""`stratagem.py plot`: PNG figures of one or more runs over steps, overlaid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stratagem import FriendlyParser, UserError, check_writable_dir
+from tools.runs import read_metrics, run_label
+
+
+PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None)])
+    "eval_win_rate": ("Win rate against a random legal player (--eval-every)", "win rate",
+                      [("", lambda m: m.get("eval", {}).get("win_rate"))]),
+    "invalid_rate": ("Invalid-action rate in self-play", "invalid moves per seat",
+                     [("", lambda m: sum(c[p]["invalid"] for c in m["games"].values() for p in c)
+                       / max(1, 2 * m["episodes"]))]),
+    "response_length": ("Mean response length", "tokens", [("", lambda m: m["response_tokens_mean"])]),
+    "phi_psi": ("Judge scores (batch means of judged trajectories)", "value",
+                [("phi", lambda m: m["phi_mean"]), ("psi", lambda m: m["psi_mean"])]),
+    "a_mod_spread": ("Advantage spread", "std over trajectories",
+                     [("A_mod", lambda m: m["a_mod_std"]), ("A_game", lambda m: m["a_game_std"])]),
+    "loss": ("REINFORCE loss", "loss", [("", lambda m: m["loss"])]),
+}
+
+
+SERIES_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]  # line style and marker of a figure's 1st, 2nd, ... series
+
+
+def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
+    """One figure of PLOTS: a colour per run, a line style and marker per series. Lines that coincide
+    stay visible: each line drawn is thinner and on top of the one before (nested stripes), and hollow
+    markers of different shapes sit at shifted steps. The legend sits right of the axes, off the data."""
+    import matplotlib.ticker
+
+    title, ylabel, series = PLOTS[name]
+    fig, ax = plt.subplots(figsize=(8.4, 3.6), dpi=110, layout="constrained")
+    n = len(runs) * len(series)
+    drawn = 0
+    for r, (run, metrics) in enumerate(runs):
+        for s, (label, value) in enumerate(series):
+            k = r * len(series) + s  # draw order
+            points = [(m["step"], value(m)) for m in metrics if value(m) is not None]
+            if points:
+                style, marker = SERIES_STYLES[s % len(SERIES_STYLES)]
+                every = max(1, len(points) // 12)
+                ax.plot(*zip(*points), color=f"C{r % 10}", linestyle=style, marker=marker, fillstyle="none",
+                        markevery=(k % every, every), markersize=4 + 3 * (n - 1 - k) / max(1, n - 1),
+                        linewidth=1.2 + 2.4 * (n - 1 - k) / max(1, n - 1), zorder=2 + k,
+                        label=" ".join(x for x in (run_label(run), label) if x))
+                drawn += 1
+    if not drawn:
+        ax.text(0.5, 0.5, "no data in these runs" + (" (train with --eval-every N)" if name == "eval_win_rate" else ""),
+                ha="center", va="center", transform=ax.transAxes)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    if name in ("eval_win_rate", "invalid_rate"):
+        ax.set_ylim(-0.02, 1.02)
+    if drawn:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
+    return fig
+
+
+def main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py plot", description=(
+        "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
+        "spiral vs --no-psi): win rate against a random player, invalid-action rate, response length, "
+        "phi and psi, A_mod spread and loss. Needs matplotlib."))
+    p.add_argument("runs", nargs="+", help="run directories")
+    p.add_argument("--out", default="", help="folder for the PNGs (default: <first run>/plots; files are replaced)")
+    ns = p.parse_args(argv)
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(Path(r), read_metrics(Path(r))) for r in ns.runs]
+    out = Path(ns.out) if ns.out else runs[0][0] / "plots"
+    check_writable_dir(out, "--out")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in PLOTS:
+        fig = draw_plot(plt, name, runs)
+        fig.savefig(out / f"{name}.png")
+        plt.close(fig)
+    print(f"wrote {len(PLOTS)} figures to {out}: " + ", ".join(f"{n}.png" for n in PLOTS))
+    return 0

@@ -1,0 +1,33 @@
+"""Reading a run directory: its files, its trajectories, its metrics and a label for it
+(shared by plot, show, agree and bench)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stratagem import Trajectory, Turn, UserError, read_config, read_jsonl
+
+
+def run_file(run: Path, name: str) -> Path:
+    path = run / name
+    if not path.exists():
+        raise UserError(f"{path} not found (is {run} a stratagem run directory?)")
+    return path
+
+
+def read_trajectories(run: Path) -> list[Trajectory]:
+    path = run_file(run, "trajectories.jsonl")
+    return [Trajectory(r["game"], r["role"], [Turn(t["observation"], t["response"], t["action"], [], [])
+                                              for t in r["turns"]], r["reward"])
+            for r in read_jsonl(path)]
+
+
+def run_label(run: Path) -> str:
+    config = read_config(run) if (run / "config.json").exists() else {}
+    mode = config.get("mode", "?")
+    detail = "" if mode == "spiral" else (" w/o psi" if config.get("no_psi") else f" beta={config.get('beta')}")
+    return f"{run.name} ({mode}{detail})"
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return read_jsonl(run_file(run, "metrics.jsonl"))
