@@ -2182,6 +2182,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"stratagem: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `stratagem.py show RUN | head` closed the pipe: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint at exit
+        return 0
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

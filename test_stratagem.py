@@ -1962,3 +1962,35 @@ def test_vllm_under_torchrun_one_engine_per_rank_each_gets_the_full_weights(tiny
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics, _ = check_run(tmp_path / "run", 2, beta=0.2)
     assert sorted(p.name for p in (tmp_path / "run/checkpoints/step-000002").glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+
+
+# ==== issue 12: the commands live in tools/, run through stratagem.py ====
+def test_a_command_run_as_a_script_shares_the_trainer_module_and_its_one_line_errors(tmp_path):
+    """`python stratagem.py COMMAND` runs tools/COMMAND with stratagem.py as `__main__`: the tool must get
+    that module, not a second copy whose UserError main() would not catch (a traceback instead of a line)."""
+    proc = subprocess.run([sys.executable, str(HERE / "stratagem.py"), "show", str(tmp_path / "none")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"stratagem: error: {tmp_path / 'none' / 'trajectories.jsonl'} not found " \
+                          f"(is {tmp_path / 'none'} a stratagem run directory?)\n"
+
+
+def test_stratagem_py_never_imports_the_tools():
+    source = (HERE / "stratagem.py").read_text()
+    assert not re.search(r"^\s*(from|import) tools\b", source, re.MULTILINE)
+    assert sorted(p.stem for p in (HERE / "tools").glob("*.py")) == sorted(
+        ["__init__", "runs", *S.COMMANDS.values()])
+
+
+def test_show_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    turn = {"observation": "board\n" * 50, "response": "I think\n" * 2000, "action": "[4]"}
+    record = {"step": 1, "game": "TicTacToe-v0", "role": 0, "reward": 1.0, "baseline": 0.0, "a_game": 1.0,
+              "judged": False, "scores": None, "phi": 1.0, "psi": 0.0, "a_mod": 1.0, "turns": [turn] * 5}
+    (tmp_path / "config.json").write_text(json.dumps({"beta": 0.2}))
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps(record) + "\n")
+    proc = subprocess.Popen([sys.executable, str(HERE / "stratagem.py"), "show", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(str(tmp_path).encode())
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and err == b""
