@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -333,11 +334,9 @@ def game_ids(spec: str, flag: str = "--games") -> list[str]:
     return ids
 
 
-# The observation SPIRAL's code gives each training game (spiral/envs/__init__.py, make_env): TicTacToe the
-# rules and the current board only; the others the whole exchange, the opponent's own words included.
-# TextArena 0.7.4's defaults differ for these two (TicTacToe: the whole history; SimpleNegotiation: game
-# messages only, the opponent's words dropped), so they are built from the bare "-raw" game. Both wrappers
-# ship with TextArena.
+# SPIRAL's observations (spiral/envs/__init__.py): TicTacToe the current board only, the others the whole
+# exchange, opponent's words included. TextArena 0.7.4's defaults differ for these two, so they are built
+# from the bare "-raw" game with TextArena's own wrappers.
 SPIRAL_OBSERVATIONS = {"TicTacToe-v0": "FirstLastObservationWrapper", "SimpleNegotiation-v0": "LLMObservationWrapper"}
 
 
@@ -462,10 +461,6 @@ class Episode:
         return len(self.turns[0]) + len(self.turns[1])
 
 
-def outcome_counts(games: list[str]) -> dict:
-    return {g: {f"player{p}": {"win": 0, "draw": 0, "loss": 0, "invalid": 0} for p in (0, 1)} for g in games}
-
-
 def merge_counts(parts: list[dict]) -> dict:
     """Sum outcome counts of several ranks."""
     return {g: {p: {k: sum(part[g][p][k] for part in parts) for k in c} for p, c in seats.items()}
@@ -474,19 +469,14 @@ def merge_counts(parts: list[dict]) -> dict:
 
 def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Random, timer: "Timer",
               lengths: dict[str, float], target: int, progress: "Progress | None" = None):
-    """Play games in lockstep until >= `target` transitions: every turn, ONE batched generation call
-    for all live games. Games are only played whole (trajectories are judged and rewarded as a whole),
-    so a new game is launched only while the transitions expected from the live ones fall short of
-    target; `lengths` is a running mean of transitions per game id (a prior of --max-turns for an
-    unseen game), which keeps each batch close to the target instead of num_envs whole games.
-
-    Returns the player-trajectories in completion order (player 0 before player 1 within a game), the
-    per-game outcome counts and the number of generation calls; updates `lengths`. `progress` hears
-    of every turn (transitions so far, games finished).
-    """
+    """Play games in lockstep until >= `target` transitions, with ONE batched generation call per turn.
+    Games are played whole (they are judged and rewarded whole), so a new one starts only while the
+    transitions expected from the live ones fall short of target; `lengths`, a running mean of
+    transitions per game id (prior: --max-turns), keeps the batch near the target.
+    Returns the player-trajectories in completion order, the outcome counts and the generate calls."""
     live: list[Episode] = []
     finished: list[Trajectory] = []
-    counts = outcome_counts(games)
+    counts = {g: {f"player{p}": {"win": 0, "draw": 0, "loss": 0, "invalid": 0} for p in (0, 1)} for g in games}
     collected = calls = 0  # transitions generated so far this step (live games included); generate calls
 
     def expected(game: str, played: int = 0) -> float:  # transitions still to come from a game
@@ -566,10 +556,6 @@ def rae_step(baseline: float, reward: float, ema: float) -> tuple[float, float]:
     """Returns (A_game, new baseline). The advantage uses b from *before* this return is folded in,
     so a trajectory never baselines against itself (unbiased, as in SPIRAL's code)."""
     return reward - baseline, ema * baseline + (1 - ema) * reward
-
-
-def baseline_key(game: str, role: int) -> str:
-    return f"{game}/player{role}"
 
 
 # =====================================================================================
@@ -672,10 +658,9 @@ def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
 
 
 class HeuristicJudge:
-    """A deterministic, offline STAND-IN for the LLM judge, for CPU runs, tests and dry runs. It is NOT
-    the paper's judge: it counts surface features of the rendered trajectory (general vocabulary,
-    visible structure, stated reasons, change across turns, valid actions) and answers in the JSON the
-    rubrics ask for, so it exercises exactly the rendering, caching and parsing path of a real judge."""
+    """An offline, deterministic STAND-IN for CPU runs and tests, NOT the paper's judge: it counts surface
+    features (general vocabulary, structure, stated reasons, change across turns, valid actions) and answers
+    in the rubrics' JSON, so it exercises the rendering, caching and parsing path of a real judge."""
 
     name = "heuristic"
     cacheable = False  # free and deterministic: caching it would only grow the file
@@ -756,28 +741,20 @@ class OpenAIJudge:
             resp = self.client.chat.completions.create(
                 model=self.name, messages=judge_prompts.build_messages(rubric, trajectory_text),
                 temperature=self.args.judge_temperature, max_tokens=self.args.judge_max_tokens)
-        except oa.APITimeoutError as e:  # a subclass of APIConnectionError: test it first
-            raise JudgeFailure("timeout", str(e)) from None
-        except oa.APIConnectionError as e:
-            raise JudgeFailure("connection", str(e)) from None
-        except oa.RateLimitError as e:
-            raise JudgeFailure("rate_limit", str(e)) from None
-        except oa.InternalServerError as e:
-            raise JudgeFailure("server_error", str(e)) from None
-        except oa.APIStatusError as e:
-            raise JudgeFailure(f"http_{e.status_code}", str(e)) from None
-        except oa.APIError as e:  # e.g. a body that is not a chat completion
-            raise JudgeFailure("bad_response", str(e)) from None
-        except ValueError as e:  # an HTTP 200 whose body is not JSON at all
-            raise JudgeFailure("bad_response", f"body is not JSON: {e}") from None
+        except (oa.APIError, ValueError) as e:  # ValueError: an HTTP 200 whose body is not JSON at all
+            kinds = ((oa.APITimeoutError, "timeout"),  # first: a timeout is also an APIConnectionError
+                     (oa.APIConnectionError, "connection"), (oa.RateLimitError, "rate_limit"),
+                     (oa.InternalServerError, "server_error"))
+            kind = next((k for cls, k in kinds if isinstance(e, cls)),
+                        f"http_{e.status_code}" if isinstance(e, oa.APIStatusError) else "bad_response")
+            raise JudgeFailure(kind, str(e)) from None
         return chat_reply(resp)
 
 
 def chat_reply(resp) -> tuple[str, int, int]:
-    """(reply text, prompt tokens, completion tokens) of a chat completion, checked field by field: the
-    `openai` client builds its objects without validating them, so an HTTP 200 with a broken body (an
-    HTML page, `choices` not a list, `content` a list of parts, usage that is not a count) arrives as
-    odd types, not as an error. Any of these is a `bad_response` failure, never an exception."""
+    """(reply, prompt tokens, completion tokens), checked field by field: `openai` does not validate what it
+    builds, so an HTTP 200 with a broken body (an HTML page, `choices` not a list, `content` a list of
+    parts, usage not a count) arrives as odd types. Each is a `bad_response` failure, never an exception."""
     usage = getattr(resp, "usage", None)
     counts = [getattr(usage, k, None) or 0 for k in ("prompt_tokens", "completion_tokens")]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
@@ -801,12 +778,10 @@ def render_for_judge(traj: Trajectory) -> str:
 
 
 class JudgeCache:
-    """Valid verdicts, keyed by judge model, prompt version, rubric, temperature, sample index and the
-    rendered trajectory, so a resumed or repeated run never pays twice for the same request.
-    Append-only JSONL, one line flushed per verdict: a crash loses at most the line being written,
-    and a torn or corrupt line is skipped on load (and counted), never fatal. A line's scores must
-    pass the same validation as a fresh verdict, or the line is skipped too: the request is made
-    again rather than trusting a hand-edited or foreign file."""
+    """Valid verdicts keyed by judge model, prompt version, rubric, temperature, sample index and rendered
+    trajectory: a resumed or repeated run never pays twice for a request. Append-only JSONL, one line per
+    verdict; a torn, corrupt or invalid line (validated like a fresh verdict) is skipped and counted, and
+    its request made again rather than trusting a hand-edited or foreign file."""
 
     def __init__(self, path: Path | None):
         self.path, self.entries, self.skipped = path, {}, 0
@@ -853,11 +828,9 @@ class Judgement:
 
 
 class JudgeRunner:
-    """Everything between trajectories and their scores: rendering, the cache, the money budget,
-    concurrency, n-sample aggregation and parsing. Failures never raise: they are returned and counted.
-    Totals (requests, tokens, money) live in `self.totals`, which the checkpoint carries. With a
-    `ledger`, every paid request also appends one flushed line (tokens, cost) to it the moment it is
-    paid: the money record a crash cannot shorten (see ledger_totals)."""
+    """Everything between trajectories and their scores: rendering, cache, budget, concurrency, n-sample
+    aggregation, parsing. Failures are returned and counted, never raised. `totals` rides in checkpoints;
+    the `ledger` gets one line per paid request as it is paid: a money record a crash cannot shorten."""
 
     def __init__(self, client, args: Args, cache: JudgeCache, ledger: Path | None = None):
         self.client, self.args, self.cache, self.ledger = client, args, cache, ledger
@@ -1653,10 +1626,7 @@ def announce_budget(runner: JudgeRunner, step: int) -> None:
 
 
 def judge_metrics(judged: dict[int, Judgement], usage: dict, runner: JudgeRunner | None) -> dict:
-    failures: dict[str, int] = {}
-    for j in judged.values():
-        if j.failure:
-            failures[j.failure] = failures.get(j.failure, 0) + 1
+    failures = Counter(j.failure for j in judged.values() if j.failure)
     return {"judge_judged": sum(not j.skipped for j in judged.values()), "judge_failed": sum(failures.values()),
             "judge_failures": failures, "judge_skipped_budget": sum(j.skipped for j in judged.values()),
             **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
@@ -1894,7 +1864,7 @@ def train(args: Args) -> Path:
                 shutil.rmtree(out)
             raise
     runner = None
-    run_judged, run_failures = 0, {}  # over this process's steps, for the end-of-run alarm
+    run_judged, run_failures = 0, Counter()  # over this process's steps, for the end-of-run alarm
     if dist.main:
         write_atomic(out / "config.json", json.dumps(dataclasses.asdict(args), indent=2).encode())
         if judge is not None:
@@ -1928,7 +1898,7 @@ def train(args: Args) -> Path:
         if dist.main:
             # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
             for t in trajs:  # in trajectories.jsonl order
-                key = baseline_key(t.game, t.role)
+                key = f"{t.game}/player{t.role}"
                 t.baseline = baselines.get(key, 0.0)
                 t.a_game, baselines[key] = rae_step(t.baseline, t.reward, args.ema)
 
@@ -2002,8 +1972,7 @@ def train(args: Args) -> Path:
                   f"{cost} | phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | A_mod {a_mod_mean:+.3f}"
                   f"±{a_mod_std:.3f} | loss {metrics['loss']:+.4f}{ppo} | {step_time:.1f}s", flush=True)
             run_judged += metrics["judge_judged"]
-            for kind, n in metrics["judge_failures"].items():
-                run_failures[kind] = run_failures.get(kind, 0) + n
+            run_failures.update(metrics["judge_failures"])
             if metrics["judge_judged"] and 2 * metrics["judge_failed"] >= metrics["judge_judged"]:
                 print(judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {step}"),
                       file=sys.stderr, flush=True)
