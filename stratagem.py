@@ -440,11 +440,9 @@ class Trajectory:
 
     def record(self, step: int) -> dict:
         """The trajectories.jsonl line (token ids left out)."""
-        return {"step": step, "game": self.game, "role": self.role, "reward": self.reward,
-                "baseline": self.baseline, "a_game": self.a_game, "judged": self.judged, "scores": self.scores,
-                "phi": self.phi, "psi": self.psi, "a_mod": self.a_mod,
-                "turns": [{"observation": t.observation, "response": t.response, "action": t.action}
-                          for t in self.turns]}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns"}
+        return {"step": step, **fields, "turns": [{"observation": t.observation, "response": t.response,
+                                                   "action": t.action} for t in self.turns]}
 
 
 @dataclass
@@ -1572,9 +1570,7 @@ def check_writable_file(path: Path, flag: str) -> None:
         if path.exists():
             open(path, "a").close()  # appending nothing changes nothing
         else:
-            fd, probe = tempfile.mkstemp(dir=path.absolute().parent, prefix=".stratagem-probe-")
-            os.close(fd)
-            os.unlink(probe)
+            tempfile.TemporaryFile(dir=path.absolute().parent, prefix=".stratagem-probe-").close()
     except OSError as e:
         raise UserError(f"{flag} {path}: cannot write it ({e.strerror})") from None
 
@@ -1625,13 +1621,9 @@ def start_line(args: Args, out: Path, device: torch.device) -> str:
     """The first line of a run: where it writes and what it will do."""
     detail = "" if args.mode == "spiral" else (" w/o psi" if args.no_psi else f", beta {args.beta}")
     model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
-    if args.mode == "spiral":
-        judge = "none (spiral)"
-    elif args.judge == "heuristic":
-        judge = f"heuristic stand-in (offline, NOT the paper's judge) on {args.judge_sample_rate:.0%} of trajectories"
-    else:
-        judge = (f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'} "
-                 f"on {args.judge_sample_rate:.0%} of trajectories")
+    judge = ("heuristic stand-in (offline, NOT the paper's judge)" if args.judge == "heuristic"
+             else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}")
+    judge = "none (spiral)" if args.mode == "spiral" else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
     report = "" if args.report_to == "none" else f" + {args.report_to}"
     return (f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
             f"{args.backend} on {device} | judge {judge} | steps {args.steps}, batch {args.batch_size} transitions | "
@@ -1681,11 +1673,8 @@ def scalars(metrics: dict) -> dict[str, float]:
     flat: dict[str, float] = {}
 
     def walk(tag: str, value) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{tag}/{k}", v)
-        elif isinstance(value, (list, tuple)):
-            for k, v in enumerate(value):
+        if isinstance(value, (dict, list, tuple)):
+            for k, v in value.items() if isinstance(value, dict) else enumerate(value):
                 walk(f"{tag}/{k}", v)
         elif isinstance(value, (bool, int, float)):
             flat[tag] = float(value)
@@ -1874,8 +1863,7 @@ def train(args: Args) -> Path:
         parts = dist.gather(mine)
         trajs = [t for part in parts for t in part]  # the whole batch, rank by rank
         judged: dict[int, Judgement] = {}
-        usage: dict = {}
-        mod: dict = {}
+        usage, mod = {}, {}
         if dist.main:
             # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
             for t in trajs:  # in trajectories.jsonl order
