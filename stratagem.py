@@ -804,9 +804,6 @@ class JudgeCache:
         ident = json.dumps([model, judge_prompts.PROMPT_VERSION, rubric, temperature, sample, trajectory_text])
         return hashlib.sha256(ident.encode()).hexdigest()
 
-    def get(self, key: str) -> dict | None:
-        return self.entries.get(key)
-
     def put(self, key: str, rubric: str, scores: dict) -> None:
         if self.path is None:  # JudgeCache(None): no cache at all
             return
@@ -840,7 +837,7 @@ class JudgeRunner:
 
     def _request(self, rubric: str, sample: int, text: str, step: dict) -> tuple[dict | None, str | None]:
         key = JudgeCache.key(self.client.name, rubric, self.args.judge_temperature, sample, text)
-        if self.client.cacheable and (hit := self.cache.get(key)) is not None:
+        if self.client.cacheable and (hit := self.cache.entries.get(key)) is not None:
             self._count(step, cache_hits=1)
             return hit, None
         if self.budget_exhausted():  # checked per request: at most judge_concurrency requests overshoot
@@ -879,7 +876,7 @@ class JudgeRunner:
         def request(job):
             result = self._request(job[1], job[2], texts[job[0]], step)
             if progress is not None:
-                progress.judged(next(done), len(jobs))
+                progress.phase(f"judge {next(done)}/{len(jobs)} requests")
             return result
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.judge_concurrency) as pool:
@@ -1646,9 +1643,6 @@ class Progress:
         self.bar.set_postfix_str(f"{games} games finished", refresh=False)
         self.bar.total = max(self.bar.total, transitions)  # live games finish past the target
         self.bar.update(transitions - self.bar.n)
-
-    def judged(self, done: int, total: int) -> None:
-        self.bar.set_postfix_str(f"{self.games} games finished, judge {done}/{total} requests")
 
     def phase(self, name: str) -> None:
         self.bar.set_postfix_str(f"{self.games} games finished, {name}")
