@@ -1217,8 +1217,8 @@ class VLLMPolicy:
                             f"on a GPU vllm with --device cuda (see README)")
         self.tok, self.stop = tokenizer, stop_ids(tokenizer)
         learner_gpu = local_rank if device.index is None else device.index
-        self.colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
-        self.can_sleep = self.colocated and current_platform.is_sleep_mode_available()
+        colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
+        self.can_sleep = colocated and current_platform.is_sleep_mode_available()
         self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed,
                             skip_tokenizer_init=True, enable_sleep_mode=self.can_sleep,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -1229,13 +1229,10 @@ class VLLMPolicy:
                            max_tokens=args.max_new_tokens, stop_token_ids=self.stop)
         self.asleep = False
 
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        return self.tok(prompts, add_special_tokens=False).input_ids
-
     def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
         import vllm
 
-        ids = self.encode(prompts)
+        ids = self.tok(prompts, add_special_tokens=False).input_ids
         seeds = torch.randint(0, 2**31 - 1, (len(ids),)).tolist()  # from the checkpointed torch RNG
         params = [vllm.SamplingParams(**self.params, seed=s) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
