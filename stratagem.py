@@ -1241,14 +1241,6 @@ class VLLMPolicy:
             results.append((p, response, self.tok.decode(response, skip_special_tokens=True)))
         return results
 
-    def prompt_logprobs(self, ids: list[int]) -> list[float]:
-        """vLLM's log-probs of ids[1:] given their prefixes (for the weight-sync check)."""
-        import vllm
-
-        params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-        return [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
-
     def before_learn(self) -> None:
         if self.can_sleep:
             self.llm.sleep(level=1)

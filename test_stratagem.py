@@ -1922,6 +1922,7 @@ VLLM_RANK_WORKER = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
 import stratagem as S
+from tools.sync_check import vllm_logprobs
 dist = S.Dist()
 model, tok = S.load_policy({model!r}, torch.device("cpu"))
 S.shard(model)
@@ -1935,7 +1936,7 @@ full.load_state_dict(S.full_weights(model))
 ids = list(range(3, 40))
 with torch.no_grad():
     learner = S.token_logprobs(full(torch.tensor([ids])).logits[:, :-1], torch.tensor([ids[1:]]))[0]
-gap = (learner - torch.tensor(policy.prompt_logprobs(ids))).abs().max().item()
+gap = (learner - torch.tensor(vllm_logprobs(policy, ids))).abs().max().item()
 fresh, _ = S.load_policy({model!r}, torch.device("cpu"))
 with torch.no_grad():
     before = S.token_logprobs(fresh(torch.tensor([ids])).logits[:, :-1], torch.tensor([ids[1:]]))[0]

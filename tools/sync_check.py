@@ -10,10 +10,20 @@ import math
 from pathlib import Path
 
 import torch
+
 from stratagem import (
     Args, FriendlyParser, UserError, VLLMPolicy, check_writable_file, field_docs, load_policy,
     quiet_transformers, token_logprobs,
 )
+
+
+def vllm_logprobs(policy: VLLMPolicy, ids: list[int]) -> list[float]:
+    """vLLM's log-probs of ids[1:] given their prefixes."""
+    import vllm
+
+    params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    out = policy.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    return [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
 
 
 def main(argv: list[str]) -> int:
@@ -45,7 +55,7 @@ def main(argv: list[str]) -> int:
             return token_logprobs(model(full).logits[:, :-1], full[:, 1:])[0].float().cpu()  # [T-1]
 
     def gap() -> tuple[float, float]:
-        d = (learner() - torch.tensor(policy.prompt_logprobs(ids))).abs()
+        d = (learner() - torch.tensor(vllm_logprobs(policy, ids))).abs()
         return d.max().item(), d.mean().item()
 
     figures = {"same_weights": gap()}
