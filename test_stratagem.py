@@ -201,18 +201,25 @@ def test_parse_scores_valid(reply, scores):
     assert S.parse_scores(reply, "transferability") == scores
 
 
-@pytest.mark.parametrize("reply, kind", [
-    ('{"alpha": 0.7, "sigma": 0.5, "rho": 0}', "bad_value"),
-    ('{"alpha": true, "sigma": 0.5, "rho": 0}', "bad_value"),
-    ('{"alpha": "high", "sigma": 0.5, "rho": 0}', "bad_value"),
-    ('{"alpha": 1, "sigma": 0.5}', "missing_keys"),
-    ("The reasoning is good.", "no_json"),
-    ('```json\n{"alpha": 1, "sigma": \n```', "no_json"),
-    ("[1, 0.5, 0]", "no_json"),
+@pytest.mark.parametrize("reply, rubric, kind", [
+    ('{"alpha": 0.7, "sigma": 0.5, "rho": 0}', "transferability", "bad_value"),
+    ('{"alpha": true, "sigma": 0.5, "rho": 0}', "transferability", "bad_value"),
+    ('{"alpha": "high", "sigma": 0.5, "rho": 0}', "transferability", "bad_value"),
+    ('{"alpha": 1, "sigma": 0.5}', "transferability", "missing_keys"),
+    ("The reasoning is good.", "transferability", "no_json"),
+    ('```json\n{"alpha": 1, "sigma": \n```', "transferability", "no_json"),
+    ("[1, 0.5, 0]", "transferability", "no_json"),
+    # loose spellings (issue 9) are read, but NaN, booleans and off-level values still fail
+    ('{"d": +1, "a": NaN, "c": 0}', "evolution", "bad_value"),
+    ('{"d": +1, "a": "nan", "c": 0}', "evolution", "bad_value"),
+    ('{"alpha": false, "sigma": .5, "rho": 1}', "transferability", "bad_value"),
+    ('{"alpha": +.7, "sigma": .5, "rho": 1}', "transferability", "bad_value"),
+    ('{"d": +2, "a": 0, "c": 0}', "evolution", "bad_value"),
+    ('{"d": .5, "a": 0, "c": 0}', "evolution", "bad_value"),
 ])
-def test_parse_scores_failures(reply, kind):
+def test_parse_scores_failures(reply, rubric, kind):
     with pytest.raises(S.JudgeFailure) as e:
-        S.parse_scores(reply, "transferability")
+        S.parse_scores(reply, rubric)
     assert e.value.kind == kind
 
 
@@ -1008,20 +1015,6 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 def test_verdicts_as_models_write_them_are_read(reply, rubric, scores):
     parsed = S.parse_scores(reply, rubric)
     assert parsed == scores and all(math.copysign(1, v) == 1 for v in parsed.values() if v == 0)  # no -0.0
-
-
-@pytest.mark.parametrize("reply, rubric", [
-    ('{"d": +1, "a": NaN, "c": 0}', "evolution"),
-    ('{"d": +1, "a": "nan", "c": 0}', "evolution"),
-    ('{"alpha": false, "sigma": .5, "rho": 1}', "transferability"),
-    ('{"alpha": +.7, "sigma": .5, "rho": 1}', "transferability"),
-    ('{"d": +2, "a": 0, "c": 0}', "evolution"),
-    ('{"d": .5, "a": 0, "c": 0}', "evolution"),
-])
-def test_loose_verdicts_outside_the_levels_are_still_bad_values(reply, rubric):
-    with pytest.raises(S.JudgeFailure) as e:
-        S.parse_scores(reply, rubric)
-    assert e.value.kind == "bad_value"
 
 
 def test_a_plus_one_verdict_from_a_real_server_counts_as_judged(secret_key):

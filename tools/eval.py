@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     if out.exists():
         raise UserError(f"{out} already exists; choose another --json")
     check_writable_file(out, "--json")  # now, not after every game is played
-    pick_device(ns.device)
+    device = pick_device(ns.device)  # an unknown or absent device fails before any work
     games = game_ids(ns.games)
     quiet_transformers()
     rng = seed_everything(ns.seed)
@@ -107,7 +107,6 @@ def main(argv: list[str]) -> int:
                                vllm_enforce_eager=ns.vllm_enforce_eager)
     opponent = (RandomPlayer(random.Random(ns.seed + 1)) if ns.opponent == "random"
                 else LLMPlayer(*openai_spec(ns.opponent, "random"), args))
-    device = pick_device(ns.device)
     path = resolve_model_path(ns.model)
     model, tokenizer = load_policy(path, device)
     policy = VLLMPolicy(path, tokenizer, args, device) if ns.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
