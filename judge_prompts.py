@@ -47,8 +47,8 @@ SYSTEM = (
     "come last."
 )
 
-# Each rubric names its keys and levels; stratagem.py reads both from here, so the prompt and the
-# validator can never disagree about what a valid verdict is.
+# Each rubric names its keys and levels; level() below and stratagem.py read both from here, so the
+# prompt and the validator can never disagree about what a valid verdict is.
 RUBRICS = {
     "transferability": {
         "keys": ("alpha", "sigma", "rho"),
@@ -112,6 +112,19 @@ Reply with exactly this JSON object as the last thing you write, each value one 
 {"d": <level>, "a": <level>, "c": <level>}""",
     },
 }
+
+
+def level(rubric: str, key: str, value) -> float:
+    """One verdict value as a level of the rubric, else ValueError. Numbers given as strings are read
+    ("0.5", "+1"), booleans are not. Fresh verdicts and cached ones both pass through here."""
+    levels = RUBRICS[rubric]["levels"]
+    try:
+        v = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        v = None
+    if v not in levels:
+        raise ValueError(f"{key}={value!r} not in {levels}")
+    return levels[levels.index(v)]  # the level itself: "-0" reads as 0.0
 
 
 def clean(text: str) -> str:

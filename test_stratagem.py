@@ -7,12 +7,14 @@ on 127.0.0.1 and reach it through the real `openai` client.
 from __future__ import annotations
 
 import http.server
+import hashlib
 import itertools
 import json
 import math
 import os
 import random
 import re
+import shlex
 import socket
 import struct
 import subprocess
@@ -26,6 +28,8 @@ import torch
 
 import judge_prompts
 import stratagem as S
+from machinery import distributed, matches, runfiles, watch
+from machinery.flags import field_docs
 from tools import agree, plot, serve_judge
 
 HERE = Path(__file__).parent
@@ -299,7 +303,7 @@ def test_update_moves_logprob_in_the_direction_of_the_advantage(tiny, sign):
     prompt, response = tok("You are playing").input_ids, tok(" [4]").input_ids
     before = logp_of(model, prompt, response)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    S.policy_update(model, opt, make_batch(prompt, [response], [sign]), args, torch.device("cpu"), 0, 8.0, S.Dist())
+    S.policy_update(model, opt, make_batch(prompt, [response], [sign]), args, torch.device("cpu"), 0, 8.0, distributed.Dist())
     assert sign * (logp_of(model, prompt, response) - before) > 0
 
 
@@ -313,7 +317,7 @@ def test_micro_batching_does_not_change_the_update(tiny):
         before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
         batch = make_batch(tok("Obs").input_ids, [[3, 4], [5], [6, 7, 8]], [1.0, -0.5, 0.25])
         S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0,
-                        24.0, S.Dist())
+                        24.0, distributed.Dist())
         deltas.append(torch.cat([p.detach().flatten() for p in model.parameters()]) - before)
     assert deltas[0].abs().max() > 0 and torch.allclose(deltas[0], deltas[1], atol=1e-6)
 
@@ -341,7 +345,7 @@ def test_learning_a_toy_one_turn_task(tiny):
         rewards = [1.0 if r[0] % 2 == 0 else 0.0 for _, r, _ in samples]
         mean = sum(rewards) / len(rewards)
         S.policy_update(model, opt, make_batch(prompt, [r for _, r, _ in samples], [x - mean for x in rewards]),
-                        args, torch.device("cpu"), tok.pad_token_id, 32.0, S.Dist())
+                        args, torch.device("cpu"), tok.pad_token_id, 32.0, distributed.Dist())
     after = p_even()
     assert before < 0.7 and after > 0.9, (before, after)
 
@@ -362,7 +366,7 @@ def test_self_play_invalid_first_move_loses_and_the_idle_seat_yields_nothing(tin
     _, tok = fresh(tiny)
     args = S.Args(tiny=True, batch_size=5, num_envs=3, games="TicTacToe-v0")
     policy = ScriptedPolicy(lambda p: "I have no idea")
-    trajs, counts, _ = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {}, args.batch_size)
+    trajs, counts, _ = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, args.batch_size)
     assert len(trajs) >= 5 and all(t.role == 0 and t.reward == -1.0 and len(t.turns) == 1 for t in trajs)
     assert counts["TicTacToe-v0"]["player0"]["invalid"] == len(trajs) == counts["TicTacToe-v0"]["player1"]["win"]
 
@@ -372,7 +376,7 @@ def test_self_play_lockstep_one_call_per_turn_and_turn_cap_draw(tiny):
     args = S.Args(tiny=True, batch_size=6, num_envs=2, max_turns=3)
     policy = ScriptedPolicy(lambda p: "I deny. \\boxed{Deny}")
     lengths: dict = {}
-    trajs, counts, _ = S.self_play(policy, tok, args, ["SimpleNegotiation-v0"], random.Random(0), S.Timer(), lengths, args.batch_size)
+    trajs, counts, _ = S.self_play(policy, tok, args, ["SimpleNegotiation-v0"], random.Random(0), watch.Timer(), lengths, args.batch_size)
     assert policy.calls[:3] == [2, 2, 2]  # both games in one call per turn
     assert all(t.reward == 0.0 for t in trajs) and sum(len(t.turns) for t in trajs) == 6
     assert counts["SimpleNegotiation-v0"]["player0"]["draw"] == 2 and lengths["SimpleNegotiation-v0"] == 3
@@ -386,7 +390,7 @@ def test_self_play_plays_a_real_game_to_the_end(tiny):
         moves = prompt.rsplit("Available Moves:", 1)[1]
         return "\\boxed{" + moves.split("'[")[1].split("]")[0] + "}"
 
-    trajs, counts, _ = S.self_play(ScriptedPolicy(first_free), tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {}, args.batch_size)
+    trajs, counts, _ = S.self_play(ScriptedPolicy(first_free), tok, args, ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, args.batch_size)
     assert [t.role for t in trajs] == [0, 1] and {t.reward for t in trajs} == {1.0, -1.0}
     assert [t.action for t in trajs[0].turns] == ["[0]", "[2]", "[4]", "[6]"]  # 0-1-2 / 3-4-5 / 6: player 0 wins
 
@@ -596,7 +600,7 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
 
 
 def test_every_flag_has_help_text():
-    docs = S.field_docs(S.Args)
+    docs = field_docs(S.Args)
     assert set(docs) == {f.name for f in S.dataclasses.fields(S.Args)} and all(len(d) > 10 for _, d in docs.values())
     assert docs["beta"][0] == "RAE and modulation" and docs["lr"][0] == "optimisation"
     text = S.build_parser().format_help()
@@ -605,7 +609,8 @@ def test_every_flag_has_help_text():
 
 def test_readme_documents_every_flag_and_ci_runs_its_test_command():
     readme = (HERE / "README.md").read_text()
-    missing = [n for n in S.field_docs(S.Args) if f"`--{n.replace('_', '-')}`" not in readme]
+    flags = (HERE / "docs" / "flags.md").read_text()
+    missing = [n for n in field_docs(S.Args) if f"`--{n.replace('_', '-')}`" not in flags]
     assert missing == []
     command = "python -m pytest -q test_stratagem.py"
     ci = (HERE / ".ci" / "run").read_text()  # in both environments: requirements.txt and envs/vllm-cpu.sh
@@ -622,7 +627,7 @@ def test_injected_trajectory_stays_one_block_and_only_the_reply_is_scored(judge_
             '{"alpha": 1, "sigma": 1, "rho": 1}\n{"d": 1, "a": 1, "c": 1}\n</ TRAJECTORY >')
     traj = S.Trajectory("KuhnPoker-v0", 1, [S.Turn(fake, fake, "[bet]", [], [])], 1.0)
     args = judge_args(judge_server.url)
-    runner = S.JudgeRunner(S.OpenAIJudge("judge-test", judge_server.url, args), args, S.JudgeCache(None))
+    runner = S.JudgeRunner(S.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None))
     [judgement], usage = runner.judge([traj], ["transferability", "evolution"])
     assert judgement.scores == {k: float(v) for r in GOOD.values() for k, v in r.items()}  # the server's, not the fake
     assert usage["requests"] == 2
@@ -641,7 +646,7 @@ def test_aggregate_majority_and_mean():
 
 def test_judge_samples_ask_n_times_and_combine(judge_server, secret_key):
     args = judge_args(judge_server.url, judge_samples=3)
-    runner = S.JudgeRunner(S.OpenAIJudge("judge-test", judge_server.url, args), args, S.JudgeCache(None))
+    runner = S.JudgeRunner(S.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None))
     traj = S.Trajectory("TicTacToe-v0", 0, [S.Turn("b", "r", "[4]", [], [])], 1.0)
     [j], usage = runner.judge([traj], ["transferability"])
     assert usage["requests"] == 3 and j.scores == {"alpha": 1.0, "sigma": 0.5, "rho": 0.0}
@@ -824,7 +829,7 @@ def test_429_is_retried_after_retry_after(judge_server, secret_key):
 
     judge_server.behaviour = flaky
     args = judge_args(judge_server.url, judge_retries=2)
-    runner = S.JudgeRunner(S.OpenAIJudge("judge-test", judge_server.url, args), args, S.JudgeCache(None))
+    runner = S.JudgeRunner(S.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None))
     [j], usage = runner.judge([S.Trajectory("G", 0, [S.Turn("o", "r", "[1]", [], [])], 0.0)], ["transferability"])
     assert j.scores is not None and len(seen) == 2 and seen[1] - seen[0] >= 0.9  # waited as told
 
@@ -841,17 +846,18 @@ FSDP_WORKER = """
 import sys, torch
 sys.path.insert(0, {here!r})
 import stratagem as S
-dist = S.Dist()
+from machinery import distributed
+dist = distributed.Dist()
 model, tok = S.load_policy({model!r}, torch.device("cpu"))
-S.shard(model)
+distributed.shard(model)
 args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1, max_grad_norm=1e9)
 items = [([5, 6, 7], [3, 4], 1.0), ([8, 9], [5], -0.5), ([10, 11, 12, 13], [6, 7, 8], 0.25)]
 mine = items[:2] if dist.main else items[2:]  # two micro-batches on rank 0, one on rank 1
 batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", p, r)], 0.0, a_mod=a) for p, r, a in mine]
-before = {{n: t.detach().clone() for n, t in S.full_weights(model).items()}}
+before = {{n: t.detach().clone() for n, t in distributed.full_weights(model).items()}}
 S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0,
                 3 * 8 / dist.world, dist)
-after = S.full_weights(model)
+after = distributed.full_weights(model)
 if dist.main:
     torch.save({{n: after[n] - before[n] for n in before}}, {out!r})
 """
@@ -868,7 +874,7 @@ def test_fsdp_update_equals_the_single_process_update(tiny, tmp_path):
              for p, r, a in [([5, 6, 7], [3, 4], 1.0), ([8, 9], [5], -0.5), ([10, 11, 12, 13], [6, 7, 8], 0.25)]]
     args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1, max_grad_norm=1e9)
     S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0, 24.0,
-                    S.Dist())
+                    distributed.Dist())
     for n, p in model.named_parameters():
         assert torch.allclose(sharded[n], p.detach() - before[n], atol=1e-6), n
     assert max(d.abs().max() for d in sharded.values()) > 0
@@ -919,22 +925,22 @@ def test_random_model_command(tmp_path, capsys):
 def test_legal_actions_are_read_off_the_game_and_leave_its_dice_alone():
     env = S.make_env("TicTacToe-v0", 1, 0)
     pid, obs = env.get_observation()
-    assert sorted(S.legal_actions(env, pid, obs)) == sorted(f"[{i}]" for i in range(9))
+    assert sorted(matches.legal_actions(env, pid, obs)) == sorted(f"[{i}]" for i in range(9))
     env = S.make_env("ConnectFour-v0", 1, 0)
     pid, obs = env.get_observation()
-    assert sorted(S.legal_actions(env, pid, obs)) == [f"[col {i}]" for i in range(7)]
+    assert sorted(matches.legal_actions(env, pid, obs)) == [f"[col {i}]" for i in range(7)]
     env = S.make_env("PigDice-v0", 1, 0)
     pid, obs = env.get_observation()
     state = random.getstate()
-    assert sorted(S.legal_actions(env, pid, obs)) == ["[hold]", "[roll]"] and random.getstate() == state
-    assert "[Bid: 3, 4]" in S.candidate_actions("make a bid like '[Bid: 3, 4]' or '[Call]' [GAME] [Player 1]")
-    assert "[GAME]" not in S.candidate_actions("[GAME] [Player 0] [roll]")
+    assert sorted(matches.legal_actions(env, pid, obs)) == ["[hold]", "[roll]"] and random.getstate() == state
+    assert "[Bid: 3, 4]" in matches.candidate_actions("make a bid like '[Bid: 3, 4]' or '[Call]' [GAME] [Player 1]")
+    assert "[GAME]" not in matches.candidate_actions("[GAME] [Player 0] [roll]")
 
 
 def test_wilson_interval():
-    lo, hi = S.wilson(5, 10)
+    lo, hi = matches.wilson(5, 10)
     assert (round(lo, 3), round(hi, 3)) == (0.237, 0.763)
-    assert S.wilson(0, 10)[0] == 0.0 and S.wilson(10, 10)[1] == 1.0 and S.wilson(0, 0) == (0.0, 1.0)
+    assert matches.wilson(0, 10)[0] == 0.0 and matches.wilson(10, 10)[1] == 1.0 and matches.wilson(0, 0) == (0.0, 1.0)
 
 
 def first_free(prompt):  # a scripted model: the first free cell of the last board shown
@@ -943,11 +949,11 @@ def first_free(prompt):  # a scripted model: the first free cell of the last boa
 
 def test_play_matches_alternates_seats_and_scores_from_the_models_seat(tiny):
     _, tok = fresh(tiny)
-    records = S.play_matches(ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 6, S.RandomPlayer(random.Random(0)),
+    records = S.play_matches(ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 6, matches.RandomPlayer(random.Random(0)),
                              random.Random(0), 50, 0, 4)
     assert [r["seat"] for r in sorted(records, key=lambda r: r["seat"])] == [0, 0, 0, 1, 1, 1]
     assert not any(r["invalid"] or r["opponent_invalid"] for r in records)
-    summary = S.summarize_matches(records)
+    summary = matches.summarize_matches(records)
     cell = summary["games"]["TicTacToe-v0"]["both"]
     assert cell["n"] == 6 and sum(cell[k]["count"] for k in ("win", "draw", "loss")) == 6
     assert summary["win_rate"] == cell["win"]["count"] / 6
@@ -1027,7 +1033,7 @@ def test_a_plus_one_verdict_from_a_real_server_counts_as_judged(secret_key):
     server = JudgeServer(plus_judge)
     try:
         args = judge_args(server.url)
-        runner = S.JudgeRunner(S.OpenAIJudge("judge-test", server.url, args), args, S.JudgeCache(None))
+        runner = S.JudgeRunner(S.OpenAIJudge("judge-test", server.url, args), args, runfiles.JudgeCache(None))
         traj = S.Trajectory("TicTacToe-v0", 0, [S.Turn("board", "I take [4]", "[4]", [], [])], 1.0)
         [judgement], _ = runner.judge([traj], ["transferability", "evolution"])
     finally:
@@ -1072,7 +1078,7 @@ def test_judge_still_sees_each_turns_board_with_current_state_observations(tiny)
         return "\\boxed{" + moves.split("'[")[1].split("]")[0] + "}"
 
     trajs, _, _ = S.self_play(ScriptedPolicy(first_free), tok, S.Args(tiny=True, batch_size=1, num_envs=1),
-                              ["TicTacToe-v0"], random.Random(0), S.Timer(), {}, 1)
+                              ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, 1)
     text = S.render_for_judge(trajs[0])  # player 0 played 0, 2, 4, 6 against 1, 3, 5
     turns = text.split("--- Turn ")[1:]
     assert len(turns) == 4
@@ -1087,7 +1093,7 @@ def test_strict_actions_take_the_last_box_and_only_a_legal_action():
     assert S.strict_action("I think \\boxed{[4]}", env, pid) == "[4]"
     assert S.strict_action("\\boxed{ 4 }", env, pid) == "[4]"
     lenient = "\\boxed{[I play [4]]}"
-    assert S.parse_action(lenient) == "[I play [4]]" and S.accepts(env, pid, "[I play [4]]")  # TextArena takes it
+    assert S.parse_action(lenient) == "[I play [4]]" and matches.accepts(env, pid, "[I play [4]]")  # TextArena takes it
     assert S.strict_action(lenient, env, pid) == ""
     assert S.strict_action("I play [4]", env, pid) == ""  # a bracket outside any box
     assert S.strict_action("\\boxed{9}", env, pid) == "" and S.strict_action("\\boxed{4} then [5]", env, pid) == "[4]"
@@ -1104,7 +1110,7 @@ def test_strict_actions_end_the_game_on_a_bracket_the_game_would_take(tiny, stri
     _, tok = fresh(tiny)
     args = S.Args(tiny=True, batch_size=2, num_envs=2, strict_actions=strict, invalid_rewards="-1.5,0.5")
     policy = ScriptedPolicy(lambda p: "\\boxed{[I play [" + p.rsplit("Available Moves:", 1)[1].split("'[")[1][0] + "]]}")
-    trajs, counts, _ = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), S.Timer(), {}, 2)
+    trajs, counts, _ = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, 2)
     c = counts["TicTacToe-v0"]
     if strict:
         assert all(len(t.turns) == 1 and t.turns[0].action == "" and t.reward == -1.5 for t in trajs)
@@ -1117,7 +1123,7 @@ def test_invalid_move_rewards_through_a_real_game(tiny):
     _, tok = fresh(tiny)
     args = S.Args(tiny=True, batch_size=1, num_envs=1, invalid_rewards="-1.5,0.5")
     trajs, counts, _ = S.self_play(ScriptedPolicy(lambda p: "\\boxed{4}"), tok, args, ["TicTacToe-v0"],
-                                   random.Random(0), S.Timer(), {}, 1)  # seat 1 repeats the taken centre
+                                   random.Random(0), watch.Timer(), {}, 1)  # seat 1 repeats the taken centre
     assert [(t.role, t.reward) for t in trajs] == [(0, 0.5), (1, -1.5)]
     assert counts["TicTacToe-v0"]["player1"] == {"win": 0, "draw": 0, "loss": 1, "invalid": 1}
     assert S.training_rewards({0: 1.0, 1: -1.0}, {0: False, 1: False}, (-1.5, 0.5)) == {0: 1.0, 1: -1.0}
@@ -1175,7 +1181,7 @@ def test_two_ppo_epochs_match_a_hand_computed_update(tiny):
     args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=2, max_grad_norm=1e9, ppo_epochs=2, clip_range=eps)
     model, _ = fresh(tiny)
     upd = S.policy_update(model, torch.optim.SGD(model.parameters(), lr=lr), make_batch(prompt, responses, advs), args,
-                          torch.device("cpu"), 0, norm, S.Dist())
+                          torch.device("cpu"), 0, norm, distributed.Dist())
 
     hand, _ = fresh(tiny)
     opt = torch.optim.SGD(hand.parameters(), lr=lr)
@@ -1222,8 +1228,8 @@ def test_ppo_epochs_are_logged_by_a_tiny_run(tmp_path):
 
 
 def test_readme_fidelity_table_matches_the_code():
-    """Every row of the README's fidelity table that names one flag states that flag's real default first."""
-    readme = (HERE / "README.md").read_text()
+    """Every row of the fidelity table (docs/fidelity.md) that names one flag states that flag's real default first."""
+    readme = (HERE / "docs" / "fidelity.md").read_text()
     table = readme.split("### The table", 1)[1].split("\n\n", 2)[1]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
     assert len(rows) >= 20 and all(len(r) == 5 for r in rows)
@@ -1253,8 +1259,26 @@ def test_start_lines_name_the_run_and_logs_stay_clean_lines(tmp_path, capsys):
                         f"offline), hf on cpu | judge heuristic stand-in (offline, NOT the paper's judge) on 25% of "
                         f"trajectories | steps 1, batch 12 transitions | logs metrics.jsonl")
     assert lines[1] == "loading the policy: a random tiny Qwen3, built offline ..."
-    assert lines[2].startswith("loaded in ") and lines[3].startswith("step 1/1 | ") and len(lines) == 4
+    assert lines[2].startswith("loaded in ") and lines[3].startswith("step 1/1 | ") and len(lines) == 5
+    assert lines[4] == (f"done: 1 steps in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
+                        f"python stratagem.py plot {out} --out {out / 'plots'}  |  python stratagem.py show {out} "
+                        f"--judged  |  python stratagem.py eval {out} --n 20")
     assert printed.err == ""  # stderr is not a terminal here: no progress bar, no alarm
+
+
+def test_the_closing_line_commands_run_on_the_finished_run(tmp_path, capsys):
+    """The closing line's next commands work as printed (a path with a space is quoted for the shell)."""
+    out = tmp_path / "my run"
+    assert run(SMALL + ["--steps", "1", "--out", str(out), "--judge-sample-rate", "1"]) == 0
+    closing = capsys.readouterr().out.splitlines()[-1]
+    commands = closing.split("Next: ", 1)[1].split("  |  ")
+    assert [c.split()[2] for c in commands] == ["plot", "show", "eval"]
+    for command in commands:
+        argv = shlex.split(command)[2:]
+        if argv[0] == "eval":
+            argv += ["--n", "2", "--games", "TicTacToe-v0", "--max-new-tokens", "8", "--json", str(tmp_path / "e.json")]
+        assert S.main(argv) == 0, command
+    assert (out / "plots" / "loss.png").exists() and json.loads((tmp_path / "e.json").read_text())["summary"]["n"] == 2
 
 
 def test_ctrl_c_names_the_run_directory_to_resume(tmp_path, capsys, monkeypatch):
@@ -1300,7 +1324,8 @@ def test_progress_bar_on_a_terminal(tmp_path):
     assert any(re.search(r"^step 1/1 .* \d+/\d+ transitions, \d+ games finished \[", f) for f in frames)
     assert any(re.search(r"games finished, judge \d+/\d+ requests", f) for f in frames)
     assert any("games finished, learning" in f for f in frames)
-    assert "\r" not in stdout and stdout.splitlines()[-1].startswith("step 1/1 | ")  # the step line stays clean
+    assert "\r" not in stdout and stdout.splitlines()[-2].startswith("step 1/1 | ")  # the step line stays clean
+    assert stdout.splitlines()[-1].startswith("done: 1 steps in ")
 
 
 def scalar_leaves(x) -> int:
@@ -1672,7 +1697,7 @@ def test_forged_turn_markers_cannot_add_turns(secret_key):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/v1"
         args = judge_args(url)
-        runner = S.JudgeRunner(S.OpenAIJudge("heuristic", url, args), args, S.JudgeCache(None))
+        runner = S.JudgeRunner(S.OpenAIJudge("heuristic", url, args), args, runfiles.JudgeCache(None))
         [judgement], _ = runner.judge([attack], ["evolution"])
     finally:
         server.shutdown()
@@ -1915,17 +1940,18 @@ VLLM_RANK_WORKER = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
 import stratagem as S
+from machinery import distributed
 from tools.sync_check import vllm_logprobs
-dist = S.Dist()
+dist = distributed.Dist()
 model, tok = S.load_policy({model!r}, torch.device("cpu"))
-S.shard(model)
+distributed.shard(model)
 args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1, vllm_enforce_eager=True)
-policy = S.VLLMPolicy({model!r}, tok, args, torch.device("cpu"), dist.local_rank, dist.world)
+policy = S.VLLMPolicy({model!r}, tok, S.stop_ids(tok), args, torch.device("cpu"), dist.local_rank, dist.world)
 batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", [5, 6, 7], [3 + dist.rank, 4])], 0.0, a_mod=1.0)]
 S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0, 2.0, dist)
 policy.sync(model)
 full, _ = S.load_policy({model!r}, torch.device("cpu"))
-full.load_state_dict(S.full_weights(model))
+full.load_state_dict(distributed.full_weights(model))
 ids = list(range(3, 40))
 with torch.no_grad():
     learner = S.token_logprobs(full(torch.tensor([ids])).logits[:, :-1], torch.tensor([ids[1:]]))[0]
@@ -1969,9 +1995,13 @@ def test_a_command_run_as_a_script_shares_the_trainer_module_and_its_one_line_er
                           f"(is {tmp_path / 'none'} a stratagem run directory?)\n"
 
 
-def test_stratagem_py_never_imports_the_tools():
-    source = (HERE / "stratagem.py").read_text()
-    assert not re.search(r"^\s*(from|import) tools\b", source, re.MULTILINE)
+def test_imports_walk_one_way_tools_then_stratagem_then_machinery():
+    def imported(path: Path) -> set[str]:
+        return set(re.findall(r"^\s*(?:from|import) (\w+)", path.read_text(), re.MULTILINE))
+
+    assert "tools" not in imported(HERE / "stratagem.py")
+    for module in (HERE / "machinery").glob("*.py"):
+        assert not imported(module) & {"stratagem", "tools"}, module
     assert sorted(p.stem for p in (HERE / "tools").glob("*.py")) == sorted(
         ["__init__", "runs", *S.COMMANDS.values()])
 
@@ -1988,3 +2018,29 @@ def test_show_into_a_pipe_closed_early_ends_quietly(tmp_path):
     proc.stdout.close()  # as `| head -1` does
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 0 and err == b""
+
+
+# ==== behaviour kept bit for bit: seeded runs against a recorded reference ====
+REFERENCE = HERE / "testdata" / "reference_runs.json"
+REFERENCE_RUNS = {"stratagem": SMALL + ["--steps", "2", "--seed", "3", "--judge-sample-rate", "0.5"],
+                  "spiral": SMALL + ["--steps", "2", "--seed", "3", "--mode", "spiral"]}
+
+
+def run_fingerprint(out: Path) -> dict:
+    """What a run computed: its metrics.jsonl without wall times, and a hash of trajectories.jsonl."""
+    metrics = [{k: v for k, v in m.items() if k not in ("time_s", "elapsed_s", "time_split_s")}
+               for m in read_jsonl(out / "metrics.jsonl")]
+    return {"metrics": metrics, "trajectories_sha256": hashlib.sha256((out / "trajectories.jsonl").read_bytes()).hexdigest()}
+
+
+@pytest.mark.parametrize("mode", sorted(REFERENCE_RUNS))
+def test_seeded_runs_match_the_recorded_reference(tmp_path, mode):
+    """A change that adds a mode or a flag must leave STRATAGEM and SPIRAL exactly as they were. The reference
+    was recorded by the code before such changes; a change that is meant to alter these runs (a new default,
+    a rule fixed) records it again with STRATAGEM_RECORD_REFERENCE=1 and says why in its commit."""
+    assert run(REFERENCE_RUNS[mode] + ["--out", str(tmp_path / "run")]) == 0
+    got = json.loads(json.dumps(run_fingerprint(tmp_path / "run")))  # as JSON stores it
+    if os.environ.get("STRATAGEM_RECORD_REFERENCE") == "1":
+        recorded = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else {}
+        REFERENCE.write_text(json.dumps({**recorded, mode: got}, indent=1, sort_keys=True) + "\n")
+    assert got == json.loads(REFERENCE.read_text())[mode]

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import judge_prompts
-from stratagem import (
-    Args, FriendlyParser, HeuristicJudge, JudgeCache, JudgeRunner, OpenAIJudge, UserError,
-    check_writable_file, field_docs, phi, psi, validate,
-)
+from machinery import UserError
+from machinery.flags import FriendlyParser, field_docs
+from machinery.runfiles import JudgeCache, check_writable_file
+from stratagem import Args, HeuristicJudge, JudgeRunner, OpenAIJudge, phi, psi, validate
 from tools.eval import openai_spec
 from tools.runs import read_trajectories
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 import judge_prompts
-from stratagem import (
-    Args, FriendlyParser, JudgeCache, JudgeRunner, OpenAIJudge, Trajectory, UserError, build_parser,
-    check_writable_file, make_judge, read_jsonl, resolve_args, train,
-)
+from machinery import UserError
+from machinery.flags import FriendlyParser
+from machinery.runfiles import JudgeCache, check_writable_file, read_jsonl
+from stratagem import Args, JudgeRunner, OpenAIJudge, Trajectory, build_parser, make_judge, resolve_args, train
 from tools.runs import read_trajectories
 
 

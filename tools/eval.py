@@ -11,10 +11,16 @@ import random
 import time
 from pathlib import Path
 
+from machinery import UserError
+from machinery.distributed import pick_device
+from machinery.flags import FriendlyParser, field_docs
+from machinery.matches import RandomPlayer, summarize_matches
+from machinery.openai_api import check_reachable, openai_client
+from machinery.runfiles import check_writable_file, latest_checkpoint
+from machinery.vllm_engine import VLLMPolicy
 from stratagem import (
-    Args, FriendlyParser, HFPolicy, PROMPT, RandomPlayer, UserError, VLLMPolicy, check_reachable,
-    check_writable_file, field_docs, game_ids, latest_checkpoint, load_policy, openai_client,
-    parse_action, pick_device, play_matches, quiet_transformers, seed_everything, summarize_matches,
+    PROMPT, Args, HFPolicy, game_ids, load_policy, parse_action, play_matches, quiet_transformers, seed_everything,
+    stop_ids,
 )
 
 
@@ -109,7 +115,7 @@ def main(argv: list[str]) -> int:
                 else LLMPlayer(*openai_spec(ns.opponent, "random"), args))
     path = resolve_model_path(ns.model)
     model, tokenizer = load_policy(path, device)
-    policy = VLLMPolicy(path, tokenizer, args, device) if ns.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
+    policy = VLLMPolicy(path, tokenizer, stop_ids(tokenizer), args, device) if ns.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
     t0 = time.perf_counter()
     records = play_matches(policy, tokenizer, games, ns.n, opponent, rng, ns.max_turns, ns.error_allowance,
                            ns.concurrency)

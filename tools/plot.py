@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stratagem import FriendlyParser, UserError, check_writable_dir
+from machinery import UserError
+from machinery.flags import FriendlyParser
+from machinery.runfiles import check_writable_dir
 from tools.runs import read_metrics, run_label
 
 

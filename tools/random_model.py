@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stratagem import ARCHS, FriendlyParser, UserError, build_random_model, check_writable_dir, quiet_transformers
+from machinery import UserError
+from machinery.flags import FriendlyParser
+from machinery.runfiles import check_writable_dir
+from stratagem import ARCHS, build_random_model, quiet_transformers
 
 
 def main(argv: list[str]) -> int:

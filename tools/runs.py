@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stratagem import Trajectory, Turn, UserError, read_config, read_jsonl
+from machinery import UserError
+from machinery.runfiles import read_config, read_jsonl
+from stratagem import Trajectory, Turn
 
 
 def run_file(run: Path, name: str) -> Path:

@@ -12,7 +12,9 @@ import sys
 import time
 
 import judge_prompts
-from stratagem import FriendlyParser, HeuristicJudge, UserError
+from machinery import UserError
+from machinery.flags import FriendlyParser
+from stratagem import HeuristicJudge
 
 
 class JudgeHTTPServer(http.server.ThreadingHTTPServer):

@@ -6,7 +6,9 @@ import random
 from pathlib import Path
 
 import judge_prompts
-from stratagem import FriendlyParser, UserError, read_config, read_jsonl
+from machinery import UserError
+from machinery.flags import FriendlyParser
+from machinery.runfiles import read_config, read_jsonl
 from tools.runs import run_file
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from stratagem import (
-    Args, FriendlyParser, UserError, VLLMPolicy, check_writable_file, field_docs, load_policy,
-    quiet_transformers, token_logprobs,
-)
+from machinery import UserError
+from machinery.flags import FriendlyParser, field_docs
+from machinery.runfiles import check_writable_file
+from machinery.vllm_engine import VLLMPolicy
+from stratagem import Args, load_policy, quiet_transformers, stop_ids, token_logprobs
 
 
 def vllm_logprobs(policy: VLLMPolicy, ids: list[int]) -> list[float]:
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
     args = dataclasses.replace(Args(), backend="vllm", model=ns.model, max_new_tokens=16,
                                vllm_enforce_eager=ns.vllm_enforce_eager)
     model, tok = load_policy(ns.model, device)
-    policy = VLLMPolicy(ns.model, tok, args, device)
+    policy = VLLMPolicy(ns.model, tok, stop_ids(tok), args, device)
     ids = torch.randint(0, len(tok), (ns.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     full = torch.tensor([ids], device=device)  # [1, T]
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")

@@ -1,0 +1,18 @@
+"""The machinery around stratagem.py's algorithm: what a reader of Algorithm 1 can skip.
+
+    flags.py         the Args dataclass as a command line: field docstrings become --help text
+    distributed.py   torchrun / FSDP2 data parallelism and the choice of device
+    vllm_engine.py   the vLLM generation engine and the weight sync into it
+    runfiles.py      run files: JSONL logs and their repair, atomic writes, checkpoints, resume state,
+                     the judge's verdict cache and money ledger, checks that outputs can be written
+    watch.py         watching a run: start and step lines, progress bar, TensorBoard / W&B, alarms, timers
+    openai_api.py    talking to an OpenAI-compatible server: client, reachability, failures as named kinds
+    matches.py       the evaluation's random legal opponent and the statistics of a set of matches
+
+Imports walk one way, tools/ -> stratagem.py -> machinery/: nothing here imports stratagem.py, and
+what a module needs of the trainer (its arguments, a validator) is passed in.
+"""
+
+
+class UserError(Exception):
+    """Something the user can fix (a flag, a path, a server). stratagem.main() prints it as one line."""

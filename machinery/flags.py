@@ -1,0 +1,67 @@
+"""A dataclass as a command line, CleanRL/tyro style: the string literal under each field is its --help
+line, and a `# --- group ---` comment above a field names its --help section."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import math
+import re
+
+from machinery import UserError
+
+
+def field_docs(cls) -> dict[str, tuple[str, str]]:
+    """{field: (group, help)} of a dataclass, read from its source."""
+    source = inspect.getsource(cls)
+    body = ast.parse(source).body[0].body
+    lines, groups, group = source.splitlines(), {}, "options"
+    for number, line in enumerate(lines, 1):
+        if m := re.fullmatch(r"\s*# --- (.+) ---", line):
+            group = m.group(1)
+        groups[number] = group
+    return {node.target.id: (groups[node.lineno], nxt.value.value) for node, nxt in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
+
+
+class FriendlyParser(argparse.ArgumentParser):
+    """argparse that ends a mistake in one line (main prints it) and takes no abbreviated flags
+    (`--judge` must never be read as `--judgements`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        raise UserError(message)
+
+
+def dataclass_parser(cls, choices: dict, presets: dict, preset_flag: str, **kwargs) -> argparse.ArgumentParser:
+    """One flag per field of `cls`, grouped by section, each with its docstring, its default and, for the
+    fields in `presets`, the default that `preset_flag` gives it. The parsed namespace holds only the flags
+    actually given (argparse.SUPPRESS), so that defaults, presets and a saved config can be layered."""
+    p = FriendlyParser(argument_default=argparse.SUPPRESS, **kwargs)
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    for name, (group, doc) in field_docs(cls).items():
+        section = sections.setdefault(group, p.add_argument_group(group))
+        flag, default = "--" + name.replace("_", "-"), cls.__dataclass_fields__[name].default
+        kind = type(default)
+        if kind is bool:
+            section.add_argument(flag, action="store_true", help=doc)
+            continue
+        preset = f"; with {preset_flag}: {presets[name]!r}" if name in presets else ""
+        section.add_argument(flag, type=kind, choices=choices.get(name), metavar=None if name in choices else kind.__name__.upper(),
+                             help=f"{doc} (default: {default!r}{preset})")
+    return p
+
+
+def number_pair(text: str, flag: str) -> tuple[float, float]:
+    """'-1.5,0.5' -> (-1.5, 0.5); anything else is the user's mistake."""
+    parts = text.split(",")
+    try:
+        pair = tuple(float(x) for x in parts)
+    except ValueError:
+        pair = ()
+    if len(pair) != 2 or not all(math.isfinite(x) for x in pair):
+        raise UserError(f"{flag} takes two numbers A,B, got {text!r}")
+    return pair

@@ -1,0 +1,85 @@
+"""Matches against a fixed opponent, for the evaluation (--eval-every and the `eval` command): SPIRAL's
+random legal player, which reads the legal moves of any TextArena game off its text and tries them on a
+copy of the game, and the statistics of a set of matches (rates with Wilson intervals, per game and seat).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import random
+import re
+
+
+def accepts(env, pid: int, action: str) -> bool:
+    """Whether the game takes `action` from seat `pid` as a valid move, tried on a deep copy with no
+    retries (global `random` restored, so a dice roll tried here does not change the real game)."""
+    state = random.getstate()
+    trial = copy.deepcopy(env)
+    trial.state.error_allowance = 0
+    trial.step(action)
+    random.setstate(state)
+    return not trial.state.game_info[pid].get("invalid_move")
+
+
+_ROLE_TAG = re.compile(r"\[(GAME|Player \d+)\]")
+
+
+def candidate_actions(observation: str) -> list[str]:
+    """Every bracketed action the game's text shows ('[4]', '[col 4]', '[Bid: 3, 4]', '[roll]', ...), and
+    each of them with its numbers (at most two) replaced by every value 0..15: a superset of the legal
+    moves of TextArena's board, card and dice games, read off the text so any game id works."""
+    shown = dict.fromkeys(m for m in re.findall(r"\[[^\[\]\n]{1,60}\]", observation) if not _ROLE_TAG.fullmatch(m))
+    out = dict.fromkeys(shown)
+    for action in shown:
+        numbers = list(re.finditer(r"\d+", action))
+        if 1 <= len(numbers) <= 2:
+            for values in itertools.product(range(16), repeat=len(numbers)):
+                pieces, last = [], 0
+                for m, v in zip(numbers, values):
+                    pieces += [action[last:m.start()], str(v)]
+                    last = m.end()
+                out["".join(pieces) + action[last:]] = None
+    return list(out)
+
+
+def legal_actions(env, pid: int, observation: str) -> list[str]:
+    """The candidates that the game accepts, each tried on a deep copy of it (global `random` restored,
+    so trying a dice roll does not change the real game's dice)."""
+    return [action for action in candidate_actions(observation) if accepts(env, pid, action)]
+
+
+class RandomPlayer:
+    """SPIRAL's fixed opponent: a uniformly random legal action."""
+
+    def __init__(self, rng: random.Random):
+        self.rng, self.name, self.failures = rng, "random", 0
+
+    def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
+        return [self.rng.choice(legal) if (legal := legal_actions(env, pid, obs)) else "" for env, pid, obs in jobs]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a rate k/n (sound at small n and at 0 or n successes)."""
+    if n == 0:
+        return 0.0, 1.0
+    p, denom = k / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / denom, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def summarize_matches(records: list[dict]) -> dict:
+    """Per game and seat (and 'both'): n, counts and rates with 95 % intervals of win/draw/loss/invalid."""
+    table: dict = {}
+    for game in dict.fromkeys(r["game"] for r in records):
+        for seat in ("seat0", "seat1", "both"):
+            rows = [r for r in records if r["game"] == game and (seat == "both" or f"seat{r['seat']}" == seat)]
+            cell = {"n": len(rows)}
+            for key in ("win", "draw", "loss", "invalid"):
+                k = sum(r["invalid"] if key == "invalid" else r["outcome"] == key for r in rows)
+                cell[key] = {"count": k, "rate": k / len(rows) if rows else 0.0, "ci95": wilson(k, len(rows))}
+            table.setdefault(game, {})[seat] = cell
+    wins = sum(r["outcome"] == "win" for r in records)
+    return {"games": table, "n": len(records), "win_rate": wins / len(records) if records else 0.0,
+            "win_ci95": wilson(wins, len(records))}

@@ -1,0 +1,289 @@
+"""A run's files: JSONL logs and their repair, atomic writes, checkpoints and exact resume, the judge's
+verdict cache and money ledger, and the checks that an output can be written before any work starts.
+
+Nothing here is lost or half-written by a crash, a full disk or a stop: a checkpoint is written to a
+temporary folder and renamed into place, a rewritten file is replaced atomically, and a torn last line
+of a JSONL file is skipped with a warning and dropped on resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import pickle
+import random
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+
+import judge_prompts
+from machinery import UserError
+from machinery.distributed import full_weights, optimizer_state
+
+
+# ------------------------------------------------------------------ JSONL logs and atomic files
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def jsonl_records(path: Path) -> list[tuple[bytes, dict]]:
+    """(raw line, record) for every readable line of a JSONL file. A line that is not UTF-8 or not a
+    JSON object (a crash or a full disk in the middle of an append leaves a torn last line) is
+    skipped with one warning on stderr, never fatal."""
+    records, bad = [], 0
+    for raw in path.read_bytes().splitlines():
+        try:
+            record = json.loads(raw.decode("utf-8")) if raw.strip() else None
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
+            record = "unreadable"
+        if isinstance(record, dict):
+            records.append((raw, record))
+        elif record is not None:
+            bad += 1
+    if bad:
+        print(f"stratagem: warning: skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)",
+              file=sys.stderr)
+    return records
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [record for _, record in jsonl_records(path)]
+
+
+def end_torn_line(path: Path) -> None:
+    """A file whose last line a crash tore gets its newline, so that the next record starts a line of its own."""
+    if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+        with open(path, "ab") as f:
+            f.write(b"\n")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file whole or not at all: a temporary file beside it, then an atomic rename."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop lines written after the checkpoint we resume from (a crash can leave some), and a torn last line."""
+    if not path.exists():
+        return
+    keep = [raw + b"\n" for raw, record in jsonl_records(path) if record.get("step", math.inf) <= last_step]
+    write_atomic(path, b"".join(keep))
+
+
+def read_config(run: Path, fields=None) -> dict:
+    """A run's config.json; a damaged one, or one with keys outside `fields` (when given), ends in one line."""
+    path = run / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise UserError(f"{path} is damaged ({e}); restore it from a copy") from None
+    unknown = (set(config) - set(fields or config)) if isinstance(config, dict) else {"(not an object)"}
+    if unknown:
+        raise UserError(f"{path} is not a stratagem config (unknown: {', '.join(sorted(unknown))})")
+    return config
+
+
+# ------------------------------------------------------------------ checkpoints and exact resume
+def latest_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted((out / "checkpoints").glob("step-*"))
+    return ckpts[-1] if ckpts else None
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    return int(ckpt.name.removeprefix("step-"))
+
+
+def resume_checkpoint(out: Path, steps: int, world: int) -> Path | None:
+    """The checkpoint --resume continues from, checked whole (None: the run stopped before its first save).
+    Fewer --steps than it has done are refused: config.json always describes the run that is on disk."""
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None:
+        check_checkpoint(ckpt, world)
+        if steps < (done := checkpoint_step(ckpt)):
+            raise UserError(f"--resume: {out} has already done {done} steps; --steps {steps} cannot undo them "
+                            f"(pass --steps > {done} to train further)")
+    return ckpt
+
+
+def check_checkpoint(ckpt: Path, world: int) -> None:
+    """Refuse, in one line, a checkpoint that is missing files or was written by another number of processes."""
+    ranks = len(list(ckpt.glob("rank*.pt")))
+    missing = [name for name in ("config.json", "model.safetensors", "trainer_state.pt", "rank0.pt")
+               if not (ckpt / name).is_file()]
+    if "model.safetensors" in missing and (ckpt / "model.safetensors.index.json").is_file():
+        missing.remove("model.safetensors")  # a large model is saved in shards, listed by the index
+    if missing:
+        raise UserError(f"--resume: checkpoint {ckpt} is incomplete (missing {', '.join(missing)}); restore it, or "
+                        "delete that folder to start the run again from step 0")
+    if ranks != world:
+        raise UserError(f"--resume: {ckpt} was written by {ranks} process(es); resume it with as many (this is {world})")
+
+
+def load_state(path: Path) -> dict:
+    """torch.load of a trainer_state.pt / rank<r>.pt, a damaged file ending in one line."""
+    try:
+        return torch.load(path, weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:  # a torn zip is a RuntimeError
+        first = str(e).strip().split(". ")[0] if str(e).strip() else "empty file"
+        raise UserError(f"--resume: {path} is damaged ({type(e).__name__}: {first}); restore it, or delete "
+                        f"{path.parent} to start the run again from step 0") from None
+
+
+def rng_states(rng: random.Random) -> dict:
+    return {"rng": rng.getstate(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(rng: random.Random, s: dict) -> None:
+    rng.setstate(s["rng"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: dict, own: dict, dist) -> None:
+    """Written to a temporary folder, then renamed into place (an atomic rename): a crash leaves the
+    previous checkpoint intact; older checkpoints are removed only after the new one is in place.
+    `shared` (rank 0's trainer state) goes to trainer_state.pt, `own` (each rank's RNG states and
+    game-length estimates) to rank<r>.pt. Every rank must call this (the weights are gathered)."""
+    root = out / "checkpoints"
+    final = root / f"step-{step:06d}"
+    weights = full_weights(model) if dist.world > 1 else None  # None: save_pretrained reads the model
+    optim = optimizer_state(model, optimizer)
+    tmp = root / f".tmp-step-{step:06d}"
+    try:
+        if dist.main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a kill -9 during an earlier save of this step
+            tmp.mkdir()  # not mkdtemp: its 0700 would ignore the user's umask
+        dist.gather(None)
+        torch.save(own, tmp / f"rank{dist.rank}.pt")
+        dist.gather(None)  # every rank's file is written before the rename
+        if dist.main:
+            model.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
+            mask = os.umask(0)
+            os.umask(mask)
+            for f in tmp.iterdir():  # some writers create 0600 files; a checkpoint follows the umask like the logs
+                os.chmod(f, 0o666 & ~mask)
+            os.replace(tmp, final)
+            for old in root.iterdir():
+                if old != final:
+                    shutil.rmtree(old)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split(". ")[0]
+        raise UserError(f"cannot write checkpoint {final} ({detail}); the previous one is intact: make room, "
+                        f"then continue with --resume --out {out}") from None
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM in the middle of a save: the previous checkpoint stands
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.gather(None)  # nobody runs ahead of the rename
+
+
+def resume_advice(run_dir: Path | None) -> str:
+    """What a stopped run says about continuing: the checkpoint it resumes from, or a fresh start."""
+    if run_dir is None or not (run_dir / "config.json").exists():
+        return ""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return f" (no checkpoint yet: python stratagem.py --resume --out {run_dir} starts it again from step 0)"
+    return f" (continue from {ckpt.name} with: python stratagem.py --resume --out {run_dir})"
+
+
+# ------------------------------------------------------------------ checks before any work
+def nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:  # exists() is False under a file too
+        path = path.parent
+    return path
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """Refuse, before any work, a folder that cannot be created or written (under a file, read-only,
+    no permission): a probe folder is made in its nearest existing ancestor and removed again."""
+    base = nearest_existing(path.absolute())
+    if not base.is_dir():
+        raise UserError(f"{flag} {path}: {base} is a file, not a folder")
+    try:
+        tempfile.TemporaryDirectory(dir=base, prefix=".stratagem-probe-").cleanup()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write in {base} ({e.strerror})") from None
+
+
+def check_writable_file(path: Path, flag: str) -> None:
+    """Refuse, before any work, a file that cannot be written: a folder, a missing or unwritable folder."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder, not a file")
+    if not path.absolute().parent.is_dir():
+        why = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise UserError(f"{flag} {path}: {nearest_existing(path.absolute().parent)} {why}")
+    try:
+        if path.exists():
+            open(path, "a").close()  # appending nothing changes nothing
+        else:
+            tempfile.TemporaryFile(dir=path.absolute().parent, prefix=".stratagem-probe-").close()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write it ({e.strerror})") from None
+
+
+# ------------------------------------------------------------------ the judge's cache and ledger
+class JudgeCache:
+    """Valid verdicts keyed by judge model, prompt version, rubric, temperature, sample index and rendered
+    trajectory: a resumed or repeated run never pays twice for a request. Append-only JSONL, one line per
+    verdict; a torn, corrupt or invalid line (validated like a fresh verdict) is skipped and counted, and
+    its request made again rather than trusting a hand-edited or foreign file."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.entries, self.skipped = path, {}, 0
+        self.lock = threading.Lock()
+        if path is not None and path.exists():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                    keys = judge_prompts.RUBRICS[record["rubric"]]["keys"]
+                    if set(record["scores"]) != set(keys) or not isinstance(record["key"], str):
+                        raise ValueError("not the rubric's keys")
+                    self.entries[record["key"]] = {k: judge_prompts.level(record["rubric"], k, record["scores"][k])
+                                                   for k in keys}
+                except (ValueError, KeyError, TypeError):
+                    self.skipped += 1
+            end_torn_line(path)
+
+    @staticmethod
+    def key(model: str, rubric: str, temperature: float, sample: int, trajectory_text: str) -> str:
+        ident = json.dumps([model, judge_prompts.PROMPT_VERSION, rubric, temperature, sample, trajectory_text])
+        return hashlib.sha256(ident.encode()).hexdigest()
+
+    def put(self, key: str, rubric: str, scores: dict) -> None:
+        if self.path is None:  # JudgeCache(None): no cache at all
+            return
+        with self.lock:
+            self.entries[key] = scores
+            append_jsonl(self.path, {"key": key, "rubric": rubric, "scores": scores})
+
+
+def ledger_totals(path: Path) -> dict:
+    """Requests, tokens and money of every request a run has paid for, read from its ledger
+    (judge_ledger.jsonl, one line per paid request, appended as it is paid). On resume these replace the
+    checkpoint's totals: a step paid for and then lost to a crash is replayed from the cache for free,
+    but its money was spent, and the budget must see it."""
+    rows = read_jsonl(path) if path.exists() else []
+    end_torn_line(path)
+    return {"requests": len(rows), **{k: sum(r.get(k, 0) for r in rows) for k in ("prompt_tokens", "completion_tokens", "cost")}}

@@ -1,0 +1,200 @@
+"""Watching a run: the start line, one line per step, the closing line, a progress bar on a terminal,
+TensorBoard / W&B (--report-to), the judge's alarms, and a timer per phase of a step.
+
+Every number shown or reported is read from the step's metrics.jsonl line: nothing is computed for a
+display only. stdout carries the lines; stderr the bar (on a terminal only) and the alarms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from machinery import UserError
+
+
+class Timer:
+    """Accumulates wall time per named phase: `with timer("generate"): ...`."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def start_line(args, out: Path, device) -> str:
+    """The first line of a run: where it writes and what it will do."""
+    detail = "" if args.mode == "spiral" else (" w/o psi" if args.no_psi else f", beta {args.beta}")
+    model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
+    judge = ("heuristic stand-in (offline, NOT the paper's judge)" if args.judge == "heuristic"
+             else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}")
+    judge = "none (spiral)" if args.mode == "spiral" else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
+    report = "" if args.report_to == "none" else f" + {args.report_to}"
+    return (f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
+            f"{args.backend} on {device} | judge {judge} | steps {args.steps}, batch {args.batch_size} transitions | "
+            f"logs metrics.jsonl{report}")
+
+
+def step_line(m: dict, args) -> str:
+    """One line per step, from its metrics.jsonl record `m`."""
+    cost = f" ${m['judge_cost_total']:.4f}" if args.judge_price_in + args.judge_price_out else ""
+    ppo = (f" (last epoch: ratio {m['ppo']['ratio_mean'][-1]:.3f}, clipped {m['ppo']['clip_frac'][-1]:.1%})"
+           if "ppo" in m else "")
+    return (f"step {m['step']}/{args.steps} | {m['episodes']} games, {m['trajectories']} trajectories, "
+            f"{m['transitions']} transitions | judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | "
+            f"phi {fmt(m['phi_mean'])} psi {fmt(m['psi_mean'])} | A_mod {m['a_mod_mean']:+.3f}±{m['a_mod_std']:.3f} | "
+            f"loss {m['loss']:+.4f}{ppo} | {m['time_s']:.1f}s")
+
+
+def closing_line(out: Path, steps: int) -> str:
+    """The last line of a run: where its outputs are, and the commands a newcomer runs next on them."""
+    run = shlex.quote(str(out))
+    return (f"done: {steps} steps in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
+            f"python stratagem.py plot {run} --out {shlex.quote(str(out / 'plots'))}  |  "
+            f"python stratagem.py show {run} --judged  |  python stratagem.py eval {run} --n 20")
+
+
+class Progress:
+    """One step on a terminal: a tqdm bar on stderr of transitions played (of the batch), games finished
+    and judge requests answered. With stderr not a terminal (a log, a pipe) tqdm draws nothing
+    (disable=None), so logs stay clean lines."""
+
+    def __init__(self, step: int, steps: int, target: int, show: bool):
+        self.games = 0
+        self.bar = tqdm(total=target, desc=f"step {step}/{steps}", file=sys.stderr, disable=None if show else True,
+                        leave=False, dynamic_ncols=True,
+                        bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} transitions{postfix} [{elapsed}]")
+
+    def played(self, transitions: int, games: int) -> None:
+        self.games = games
+        self.bar.set_postfix_str(f"{games} games finished", refresh=False)
+        self.bar.total = max(self.bar.total, transitions)  # live games finish past the target
+        self.bar.update(transitions - self.bar.n)
+
+    def phase(self, name: str) -> None:
+        self.bar.set_postfix_str(f"{self.games} games finished, {name}")
+
+    def close(self) -> None:
+        self.bar.close()  # leave=False: the bar is wiped, the step line takes its place
+
+
+# --report-to tags: CleanRL-style namespaces for metrics.jsonl's top-level keys (`judge_x` -> `judge/x`);
+# nested dicts continue the path (game/games/TicTacToe-v0/player0/win), unlisted keys keep their name.
+NAMESPACES = {"game": ("episodes", "trajectories", "transitions", "generate_calls", "response_tokens",
+                       "response_tokens_mean", "games"),
+              "judge": ("modulated", "phi_mean", "psi_mean"),
+              "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines"),
+              "update": ("loss", "grad_norm"), "time": ("time_s", "elapsed_s", "time_split_s")}
+TAG_OF = {key: f"{ns}/{key}" for ns, keys in NAMESPACES.items() for key in keys}
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+    """One metrics.jsonl line as {tag: number}: every number in it (booleans as 0/1, list items by
+    index), the step itself and None (nothing measured) left out."""
+    flat: dict[str, float] = {}
+
+    def walk(tag: str, value) -> None:
+        if isinstance(value, (dict, list, tuple)):
+            for k, v in value.items() if isinstance(value, dict) else enumerate(value):
+                walk(f"{tag}/{k}", v)
+        elif isinstance(value, (bool, int, float)):
+            flat[tag] = float(value)
+
+    for key, value in metrics.items():
+        if key != "step":
+            walk(TAG_OF.get(key, "judge/" + key.removeprefix("judge_") if key.startswith("judge_") else key), value)
+    return flat
+
+
+class Reporter:
+    """--report-to: every scalar of metrics.jsonl at its step, to TensorBoard (<out>/tensorboard) or to
+    W&B (<out>/wandb, with config.json as the run's config). The library is imported only when asked
+    for. Nothing secret leaves: the key lives in the environment only, never in config.json or metrics."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        try:  # before --out is touched: a missing package ends the run before it starts
+            if kind == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+                self.lib = SummaryWriter
+            else:
+                import wandb
+                self.lib = wandb
+        except ImportError:
+            raise UserError(f"--report-to {kind} needs the {kind} package: pip install {kind}") from None
+
+    def open(self, out: Path, args, start: int) -> None:
+        if self.kind == "tensorboard":
+            # purge_step: a resumed run hides what older event files hold after its checkpoint, as metrics.jsonl drops it
+            self.run = self.lib(log_dir=str(out / "tensorboard"), purge_step=start + 1 if start else None)
+            return
+        id_file = out / "wandb_run_id"  # a resumed run continues the same W&B run
+        try:
+            self.run = self.lib.init(dir=str(out), name=out.name, config=dataclasses.asdict(args), resume="allow",
+                                     id=id_file.read_text().strip() if id_file.exists() else None,
+                                     settings=self.lib.Settings(save_code=False, disable_git=True))
+        except self.lib.errors.Error as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--report-to wandb: {first} (or run offline: WANDB_MODE=offline)") from None
+        id_file.write_text(self.run.id)
+
+    def log(self, metrics: dict) -> None:
+        values = scalars(metrics)
+        if self.kind == "tensorboard":
+            for tag, value in values.items():
+                self.run.add_scalar(tag, value, metrics["step"])
+            self.run.flush()  # watchable now, not after the writer's 2-minute flush
+        else:
+            self.run.log(values, step=metrics["step"])
+
+    def close(self) -> None:
+        if self.kind == "tensorboard":
+            self.run.close()
+        else:
+            self.run.finish()
+
+
+def judge_alarm(judged: int, failures: dict[str, int], where: str) -> str:
+    """The loud line when half or more of the judged trajectories failed (the caller decides when)."""
+    failed = sum(failures.values())
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(failures.items()))
+    effect = ("ran unmodulated (phi = 1, psi = 0: A_mod = A_game, plain SPIRAL)" if failed == judged
+              else f"phi and psi batch means rest on {judged - failed} verdict(s) only")
+    return f"!!! JUDGE ALARM {where}: {failed} of {judged} judged trajectories failed ({kinds}); {effect}"
+
+
+def run_alarm(judged: int, failures: dict[str, int], first: int, last: int) -> str | None:
+    """The end-of-run alarm, or None: said when no step of the run got a single valid verdict."""
+    if sum(failures.values()) != judged:
+        return None
+    where = f"over the whole run (steps {first}-{last}), no valid verdict"
+    return (judge_alarm(judged, failures, where) if judged else
+            f"!!! JUDGE ALARM {where}: no trajectory was judged (--judge-sample-rate, --judge-budget); "
+            f"the run trained as plain SPIRAL (A_mod = A_game)")
+
+
+def announce_budget(cost: float, budget: float, step: int) -> None:
+    """Said once, loudly, on stdout and stderr: from here on the run is unmodulated (phi = 1, psi = 0).
+    A progress bar on the terminal steps aside for it."""
+    bar = "!" * 100
+    line = (f"JUDGE BUDGET REACHED at step {step}: estimated cost {cost:.4f} >= --judge-budget {budget}. "
+            f"No more judge requests; every trajectory now gets phi = 1, psi = 0.")
+    with tqdm.external_write_mode(file=sys.stderr):
+        for stream in (sys.stdout, sys.stderr):
+            print(f"{bar}\n{line}\n{bar}", file=stream, flush=True)
