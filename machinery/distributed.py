@@ -1,4 +1,4 @@
-"""Data parallelism and the choice of device.
+"""Data parallelism and the choice of device and generation engine.
 
 `torchrun --nproc-per-node N stratagem.py ...` shards the learner with PyTorch's own FSDP2 and gives every
 rank 1/N of the games; steps 2-3 of Algorithm 1 (RAE, judge, A_mod) run on rank 0 over the whole batch.
@@ -7,6 +7,7 @@ Without torchrun this is a world of one and every collective returns its input.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -111,3 +112,14 @@ def pick_device(spec: str, local_rank: int = 0) -> torch.device:
     if device.type not in ("cpu", "cuda", "mps"):
         raise UserError(f"--device {spec}: only cpu, cuda[:N] and mps are supported")
     return device
+
+
+def pick_backend(spec: str, device: torch.device) -> tuple[str, str]:
+    """--backend and why: 'auto' is vllm where vLLM is installed and the device is a GPU, else hf."""
+    if spec != "auto":
+        return spec, "--backend " + spec
+    if device.type != "cuda":
+        return "hf", f"auto: {device.type}, not a GPU"
+    if importlib.util.find_spec("vllm") is None:
+        return "hf", "auto: vLLM is not installed"
+    return "vllm", "auto: a GPU and vLLM"

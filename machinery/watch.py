@@ -38,7 +38,7 @@ def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def start_line(args, out: Path, device) -> str:
+def start_line(args, out: Path, device, engine: str) -> str:
     """The first line of a run: where it writes and what it will do."""
     detail = "" if args.mode == "spiral" else (" w/o psi" if args.no_psi else f", beta {args.beta}")
     model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
@@ -47,13 +47,14 @@ def start_line(args, out: Path, device) -> str:
     judge = "none (spiral)" if args.mode == "spiral" else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
     report = "" if args.report_to == "none" else f" + {args.report_to}"
     return (f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
-            f"{args.backend} on {device} | judge {judge} | steps {args.steps}, batch {args.batch_size} transitions | "
+            f"{args.backend} on {device} ({engine}) | judge {judge} | steps {args.steps}, batch {args.batch_size} transitions | "
             f"logs metrics.jsonl{report}")
 
 
 def step_line(m: dict, args) -> str:
     """One line per step, from its metrics.jsonl record `m`."""
-    cost = f" ${m['judge_cost_total']:.4f}" if args.judge_price_in + args.judge_price_out else ""
+    cost = (f" ${m['judge_cost_total']:.4f} (run at this rate: ${m['judge_cost_total'] / m['step'] * args.steps:.2f})"
+            if args.judge_price_in + args.judge_price_out else "")
     ppo = (f" (last epoch: ratio {m['ppo']['ratio_mean'][-1]:.3f}, clipped {m['ppo']['clip_frac'][-1]:.1%})"
            if "ppo" in m else "")
     return (f"step {m['step']}/{args.steps} | {m['episodes']} games, {m['trajectories']} trajectories, "

@@ -20,8 +20,11 @@ from tools.runs import read_trajectories
 
 
 def cohen_kappa(a: list, b: list) -> float:
-    """Unweighted Cohen's kappa of two raters' labels; nan when chance agreement is 1 (no variation)."""
+    """Unweighted Cohen's kappa of two raters' labels; nan when chance agreement is 1 (no variation) or
+    there is nothing to compare."""
     n, labels = len(a), set(a) | set(b)
+    if n == 0:
+        return float("nan")
     p_observed = sum(x == y for x, y in zip(a, b)) / n
     p_chance = sum((a.count(v) / n) * (b.count(v) / n) for v in labels)
     return float("nan") if p_chance == 1 else (p_observed - p_chance) / (1 - p_chance)
@@ -43,7 +46,9 @@ def ranks(xs: list[float]) -> list[float]:
 
 
 def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (Pearson on average ranks); nan when either side is constant."""
+    """Spearman's rank correlation (Pearson on average ranks); nan when either side is constant or empty."""
+    if not x:
+        return float("nan")
     rx, ry = ranks(x), ranks(y)
     mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
@@ -88,10 +93,11 @@ def main(argv: list[str]) -> int:
     trajs = [pool[i] for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))]
     cache = JudgeCache(run / "judge_cache.jsonl")
     judges = [judge_from_spec(spec, args) for spec in ns.judges]  # every judge is checked before any is paid
-    verdicts = []
+    verdicts, ruled = [], set()
     for spec, judge in zip(ns.judges, judges):
         judgements, usage = JudgeRunner(judge, args, cache).judge(trajs, list(judge_prompts.RUBRICS))
         verdicts.append([j.scores for j in judgements])
+        ruled |= {i for i, j in enumerate(judgements) if j.rule}  # d, a, c set by the rules, not by the judge
         print(f"{spec}: {usage.get('requests', 0)} requests, {usage.get('cache_hits', 0)} from cache, "
               f"{sum(j.failure is not None for j in judgements)} failed", file=sys.stderr)
     keep = [i for i in range(len(trajs)) if all(v[i] is not None for v in verdicts)]
@@ -100,15 +106,18 @@ def main(argv: list[str]) -> int:
     names = [chr(ord("A") + k) for k in range(len(ns.judges))]
     pairs = [(x, y) for x in range(len(names)) for y in range(x + 1, len(names))]
     table: dict[str, dict[str, float]] = {}
+    free = [i for i in keep if i not in ruled]  # evolution agrees only where the judges decided
     for dim in ("alpha", "sigma", "rho", "d", "a", "c"):
-        table[f"kappa {dim}"] = {f"{names[x]}~{names[y]}": cohen_kappa([verdicts[x][i][dim] for i in keep],
-                                                                     [verdicts[y][i][dim] for i in keep])
+        rows = keep if dim in ("alpha", "sigma", "rho") else free
+        table[f"kappa {dim}"] = {f"{names[x]}~{names[y]}": cohen_kappa([verdicts[x][i][dim] for i in rows],
+                                                                     [verdicts[y][i][dim] for i in rows])
                                  for x, y in pairs}
-    for label, fn, keys in (("phi", phi, ("alpha", "sigma", "rho")), ("psi", psi, ("d", "a", "c"))):
-        values = [[fn(*(v[i][k] for k in keys)) for i in keep] for v in verdicts]
+    for label, fn, keys, rows in (("phi", phi, ("alpha", "sigma", "rho"), keep), ("psi", psi, ("d", "a", "c"), free)):
+        values = [[fn(*(v[i][k] for k in keys)) for i in rows] for v in verdicts]
         table[f"spearman {label}"] = {f"{names[x]}~{names[y]}": spearman(values[x], values[y]) for x, y in pairs}
     print(f"agreement on {len(keep)} of {len(trajs)} sampled trajectories of {run} "
-          f"({len(trajs) - len(keep)} dropped: a judge failed)")
+          f"({len(trajs) - len(keep)} dropped: a judge failed); d, a, c and psi on the {len(free)} whose evolution "
+          f"no rule decided (one turn, stagnation: judge_prompts.evolution_rules)")
     for name, spec in zip(names, ns.judges):
         print(f"  {name} = {spec}")
     columns = list(next(iter(table.values())))

@@ -42,7 +42,8 @@ def bench_summary(metrics: list[dict]) -> dict:
 
 
 def bench_judge(args: Args, trajs: list[Trajectory], n: int) -> dict:
-    """Wall time of n judgements (both rubrics) with the configured judge, bypassing the cache."""
+    """Wall time of n judgements (both rubrics; one-turn trajectories are not asked the evolution one) with the
+    configured judge, bypassing the cache."""
     judge = make_judge(args)
     if isinstance(judge, OpenAIJudge):
         judge.check_reachable()
@@ -51,7 +52,8 @@ def bench_judge(args: Args, trajs: list[Trajectory], n: int) -> dict:
     t0 = time.perf_counter()
     judgements, usage = runner.judge(batch, list(judge_prompts.RUBRICS))
     return {"judgements": n, "requests": usage.get("requests", 0), "seconds": time.perf_counter() - t0,
-            "concurrency": args.judge_concurrency, "failed": sum(j.failure is not None for j in judgements)}
+            "concurrency": args.judge_concurrency, "failed": sum(j.failure is not None for j in judgements),
+            "one_turn": sum(len(t.turns) == 1 for t in batch)}
 
 
 def main(argv: list[str]) -> int:

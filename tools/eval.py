@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
                 else LLMPlayer(*openai_spec(ns.opponent, "random"), args))
     path = resolve_model_path(ns.model)
     model, tokenizer = load_policy(path, device)
-    policy = VLLMPolicy(path, tokenizer, stop_ids(tokenizer), args, device) if ns.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
+    policy = VLLMPolicy(path, tokenizer, stop_ids(tokenizer, model), args, device) if ns.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
     t0 = time.perf_counter()
     records = play_matches(policy, tokenizer, games, ns.n, opponent, rng, ns.max_turns, ns.error_allowance,
                            ns.concurrency)

@@ -20,6 +20,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--judged", action="store_true", help="only trajectories the judge scored")
     p.add_argument("--index", type=int, default=-1, help="the index among the matching ones (default: random)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random pick (default: 0)")
+    p.add_argument("--prompts", action="store_true", help="print every turn's whole prompt, as the policy was given "
+                   "it (default: the first turn's, then the new part of each observation)")
     ns = p.parse_args(argv)
     path = run_file(Path(ns.run), "trajectories.jsonl")
     rows = [r for r in read_jsonl(path)
@@ -44,8 +46,12 @@ def main(argv: list[str]) -> int:
               f"psi = {r['psi']:+.4f}")
     print(f"A_mod = A_game*phi + beta*psi = {r['a_game']:+.4f}*{r['phi']:.4f} + {beta}*{r['psi']:+.4f} "
           f"= {r['a_mod']:+.4f}")
+    if not r["turns"]:
+        print("this seat never moved (the other lost on its first move): RAE took its return, nothing to judge or learn")
     news = judge_prompts.new_observations([t["observation"] for t in r["turns"]])
     for k, (turn, new) in enumerate(zip(r["turns"], news), 1):
-        print(f"\n--- turn {k} ---\n[observation, new part]\n{new.strip()}\n\n[response]\n{turn['response'].strip()}"
+        whole = (ns.prompts or k == 1) and "prompt" in turn  # runs before the prompt was kept have observations only
+        shown = f"[prompt, as the policy got it]\n{turn['prompt']}" if whole else f"[observation, new part]\n{new.strip()}"
+        print(f"\n--- turn {k} ---\n{shown}\n\n[response]\n{turn['response'].strip()}"
               f"\n\n[action sent] {turn['action'] or '(none found)'}")
     return 0

@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     args = dataclasses.replace(Args(), backend="vllm", model=ns.model, max_new_tokens=16,
                                vllm_enforce_eager=ns.vllm_enforce_eager)
     model, tok = load_policy(ns.model, device)
-    policy = VLLMPolicy(ns.model, tok, stop_ids(tok), args, device)
+    policy = VLLMPolicy(ns.model, tok, stop_ids(tok, model), args, device)
     ids = torch.randint(0, len(tok), (ns.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     full = torch.tensor([ids], device=device)  # [1, T]
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
