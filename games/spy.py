@@ -291,7 +291,7 @@ class WhoIsTheSpyEnv(ta.Env):
         out = []
         for k in range(self.n):
             role = info[k]["role"]
-            rouge = ({"rouge_l": scorer.score(self.item["reference"], self.outputs[k]).fmeasure}
+            rouge = ({"rouge_l": scorer.score(self.item["reference"], self.outputs[k])["rougeL"].fmeasure}
                      if scorer is not None and role == "civilian" else {})
             out.append((k, 0, rewards[k], {"phase": PHASES[0], "role": role, "seat": k, "key": f"{self.task}/{role}",
                                            **rouge, **game}))
@@ -363,9 +363,10 @@ def outcomes(trajs: list) -> dict:
 
 
 def step_metrics(trajs: list, phases: tuple[str, ...]) -> dict:
-    """metrics.jsonl's `spy` entry: detection accuracy (the civilians' votes on the spy), the spy-caught rate,
-    the invalid-vote rate, the mean reward and advantage per role and phase, the largest zero-sum residual
-    and the civilians' mean ROUGE-L (null without references)."""
+    """metrics.jsonl's `spy` entry: the phase(s) trained and their turns, detection accuracy (the civilians'
+    votes on the spy), the spy-caught rate, the invalid-vote rate, the mean reward and advantage per role
+    (spy, civilian: outputs; vote: the civilians' votes), the largest zero-sum residual and the civilians'
+    mean ROUGE-L (null without references)."""
     def mean(xs):
         xs = list(xs)
         return sum(xs) / len(xs) if xs else None
@@ -375,6 +376,7 @@ def step_metrics(trajs: list, phases: tuple[str, ...]) -> dict:
               "civilian": [t for t in trajs if t.info["role"] == "civilian" and t.info["phase"] == "performance"],
               "vote": [t for t in trajs if t.info["phase"] == "detection"]}
     return {"trained": "+".join(phases), "games": len(games),
+            "trained_transitions": sum(len(t.turns) for t in trajs if t.info["phase"] in phases),
             "detection_accuracy": mean(t.reward for t in groups["vote"]),
             "caught_rate": mean(g["caught"] for g in games),
             "invalid_vote_rate": mean(v is None for g in games for v in g["votes"]),
