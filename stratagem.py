@@ -203,10 +203,10 @@ class Args:
 
 CHOICES = {"mode": ("stratagem", "spiral", "spyrl"), "backend": ("hf", "vllm"), "judge": ("openai", "heuristic"),
            "judge_aggregate": ("majority", "mean"), "report_to": ("none", "tensorboard", "wandb"), "spy_task": tuple(spy.TASKS)}
-# --tiny changes these defaults (an explicit flag still wins): small, fast, offline.
+# --tiny changes these defaults (small, fast, offline), and FLAG_DEFAULTS those that follow another flag's value (SpyRL's KL,
+# DeepSeekMath's; the seed's maths mask). An explicit flag still wins.
 TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_tokens=48,
                      micro_batch_size=8, lr=1e-4, max_turns=20, eval_n=4, eval_max_turns=60)
-# Defaults that follow another flag's value (an explicit flag still wins): SpyRL's KL (DeepSeekMath's GRPO), the seed's maths mask.
 FLAG_DEFAULTS = {("mode", "spyrl"): dict(kl_coef=0.04), ("spy_task", "math"): dict(spy_mask=spy.MASKS["math"])}
 # Flags that may change when a run is resumed; everything else is read back from config.json.
 RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
@@ -823,8 +823,7 @@ def ppo_clip_loss(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tens
 
 
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref), exp(d) - d - 1 with d = log pi_ref - log pi: >= 0, unbiased,
-    as in DeepSeekMath's GRPO (http://joschu.net/blog/kl-approx.html). logps, ref_logps [B, T] -> [B, T]"""
+    """Per-token k3 estimate of KL(pi || pi_ref) as in DeepSeekMath's GRPO, exp(d) - d - 1 with d = log pi_ref - log pi: >= 0, unbiased (http://joschu.net/blog/kl-approx.html). [B, T] -> [B, T]"""
     return torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # [B, T]
 
 
@@ -886,8 +885,7 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
             adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 logps = sequence_logprobs(model, ids, attn, mask.shape[1], args.temperature)  # [b, R]
-                with torch.no_grad():  # --kl-coef: the frozen initial policy's log pi_ref [b, R]
-                    ref = None if reference is None else sequence_logprobs(reference, ids, attn, mask.shape[1], args.temperature)
+                ref = None if reference is None else sequence_logprobs(reference, ids, attn, mask.shape[1], args.temperature)
             if args.ppo_epochs == 1:
                 loss = reinforce_loss(logps, mask, adv, normaliser)
             else:
@@ -898,8 +896,9 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
                     sums["ratio_sum"] += (ratio * mask).sum().item()
                     sums["clipped"] += (clipped * mask).sum().item()
                     sums["tokens"] += mask.sum().item()
-            if ref is not None:  # + the k3 KL penalty, under the same constant normaliser
-                loss = loss + args.kl_coef * (kl_k3(logps, ref) * mask).sum() / normaliser
+            if ref is not None:  # --kl-coef: + k3 KL to the frozen initial policy (no graph), same normaliser; logged unweighted
+                kl = (kl_k3(logps, ref) * mask).sum() / normaliser
+                loss, sums["kl"] = loss + args.kl_coef * kl, sums.get("kl", 0.0) + kl.item()
             loss.backward()
             sums["loss"] += loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -1134,9 +1133,9 @@ def train(args: Args) -> Path:
         if dist.main:
             # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
             for t in trajs:  # in trajectories.jsonl order
-                if "group" in t.info:  # SpyRL's votes: GRPO, over the civilians' votes of their game
+                if "group" in t.info:  # SpyRL's votes: group-relative (GRPO), over the civilian votes of their game
                     t.a_game = spy.group_advantage(t.reward, t.info["group"])
-                else:  # SpyRL's outputs: RAE by (task, role)
+                else:  # RAE; SpyRL's outputs keyed by (task, role)
                     key = t.info.get("key", f"{t.game}/player{t.role}")
                     t.baseline = run.baselines.get(key, 0.0)
                     t.a_game, run.baselines[key] = rae_step(t.baseline, t.reward, args.ema)
@@ -1331,6 +1330,7 @@ def step_metrics(run: Run, step: int, trajs: list[Trajectory], ranks: list[tuple
         "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
         "loss": sum(r[2] for r in ranks) / run.dist.world, "grad_norm": grad_norm,
         **({"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)} if run.args.ppo_epochs > 1 else {}),
+        **({"kl": sum(e["kl"] for r in ranks for e in r[3]) / (len(ranks[0][3]) * run.dist.world)} if run.reference is not None else {}),
         "baselines": dict(run.baselines), **({"eval": evaluation} if evaluation else {}),
         **({"spy": spy.step_metrics(trajs, spy.trained_phases(step, run.args.spy_alternate))} if run.args.mode == "spyrl" else {}),
     }

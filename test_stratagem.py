@@ -2317,6 +2317,7 @@ def test_spyrl_metrics_alternation_and_two_generate_calls_per_wave(spy_runs):
     assert all(role == "civilian" for p, role in spy_runs["updates"][1][0])
     assert [u[1] for u in spy_runs["updates"]] == [15 * 16, 12 * 16, 15 * 16]  # normaliser: trained turns x tokens
     assert all(u[2] for u in spy_runs["updates"])  # the KL's reference is passed
+    assert metrics[0]["kl"] == 0.0 and metrics[1]["kl"] > 0 and metrics[2]["kl"] > 0  # the policy leaves its start
     trajs = read_jsonl(out / "trajectories.jsonl")
     for m in metrics:
         s, rows = m["spy"], [t for t in trajs if t["step"] == m["step"]]
@@ -2331,7 +2332,7 @@ def test_spyrl_metrics_alternation_and_two_generate_calls_per_wave(spy_runs):
         assert m["games"]["WhoIsTheSpy-v0"]["spy"]["loss"] == sum(g["caught"] for g in games)
     tags = watch.scalars(metrics[0])
     for tag in ("spy/detection_accuracy", "spy/caught_rate", "spy/invalid_vote_rate", "spy/zero_sum_residual",
-                "spy/reward/spy", "spy/advantage/civilian", "spy/rouge_l", "adv/baselines/summarize/spy"):
+                "spy/reward/spy", "spy/advantage/civilian", "spy/rouge_l", "adv/baselines/summarize/spy", "update/kl"):
         assert tag in tags
 
 
@@ -2377,6 +2378,7 @@ def test_spyrl_flags_defaults_follow_mode_and_task():
     (b'{"text": "One two three four five six seven."}\n\n{"reference": "x"}\n',
      '--spy-data {file}, line 3: needs an object with a non-empty "text" string'),
     (b'["text"]\n', '--spy-data {file}, line 1: needs an object with a non-empty "text" string'),
+    (b'\nnull\n', '--spy-data {file}, line 2: needs an object with a non-empty "text" string'),
     (b'{"text": "Hi there"}\n', "--spy-data {file}, line 1: the text is too short to degrade (2 word(s)"),
     (b'{"text": "caf\xe9 au lait et croissant"}\n', "--spy-data {file}, line 1: not UTF-8 (byte 0xe9 at column 14)"),
     (b'{"text": "One two three four five six.", "reference": 3}\n', '--spy-data {file}, line 1: "reference" must be a string'),

@@ -105,14 +105,14 @@ def load_texts(path: str, mask: float, tiny: bool) -> list[dict]:
     texts = []
     for number, line in enumerate(raw.splitlines(), 1):
         where = f"--spy-data {path}, line {number}"
+        if not line.strip():  # blank lines are allowed
+            continue
         try:
-            item = json.loads(line.decode("utf-8")) if line.strip() else None
+            item = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise UserError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
         except ValueError as e:
             raise UserError(f"{where}: not JSON ({e})") from None
-        if item is None:
-            continue
         if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not item["text"].strip():
             raise UserError(f'{where}: needs an object with a non-empty "text" string')
         if not isinstance(item.get("reference", ""), str):

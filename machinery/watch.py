@@ -58,6 +58,7 @@ def step_line(m: dict, args) -> str:
     cost = f" ${m['judge_cost_total']:.4f}" if args.judge_price_in + args.judge_price_out else ""
     ppo = (f" (last epoch: ratio {m['ppo']['ratio_mean'][-1]:.3f}, clipped {m['ppo']['clip_frac'][-1]:.1%})"
            if "ppo" in m else "")
+    kl = f" (KL {m['kl']:.2e})" if "kl" in m else ""
     middle = (f"judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | phi {fmt(m['phi_mean'])} "
               f"psi {fmt(m['psi_mean'])}")
     if "spy" in m:  # SpyRL: no judge; the game's own figures
@@ -67,7 +68,7 @@ def step_line(m: dict, args) -> str:
                   + (f", ROUGE-L {s['rouge_l']:.3f}" if s["rouge_l"] is not None else ""))
     return (f"step {m['step']}/{args.steps} | {m['episodes']} games, {m['trajectories']} trajectories, "
             f"{m['transitions']} transitions | {middle} | A_mod {m['a_mod_mean']:+.3f}±{m['a_mod_std']:.3f} | "
-            f"loss {m['loss']:+.4f}{ppo} | {m['time_s']:.1f}s")
+            f"loss {m['loss']:+.4f}{ppo}{kl} | {m['time_s']:.1f}s")
 
 
 def closing_line(out: Path, steps: int, mode: str = "stratagem") -> str:
@@ -109,7 +110,7 @@ NAMESPACES = {"game": ("episodes", "trajectories", "transitions", "generate_call
                        "response_tokens_mean", "games"),
               "judge": ("modulated", "phi_mean", "psi_mean"),
               "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines"),
-              "update": ("loss", "grad_norm"), "time": ("time_s", "elapsed_s", "time_split_s")}
+              "update": ("loss", "grad_norm", "kl"), "time": ("time_s", "elapsed_s", "time_split_s")}
 TAG_OF = {key: f"{ns}/{key}" for ns, keys in NAMESPACES.items() for key in keys}
 
 
