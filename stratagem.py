@@ -50,6 +50,7 @@ import torch
 from safetensors import SafetensorError
 
 import judge_prompts
+from games import spy  # importing games/ registers SPIRAL's own ids (games/spiral.py) and WhoIsTheSpy-v0
 from machinery import UserError, costs, runfiles, watch
 from machinery.distributed import Dist, full_weights, load_optimizer_state, pick_backend, pick_device, shard
 from machinery.flags import dataclass_parser, number_pair
@@ -123,7 +124,7 @@ class Args:
     """turn cap of an evaluation game (a capped game is a draw)"""
     # --- RAE and modulation ---
     mode: str = "stratagem"
-    """stratagem (A_mod = A_game*phi + beta*psi) or spiral (A_mod = A_game, no judge at all)"""
+    """stratagem (A_mod = A_game*phi + beta*psi), spiral (A_mod = A_game, no judge at all) or spyrl (who is the spy: rule-checked rewards, no judge)"""
     beta: float = 0.2
     """weight of the evolution reward psi in A_mod (paper: 0.2)"""
     no_psi: bool = False
@@ -161,6 +162,21 @@ class Args:
     """stop judging once the estimated cost reaches this (0: no limit); the run goes on with imputation"""
     judge_cache: str = ""
     """verdict cache (append-only JSONL; default <out>/judge_cache.jsonl); share one file across runs"""
+    # --- SpyRL (--mode spyrl) ---
+    spy_data: str = ""
+    """task data, JSONL: one {"text": ..., "reference": ... (optional, for ROUGE-L)} a line (--tiny: Python's pydoc topics)"""
+    spy_task: str = "summarize"
+    """what the players do with a text: summarize, write (a story for a prompt) or math (solve it)"""
+    spy_players: int = 5
+    """players n of a game, all the same policy, one of them the spy (seed: 5)"""
+    spy_mask: float = 0.2
+    """fraction of the text removed for the spy: sentences when it has enough, else words (seed: 0.2; maths 0.4)"""
+    spy_beta: float = 1.0
+    """beta of the performance reward r_spy = beta*(civilians' mean vote share - spy's share) (seed: named, no value)"""
+    spy_lambda: float = 0.5
+    """lambda: a civilian also pays lambda*(its vote share - the civilians' mean) (seed: named, no value)"""
+    spy_alternate: int = 1
+    """K steps train only the outputs, then K only the votes, and so on; both are played every step (0: train both)"""
     # --- optimisation ---
     batch_size: int = 128
     """transitions (turns) per policy update; games still running finish first (paper: 128)"""
@@ -176,6 +192,8 @@ class Args:
     """with --ppo-epochs > 1: the ratio pi/pi_old is clipped to [1 - eps, 1 + eps] (SPIRAL's code: 0.2)"""
     adam_betas: str = "0.9,0.95"
     """B1,B2 of Adam (SPIRAL's code, through oat: 0.9,0.95; torch's default: 0.9,0.999)"""
+    kl_coef: float = 0.0
+    """weight of a per-token k3 KL penalty to the initial policy in the loss (STRATAGEM, SPIRAL: none)"""
 
     def __post_init__(self):  # a price of -1 is the dated table's for a known paid judge model, else 0 (unknown)
         table = costs.PRICES.get(self.judge_model, (0.0, 0.0)) if self.judge == "openai" else (0.0, 0.0)
@@ -191,11 +209,13 @@ class Args:
         return number_pair(self.adam_betas, "--adam-betas")
 
 
-CHOICES = {"mode": ("stratagem", "spiral"), "backend": ("auto", "hf", "vllm"), "judge": ("openai", "heuristic"),
-           "judge_aggregate": ("majority", "mean"), "report_to": ("none", "tensorboard", "wandb")}
-# --tiny changes these defaults (an explicit flag still wins): small, fast, offline.
+CHOICES = {"mode": ("stratagem", "spiral", "spyrl"), "backend": ("auto", "hf", "vllm"), "judge": ("openai", "heuristic"),
+           "judge_aggregate": ("majority", "mean"), "report_to": ("none", "tensorboard", "wandb"), "spy_task": tuple(spy.TASKS)}
+# --tiny changes these defaults (small, fast, offline), and FLAG_DEFAULTS those that follow another flag's value (SpyRL's KL,
+# DeepSeekMath's; the seed's maths mask). An explicit flag still wins.
 TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_tokens=48,
                      micro_batch_size=8, lr=1e-4, max_turns=20, eval_n=4, eval_max_turns=60)
+FLAG_DEFAULTS = {("mode", "spyrl"): dict(kl_coef=0.04), ("spy_task", "math"): dict(spy_mask=spy.MASKS["math"])}
 # Flags that may change when a run is resumed; everything else is read back from config.json.
 RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
              "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization",
@@ -203,7 +223,8 @@ RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_co
 
 
 def build_parser():
-    return dataclass_parser(Args, CHOICES, TINY_DEFAULTS, "--tiny", prog="stratagem.py", description=__doc__.split("\n\n")[0],
+    presets = {"--tiny": TINY_DEFAULTS, **{f"--{k.replace('_', '-')} {v}": p for (k, v), p in FLAG_DEFAULTS.items()}}
+    return dataclass_parser(Args, CHOICES, presets, prog="stratagem.py", description=__doc__.split("\n\n")[0],
                             epilog="other commands: " + ", ".join(f"stratagem.py {c} --help" for c in COMMANDS))
 
 
@@ -221,6 +242,8 @@ def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
             if "model" in values:
                 raise UserError("--tiny builds its own model; drop --model")
             values = {**TINY_DEFAULTS, **values, "model": "tiny"}
+        for (name, value), preset in FLAG_DEFAULTS.items():
+            values = {**preset, **values} if values.get(name) == value else values
     args = Args(**values)
     if not args.out:
         args.out = os.path.join("runs", f"{args.mode}{'-nopsi' if args.no_psi else ''}"
@@ -233,13 +256,14 @@ def validate(args: Args) -> None:
     bounds = [  # (fields, test, wording)
         (("steps", "save_every", "ppo_epochs", "batch_size", "micro_batch_size", "num_envs", "max_new_tokens", "max_turns",
           "eval_n", "eval_max_turns", "judge_max_tokens", "judge_concurrency", "judge_samples"), lambda v: v >= 1, ">= 1"),
-        (("error_allowance", "eval_every", "beta", "judge_temperature", "judge_retries", "judge_budget"),
-         lambda v: v >= 0, ">= 0"),
+        (("error_allowance", "eval_every", "beta", "judge_temperature", "judge_retries", "judge_budget", "spy_beta",
+          "spy_lambda", "spy_alternate", "kl_coef"), lambda v: v >= 0, ">= 0"),
         (("judge_price_in", "judge_price_out"), lambda v: v >= 0, ">= 0 (or -1: the price table's)"),
+        (("spy_players",), lambda v: v >= 3, ">= 3"),
         (("lr", "temperature", "max_grad_norm", "judge_timeout"), lambda v: v > 0, "> 0"),
         (("ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
         (("judge_sample_rate",), lambda v: 0 <= v <= 1, "in [0, 1]"),
-        (("vllm_gpu_memory_utilization", "clip_range"), lambda v: 0 < v < 1, "in (0, 1)"),
+        (("vllm_gpu_memory_utilization", "clip_range", "spy_mask"), lambda v: 0 < v < 1, "in (0, 1)"),
     ]
     for names, ok, wording in bounds:
         for name in names:
@@ -275,7 +299,6 @@ PROMPT = ("You are playing a two-player zero-sum game as Player {role}. Make val
 
 def game_ids(spec: str, flag: str = "--games") -> list[str]:
     """A comma-separated list of game ids, checked against TextArena's registry and for two-player play."""
-    import games  # noqa: F401  (registers SPIRAL's own ids, KuhnPoker-v1 and the others: games/spiral.py)
     import textarena as ta
     from textarena.envs.registration import ENV_REGISTRY
 
@@ -306,7 +329,6 @@ SPIRAL_OBSERVATIONS = {"TicTacToe-v0": "FirstLastObservationWrapper", "SimpleNeg
 
 
 def make_env(game_id: str, seed: int, error_allowance: int):
-    import games  # noqa: F401
     import textarena as ta
     from textarena.wrappers.ObservationWrappers import llm_observation_wrapper
 
@@ -324,10 +346,11 @@ def make_env(game_id: str, seed: int, error_allowance: int):
 QWEN_MARKUP = "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def format_prompt(tokenizer, observation: str, role: int) -> str:
-    """The text the policy is given: PROMPT in SPIRAL's Qwen markup for a Qwen model (tokenizer.qwen_markup,
-    set by load_policy from config.model_type); other families in their own chat template, else bare."""
-    text = PROMPT.format(role=role, observation=observation)
+def format_prompt(tokenizer, observation: str, role: int, template: str = PROMPT) -> str:
+    """The text the policy is given: `template` (PROMPT) in SPIRAL's Qwen markup for a Qwen model
+    (tokenizer.qwen_markup, set by load_policy from config.model_type); other families in their own chat
+    template, else bare."""
+    text = template.format(role=role, observation=observation)
     if tokenizer.qwen_markup:
         return QWEN_MARKUP.format(text=text)
     if tokenizer.chat_template:
@@ -401,10 +424,12 @@ class Trajectory:
     phi: float = 1.0
     psi: float = 0.0
     a_mod: float = 0.0
+    info: dict = field(default_factory=dict)  # SpyRL: the seat's phase, role, ... (spy.results); logged when set
 
     def record(self, step: int) -> dict:
         """The trajectories.jsonl line (token ids left out)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns" and
+                  (f.name != "info" or self.info)}
         return {"step": step, **fields, "turns": [{"observation": t.observation, "response": t.response,
                                                    "action": t.action, "prompt": t.prompt} for t in self.turns]}
 
@@ -478,6 +503,18 @@ def play_move(env, pid: int, action: str) -> tuple[bool, int | None]:
     """(done, the seat that forfeits): a response with no action at all, or one --strict-actions refused, loses
     at once, retries or not (SPIRAL's INVALID_ACTION); any other action goes to the game."""
     return (True, pid) if not action else (env.step(action)[0], None)
+
+
+def spy_play(policy, tokenizer, args: Args, texts: list[dict], rng: random.Random, timer: watch.Timer, target: int,
+             phases: tuple[str, ...]):
+    """SpyRL's self-play: games enough for the turns of `phases` to reach `target`, --num-envs at a time, TWO generate
+    calls a wave (spy.play: every seat's output, then every vote). One trajectory per seat and paid phase."""
+    games = [spy.new_game(texts, args, rng.randrange(2**31)) for _ in range(spy.games_needed(target, args.spy_players, phases))]
+    moves, calls = spy.play(games, lambda observations: policy.generate(
+        [format_prompt(tokenizer, obs, 0, "{observation}") for obs in observations]), args.num_envs, timer)
+    trajs = [Trajectory(spy.GAME, p, [Turn(*moves[g][p, k])], r, info=info)
+             for g, env in enumerate(games) for p, k, r, info in env.results()]
+    return trajs, spy.outcomes(trajs), calls
 
 
 def game_result(env, done: bool, forfeit: int | None = None) -> tuple[dict[int, float], dict[int, bool]]:
@@ -815,6 +852,11 @@ def ppo_clip_loss(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tens
     return loss, ratio.detach(), (clipped < unclipped).detach()  # [B, T] bool: the clip is binding
 
 
+def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref) as in DeepSeekMath's GRPO, exp(d) - d - 1 with d = log pi_ref - log pi: >= 0, unbiased (http://joschu.net/blog/kl-approx.html). [B, T] -> [B, T]"""
+    return torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # [B, T]
+
+
 def ppo_summary(epochs_by_rank: list[list[dict]], world: int) -> dict:
     """Per epoch, over every rank: the loss (summed like the REINFORCE loss), the mean ratio and the
     fraction of response tokens whose loss the clip bounded. Epoch 1 is always ratio 1, fraction 0."""
@@ -852,7 +894,7 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, resp_len: in
 
 
 def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device: torch.device, pad_id: int,
-                  normaliser: float, dist: Dist) -> dict:
+                  normaliser: float, dist: Dist, reference=None) -> dict:
     """One Adam step (--ppo-epochs of them, see ppo_clip_loss) over this rank's transitions, sorted by length
     for little padding, in micro-batches with gradient accumulation. Under FSDP each backward pass is a
     collective, so a rank with fewer micro-batches repeats its last one at zero advantage (no gradient).
@@ -873,6 +915,7 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
             adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 logps = sequence_logprobs(model, ids, attn, mask.shape[1], args.temperature)  # [b, R]
+                ref = None if reference is None else sequence_logprobs(reference, ids, attn, mask.shape[1], args.temperature)
             if args.ppo_epochs == 1:
                 loss = reinforce_loss(logps, mask, adv, normaliser)
             else:
@@ -883,6 +926,9 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
                     sums["ratio_sum"] += (ratio * mask).sum().item()
                     sums["clipped"] += (clipped * mask).sum().item()
                     sums["tokens"] += mask.sum().item()
+            if ref is not None:  # --kl-coef: + k3 KL to the frozen initial policy (no graph), same normaliser; logged unweighted
+                kl = (kl_k3(logps, ref) * mask).sum() / normaliser
+                loss, sums["kl"] = loss + args.kl_coef * kl, sums.get("kl", 0.0) + kl.item()
             loss.backward()
             sums["loss"] += loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -1079,7 +1125,9 @@ class Run:
     tokenizer: object
     policy: HFPolicy | VLLMPolicy
     optimizer: torch.optim.Optimizer
-    baselines: dict[str, float] = field(default_factory=dict)  # RAE: b[G, p], keyed "game/playerP" (rank 0)
+    texts: list[dict]  # SpyRL's task data (spy.load_texts); empty in the other modes
+    reference: torch.nn.Module | None  # the initial policy, frozen: the KL penalty's (--kl-coef > 0), else None
+    baselines: dict[str, float] = field(default_factory=dict)  # RAE: b[G, p], keyed "game/playerP"; SpyRL "task/role"
     lengths: dict[str, float] = field(default_factory=dict)  # transitions per game id, to size the batch
     start: int = 0  # steps already done (a resumed run)
     elapsed: float = 0.0
@@ -1101,19 +1149,26 @@ def train(args: Args) -> Path:
         t0, timer = time.perf_counter(), watch.Timer()
         target = math.ceil(args.batch_size / dist.world)  # each rank plays its share of the batch
         progress = watch.Progress(step, args.steps, target, show=dist.main)
+        phases = spy.trained_phases(step, args.spy_alternate)  # SpyRL trains outputs or votes (--spy-alternate)
 
-        # ---- Algorithm 1, step 1: self-play trajectory generation (one policy, both seats) ----
-        mine, outcomes, calls = self_play(run.policy, run.tokenizer, args, run.games, run.rng, timer, run.lengths,
-                                          target, progress)
+        # ---- Algorithm 1, step 1: self-play trajectory generation (one policy, both seats; SpyRL: n seats) ----
+        if args.mode == "spyrl":
+            mine, outcomes, calls = spy_play(run.policy, run.tokenizer, args, run.texts, run.rng, timer, target, phases)
+        else:
+            mine, outcomes, calls = self_play(run.policy, run.tokenizer, args, run.games, run.rng, timer, run.lengths,
+                                              target, progress)
         parts = dist.gather(mine)
         trajs = [t for part in parts for t in part]  # the whole batch, rank by rank
         judged, usage, mod = {}, {}, {}
         if dist.main:
             # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
             for t in trajs:  # in trajectories.jsonl order
-                key = f"{t.game}/player{t.role}"
-                t.baseline = run.baselines.get(key, 0.0)
-                t.a_game, run.baselines[key] = rae_step(t.baseline, t.reward, args.ema)
+                if "group" in t.info:  # SpyRL's votes: group-relative (GRPO), over the civilian votes of their game
+                    t.a_game = spy.group_advantage(t.reward, t.info["group"])
+                else:  # RAE; SpyRL's outputs keyed by (task, role)
+                    key = t.info.get("key", f"{t.game}/player{t.role}")
+                    t.baseline = run.baselines.get(key, 0.0)
+                    t.a_game, run.baselines[key] = rae_step(t.baseline, t.reward, args.ema)
 
             # ---- Algorithm 1, step 3: STRATAGEM modulation, A_mod = A_game * phi + beta * psi ----
             with timer("judge"):
@@ -1132,15 +1187,16 @@ def train(args: Args) -> Path:
             t.a_mod = a
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t | s_t) ] ----
-        transitions = sum(len(t.turns) for t in trajs)
+        learn = [t for t in mine if not t.info or t.info["phase"] in phases]  # SpyRL: this step's phase only
+        transitions = sum(len(t.turns) for t in trajs if not t.info or t.info["phase"] in phases)
         # constant normaliser (see reinforce_loss); times world because FSDP averages gradients over ranks
         normaliser = transitions * args.max_new_tokens / dist.world
         progress.phase("learning")
         with timer("sync"):
             run.policy.before_learn()  # colocated vLLM sleeps: its weights go to CPU, its KV cache is freed
         with timer("learn"):
-            upd = policy_update(run.model, run.optimizer, mine, args, run.device, run.tokenizer.pad_token_id,
-                                normaliser, dist)
+            upd = policy_update(run.model, run.optimizer, learn, args, run.device, run.tokenizer.pad_token_id,
+                                normaliser, dist, run.reference)
         with timer("sync"):
             run.policy.sync(run.model)  # the engine plays the next step with the new weights
         progress.close()
@@ -1167,6 +1223,7 @@ def start_run(args: Args) -> Run | None:
     quiet_transformers()
     dist, out = Dist(), Path(args.out)
     games = game_ids(args.games)
+    texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny) if args.mode == "spyrl" else []
     eval_games = game_ids(args.eval_games, "--eval-games") if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
     args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
@@ -1201,13 +1258,13 @@ def start_run(args: Args) -> Run | None:
         print(f"loading the policy: {ckpt or ('a random tiny Qwen3, built offline' if args.tiny else args.model)} ...",
               flush=True)
     t_load = time.perf_counter()
-    model, tokenizer, policy = load_learner_and_engine(args, ckpt, dist, device)
+    model, tokenizer, policy, reference = load_learner_and_engine(args, ckpt, dist, device)
     if isinstance(judge, OpenAIJudge):
         judge.check_reachable()
     if dist.main:
         print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=args.betas)
-    run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer)
+    run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer, texts, reference)
     judge_totals = None
     if ckpt is not None:
         state = runfiles.load_state(ckpt / "trainer_state.pt")
@@ -1249,18 +1306,18 @@ def start_run(args: Args) -> Run | None:
 
 
 def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: torch.device):
-    """The learner (fp32, see load_policy), its tokenizer and the generation engine, from the checkpoint
-    being resumed, the tiny model built offline, or --model. Under torchrun the learner is sharded."""
+    """The learner (fp32, see load_policy), its tokenizer and the generation engine, from the checkpoint being
+    resumed, the tiny model built offline, or --model; with --kl-coef the run's initial policy again, frozen (the
+    KL's reference: rebuilt on resume, never saved). Under torchrun the learner is sharded."""
     with tempfile.TemporaryDirectory() as tiny_dir:
-        if ckpt is not None:
-            model_path = str(ckpt)
-        elif args.tiny:
+        initial = args.model
+        if args.tiny and (ckpt is None or args.kl_coef):
             if dist.main:  # one copy, read by every rank (transformers saves configs on rank 0 only)
                 build_random_model(tiny_dir, args.seed)
-            model_path = dist.broadcast(tiny_dir)
-        else:
-            model_path = args.model
+            initial = dist.broadcast(tiny_dir)
+        model_path = str(ckpt) if ckpt is not None else initial
         model, tokenizer = load_policy(model_path, device)
+        reference = load_policy(initial, device)[0].requires_grad_(False) if args.kl_coef else None
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         generator = model
@@ -1270,7 +1327,7 @@ def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: t
         policy = (VLLMPolicy(model_path, tokenizer, stop_ids(tokenizer, model), args, device, dist.local_rank, dist.world)
                   if args.backend == "vllm" else HFPolicy(generator, tokenizer, args, device))
         dist.gather(None)  # every rank has loaded before the tiny folder goes
-    return model, tokenizer, policy
+    return model, tokenizer, policy, reference
 
 
 def periodic_eval(run: Run, step: int, timer: watch.Timer) -> dict | None:
@@ -1306,7 +1363,7 @@ def step_metrics(run: Run, step: int, trajs: list[Trajectory], ranks: list[tuple
     return {
         "step": step, "time_s": round(step_time, 3), "elapsed_s": round(run.elapsed, 3),
         "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()}, "games": outcomes,
-        "episodes": sum(c["player0"][k] for c in outcomes.values() for k in ("win", "draw", "loss")),
+        "episodes": sum(c[next(iter(c))][k] for c in outcomes.values() for k in ("win", "draw", "loss")),  # 1st seat: 1 a game
         "trajectories": len(played), "idle_seats": len(trajs) - len(played), "transitions": len(resp_tokens),
         "generate_calls": sum(r[1] for r in ranks),
         "response_tokens": sum(resp_tokens), "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
@@ -1319,7 +1376,9 @@ def step_metrics(run: Run, step: int, trajs: list[Trajectory], ranks: list[tuple
         "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
         "loss": sum(r[2] for r in ranks) / run.dist.world, "grad_norm": grad_norm,
         **({"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)} if run.args.ppo_epochs > 1 else {}),
+        **({"kl": sum(e["kl"] for r in ranks for e in r[3]) / (len(ranks[0][3]) * run.dist.world)} if run.reference is not None else {}),
         "baselines": dict(run.baselines), **({"eval": evaluation} if evaluation else {}),
+        **({"spy": spy.step_metrics(trajs, spy.trained_phases(step, run.args.spy_alternate))} if run.args.mode == "spyrl" else {}),
     }
 
 
@@ -1358,7 +1417,7 @@ def finish_run(run: Run) -> Path:
     run.policy.close()
     run.dist.close()
     if run.dist.main:
-        print(watch.closing_line(run.out, run.args.steps), flush=True)
+        print(watch.closing_line(run.out, run.args.steps, run.args.mode), flush=True)
     return run.out
 
 

@@ -28,6 +28,7 @@ import torch
 
 import judge_prompts
 import stratagem as S
+from games import spy
 from machinery import distributed, matches, runfiles, watch
 from machinery.flags import field_docs
 from tools import agree, plot, serve_judge
@@ -529,6 +530,19 @@ def test_failed_judgements_are_imputed_and_counted(tmp_path, secret_key, talkers
     assert len(server.requests) == judged * 3  # transferability once, evolution twice (one retry)
 
 
+def assert_resumed_exactly(whole: Path, part: Path, steps: int) -> None:
+    """`part` (stopped, then resumed) logged and saved what the uninterrupted `whole` did: the trajectories,
+    the metrics (wall times aside) and the final weights."""
+    assert read_jsonl(part / "trajectories.jsonl") == read_jsonl(whole / "trajectories.jsonl")
+    drop = ("time_s", "elapsed_s", "time_split_s")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
+    assert strip(read_jsonl(part / "metrics.jsonl")) == strip(read_jsonl(whole / "metrics.jsonl"))
+    from safetensors.torch import load_file
+    a = load_file(whole / f"checkpoints/step-{steps:06d}/model.safetensors")
+    b = load_file(part / f"checkpoints/step-{steps:06d}/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_heuristic_tiny_run_and_exact_resume(tmp_path):
     whole, part = tmp_path / "whole", tmp_path / "part"
     evaluation = ["--eval-every", "2", "--eval-games", "TicTacToe-v0", "--eval-n", "2"]  # must not disturb training
@@ -537,14 +551,7 @@ def test_heuristic_tiny_run_and_exact_resume(tmp_path):
     assert run(SMALL + evaluation + ["--steps", "2", "--save-every", "1", "--out", str(part)]) == 0
     assert run(["--resume", "--out", str(part), "--steps", "3"]) == 0
     check_run(part, 3, beta=0.2)
-    assert read_jsonl(part / "trajectories.jsonl") == read_jsonl(whole / "trajectories.jsonl")
-    drop = ("time_s", "elapsed_s", "time_split_s")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
-    assert strip(read_jsonl(part / "metrics.jsonl")) == strip(read_jsonl(whole / "metrics.jsonl"))
-    from safetensors.torch import load_file
-    a = load_file(whole / "checkpoints/step-000003/model.safetensors")
-    b = load_file(part / "checkpoints/step-000003/model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_resumed_exactly(whole, part, 3)
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["step-000003"]
     from transformers import AutoModelForCausalLM, AutoTokenizer  # a checkpoint is a plain HF model
 
@@ -2482,3 +2489,393 @@ def test_backend_auto_takes_vllm_on_a_gpu_where_it_is_installed(monkeypatch):
     assert distributed.pick_backend("auto", torch.device("cuda")) == ("hf", "auto: vLLM is not installed")
     monkeypatch.setattr(distributed.importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
     assert distributed.pick_backend("auto", torch.device("cuda:0")) == ("vllm", "auto: a GPU and vLLM")
+
+
+# ==== issue 18: SpyRL (--mode spyrl), who is the spy with rule-checked rewards ====
+SPY = SMALL + ["--mode", "spyrl"]
+
+
+def spy_env(seed: int = 0, **kw) -> spy.WhoIsTheSpyEnv:
+    import textarena as ta
+
+    env = ta.make(spy.GAME, **kw)
+    env.reset(num_players=5, seed=seed)
+    return env
+
+
+def test_rewards_for_hand_made_tallies_are_exact_and_zero_sum():
+    votes = [1, 2, 1, None, 1]  # seat 1 is the spy; seat 3 cast no valid vote
+    shares = spy.vote_shares(votes, 5)
+    assert shares == [0.0, 0.75, 0.25, 0.0, 0.0]
+    # s_c = (0 + 0.25 + 0 + 0) / 4 = 0.0625; r_u = 1.0 * (0.0625 - 0.75); r_cj = -r_u / 4 - 0.5 * (s_cj - 0.0625)
+    rewards = spy.performance_rewards(shares, spy=1, beta=1.0, lam=0.5)
+    assert rewards == pytest.approx([0.203125, -0.6875, 0.078125, 0.203125, 0.203125], abs=1e-12)
+    assert abs(sum(rewards)) < 1e-12
+    # s_c = 1/6, r_u = 2 * (1/6 - 1/2) = -2/3; lambda 0: the civilians share the spy's loss equally
+    assert spy.performance_rewards([0.0, 0.0, 0.5, 0.5], spy=3, beta=2.0, lam=0.0) == pytest.approx(
+        [2 / 9, 2 / 9, 2 / 9, -2 / 3])
+    assert spy.detection_rewards(votes, spy=1) == [1.0, None, 1.0, 0.0, 1.0]
+    assert spy.caught(votes, 1) and not spy.caught([1, 2, 2, 1, 0], 1)  # a tie at the top does not catch the spy
+    assert spy.vote_shares([None] * 4, 4) == [0.0] * 4 and spy.performance_rewards([0.0] * 4, 0, 1.0, 0.5) == [0.0] * 4
+    for seed in range(200):  # random tallies, any beta and lambda: the rewards of a game sum to 0
+        rng = random.Random(seed)
+        n = rng.randint(3, 8)
+        v = [rng.choice([None, *range(n)]) for _ in range(n)]
+        assert abs(sum(spy.performance_rewards(spy.vote_shares(v, n), rng.randrange(n), rng.random() * 3,
+                                               rng.random()))) < 1e-9
+
+
+def test_a_game_through_the_textarena_interface_pays_those_rewards():
+    """Any TextArena agent loop plays it: get_observation / step(response) / close."""
+    env = spy_env(next(s for s in range(100) if spy_env(s).spy == 1))
+    said = {0: "\\boxed{1}", 1: "\\boxed{2}", 2: "I think \\boxed{Player 1}", 3: "\\boxed{3}", 4: "\\boxed{[1]}"}
+    done, turns = False, []
+    while not done:
+        seat, observation = env.get_observation()
+        turns.append((seat, env.phase))
+        assert "one copy" in observation or "one copy was incomplete" in observation
+        done, _ = env.step(f"summary by {seat}" if env.phase == "performance" else said[seat])
+    assert turns == [(k, "performance") for k in range(5)] + [(k, "detection") for k in range(5)]
+    rewards, info = env.close()
+    assert env.votes == [1, 2, 1, None, 1]  # seat 3 voted for itself: invalid
+    assert [rewards[k] for k in range(5)] == pytest.approx([0.203125, -0.6875, 0.078125, 0.203125, 0.203125])
+    assert info[1]["role"] == "spy" and info[3]["invalid_move"] and info[0]["detection_reward"] == 1.0
+    results = env.results()
+    assert [(seat, phase) for seat, phase, _, _ in results] == [(k, 0) for k in range(5)] + [(0, 1), (2, 1), (3, 1), (4, 1)]
+    assert {r["key"] for _, phase, _, r in results if phase == 0} == {"summarize/spy", "summarize/civilian"}
+    assert all(r["group"] == [1.0, 1.0, 0.0, 1.0] for _, phase, _, r in results if phase == 1)
+    assert "Player 3:\n| summary by 3" in env.observation(0)  # every output is quoted in the vote prompt
+
+
+@pytest.mark.parametrize("response, seat, vote", [
+    ("\\boxed{2}", 0, 2), ("first \\boxed{1} then \\boxed{ Player 3 }", 0, 3), ("\\boxed{[4]}", 1, 4),
+    ("\\boxed{0}", 0, None), ("\\boxed{5}", 0, None), ("\\boxed{two}", 0, None), ("Player 2", 0, None),
+    ("<think>\\boxed{1}</think> so \\boxed{2}", 0, 2), ("<think>\\boxed{1}</think> no box", 0, None),
+])
+def test_parse_vote(response, seat, vote):
+    assert spy.parse_vote(response, seat, 5) == vote
+
+
+def test_group_relative_advantage():
+    # mean 0.75, population std sqrt(0.1875)
+    assert spy.group_advantage(1.0, [1.0, 1.0, 0.0, 1.0]) == pytest.approx(0.25 / (math.sqrt(0.1875) + 1e-6))
+    assert spy.group_advantage(0.0, [1.0, 1.0, 0.0, 1.0]) == pytest.approx(-0.75 / (math.sqrt(0.1875) + 1e-6))
+    assert spy.group_advantage(1.0, [1.0, 1.0, 1.0]) == 0.0 and spy.group_advantage(0.0, [0.0, 0.0]) == 0.0
+    group = [0.0, 1.0, 1.0, 0.0, 1.0]
+    assert sum(spy.group_advantage(r, group) for r in group) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_spy_seat_is_uniform_over_seeds():
+    env = spy_env()
+    counts = [0] * 5
+    for seed in range(5000):
+        env.reset(num_players=5, seed=seed)
+        counts[env.spy] += 1
+    chi2 = sum((c - 1000) ** 2 / 1000 for c in counts)
+    assert chi2 < 18.47, counts  # chi-square, 4 degrees of freedom, p = 0.001
+    env.reset(num_players=5, seed=7)
+    assert env.inputs.count(env.item["text"]) == 4  # four civilians see x, one seat sees g(x)
+
+
+def is_subsequence(part: str, whole: str) -> bool:
+    it = iter(whole)
+    return all(ch in it for ch in part)
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.4])
+def test_the_mask_removes_its_fraction_and_the_spy_sees_a_subsequence(fraction):
+    texts = [t["text"] for t in spy.default_texts()[:40]] + [
+        "Solve for x: 2x + 3 = 11, then add four to it.", "A farmer has 17 sheep and all but 9 run away.",
+        "Write a story. It is about a lighthouse keeper who finds a letter in a bottle that is addressed to him."]
+    kinds = set()
+    for k, text in enumerate(texts):
+        kept, removed = spy.degrade(text, fraction, random.Random(k))
+        by_sentence = spy.split_units(text, sentences=True)
+        units = by_sentence if len(by_sentence) >= 1 / fraction else spy.split_units(text)
+        kinds.add("sentences" if units is by_sentence else "words")
+        assert "".join(text[a:b] for a, b in units) == text  # the units tile x
+        assert len(removed) == math.floor(fraction * len(units) + 0.5) >= 1  # the fraction, rounded half up
+        assert all(span in units for span in removed)  # whole sentences (or words), nothing else
+        assert kept == "".join(text[a:b] for a, b in units if (a, b) not in removed).rstrip()  # no marker left
+        assert is_subsequence(kept, text) and len(kept) < len(text)
+    assert kinds == {"sentences", "words"}
+
+
+def test_kl_k3_value_and_gradient_against_a_hand_computation():
+    logps = torch.tensor([[math.log(0.5), math.log(0.2)], [math.log(0.3), math.log(0.3)]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25), math.log(0.4)], [math.log(0.3), math.log(0.6)]])
+    kl = S.kl_k3(logps, ref)  # exp(d) - d - 1, d = log ref - log pi
+    assert kl.flatten().tolist() == pytest.approx([0.5 - math.log(0.5) - 1, 2 - math.log(2) - 1, 0.0, 2 - math.log(2) - 1])
+    kl.sum().backward()
+    # d/d log pi of exp(d) - d - 1 = 1 - exp(d) = 1 - ref / pi
+    assert logps.grad.flatten().tolist() == pytest.approx([0.5, -1.0, 0.0, -1.0])
+
+
+def test_kl_penalty_in_the_update_matches_a_hand_written_loss(tiny):
+    """Zero advantages: the update is the KL term alone. SGD with lr 1 moves each weight by minus its
+    gradient, which must equal the gradient of kl_coef * sum_t mask * (exp(d) - d - 1) / normaliser."""
+    model, tok = fresh(tiny)
+    reference, _ = fresh(tiny)
+    with torch.no_grad():  # a reference that differs from the policy
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    reference.requires_grad_(False)
+    args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=2, max_grad_norm=1e9, kl_coef=0.3)
+    prompt = tok("Obs").input_ids
+    batch = make_batch(prompt, [[3, 4], [5], [6, 7, 8]], [0.0, 0.0, 0.0])
+    expected = fresh(tiny)[0]
+    ids, attn, mask = S.collate([(prompt, r) for r in ([3, 4], [5], [6, 7, 8])], 0)
+    logps = S.sequence_logprobs(expected, ids, attn, mask.shape[1], 1.0)
+    with torch.no_grad():
+        ref = S.sequence_logprobs(reference, ids, attn, mask.shape[1], 1.0)
+    d = ref - logps
+    (0.3 * ((torch.exp(d) - d - 1) * mask).sum() / 24.0).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0, 24.0,
+                    distributed.Dist(), reference)
+    moved = [b - p.detach() for b, p in zip(before, model.parameters())]
+    assert max(m.abs().max() for m in moved) > 0
+    assert all(torch.allclose(m, p.grad, atol=1e-6) for m, p in zip(moved, expected.parameters()))
+    same = fresh(tiny)[0].requires_grad_(False)  # the reference equal to the policy: no KL gradient at all
+    S.policy_update(model := fresh(tiny)[0], torch.optim.SGD(model.parameters(), lr=1.0), batch, args,
+                    torch.device("cpu"), 0, 24.0, distributed.Dist(), same)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh(tiny)[0].parameters()))
+
+
+def test_alternation_selects_the_phase_of_each_step():
+    assert [spy.trained_phases(s, 1) for s in (1, 2, 3, 4)] == [("performance",), ("detection",)] * 2
+    assert [spy.trained_phases(s, 2)[0] for s in range(1, 7)] == ["performance"] * 2 + ["detection"] * 2 + ["performance"] * 2
+    assert spy.trained_phases(5, 0) == ("performance", "detection")
+    assert spy.games_needed(12, 5, ("performance",)) == 3 and spy.games_needed(12, 5, ("detection",)) == 3
+    assert spy.games_needed(13, 5, ("performance",)) == 3 and spy.games_needed(13, 5, ("detection",)) == 4
+    assert spy.games_needed(18, 5, spy.PHASES) == 2
+
+
+def scripted_spy_player(prompt: str) -> str:
+    """A deterministic player: it writes its copy's word count, so the spy's output differs; as a voter it
+    names the odd output out, except Player 0, which names the seat after it (a wrong vote, so the GRPO
+    group varies), and the odd one out itself, which names its neighbour."""
+    text = prompt.split("user\n", 1)[1].split("<|im_end|>", 1)[0]
+    seat = int(re.search(r"You are Player (\d+)", text).group(1))
+    if "Your copy of the" not in text:
+        return f"{len(text.split('The document:', 1)[1].split())} words"
+    outputs = dict((int(k), v) for k, v in re.findall(r"Player (\d+):\n\| (.*)", text))
+    odd = next(k for k, v in outputs.items() if list(outputs.values()).count(v) == 1)
+    vote = (seat + 1) % 5 if seat == odd else (odd + 1) % 5 or 2 if seat == 0 else odd
+    return f"The odd one is clear. \\boxed{{{vote}}}"
+
+
+class ScriptedSpyGenerate:
+    """HFPolicy.generate replaced by scripted_spy_player (the learner still learns from these tokens)."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def __call__(self, policy, prompts):
+        self.calls.append(len(prompts))
+        out = []
+        for p in prompts:
+            text = scripted_spy_player(p)
+            out.append((policy.tok(p, add_special_tokens=False).input_ids, policy.tok(text).input_ids, text))
+        return out
+
+
+def spy_data(path: Path, n: int = 6) -> Path:
+    """Texts with a reference each: the civilians' scripted output itself, so their ROUGE-L is 1 exactly."""
+    rows = [{"text": t["text"], "reference": f"{len(t['text'].split())} words"} for t in spy.default_texts()[:n]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def spy_runs(tmp_path_factory):
+    """One scripted SpyRL run of 3 steps (and a copy stopped after 2, resumed), with every policy update recorded."""
+    if os.environ.get("STRATAGEM_TESTS") == "vllm":  # a module fixture is set up before the autouse skip
+        pytest.skip("STRATAGEM_TESTS=vllm: only the vLLM tests run in this environment")
+    tmp = tmp_path_factory.mktemp("spy")
+    data = spy_data(tmp / "data.jsonl")
+    generate, update, updates = ScriptedSpyGenerate(), S.policy_update, []
+
+    def recorded(model, optimizer, trajs, args, device, pad_id, normaliser, dist, reference=None):
+        updates.append(([(t.info["phase"], t.info["role"]) for t in trajs], normaliser, reference is not None))
+        return update(model, optimizer, trajs, args, device, pad_id, normaliser, dist, reference)
+
+    flags = SPY + ["--spy-data", str(data), "--steps", "3", "--save-every", "1"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(S.HFPolicy, "generate", lambda policy, prompts: generate(policy, prompts))
+        mp.setattr(S, "policy_update", recorded)
+        assert run(flags + ["--out", str(tmp / "whole")]) == 0
+        calls, whole_updates = list(generate.calls), list(updates)
+        assert run(flags[:-4] + ["--steps", "2", "--save-every", "1", "--out", str(tmp / "part")]) == 0
+        assert run(["--resume", "--out", str(tmp / "part"), "--steps", "3"]) == 0
+    return {"tmp": tmp, "calls": calls, "updates": whole_updates, "data": data}
+
+
+def test_spyrl_run_rewards_baselines_and_advantages_replay_from_the_files(spy_runs):
+    out = spy_runs["tmp"] / "whole"
+    config = json.loads((out / "config.json").read_text())
+    assert config["kl_coef"] == 0.04 and config["spy_mask"] == 0.2  # --mode spyrl's default KL
+    metrics, trajs = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "trajectories.jsonl")
+    games: dict = {}
+    for t in trajs:
+        games.setdefault((t["step"], t["info"]["seed"]), []).append(t)
+    baselines: dict = {}
+    for rows in games.values():
+        g = rows[0]["info"]
+        outputs = sorted((t for t in rows if t["info"]["phase"] == "performance"), key=lambda t: t["role"])
+        votes = [t for t in rows if t["info"]["phase"] == "detection"]
+        assert [t["role"] for t in outputs] == list(range(5)) and len(votes) == 4  # the spy's vote is not a trajectory
+        assert [t["info"]["role"] == "spy" for t in outputs] == [k == g["spy"] for k in range(5)]
+        expected = spy.performance_rewards(spy.vote_shares(g["votes"], 5), g["spy"], 1.0, 0.5)
+        assert [t["reward"] for t in outputs] == pytest.approx(expected) and abs(sum(expected)) < 1e-9
+        civilians = [1.0 if g["votes"][k] == g["spy"] else 0.0 for k in range(5) if k != g["spy"]]
+        for t in votes:  # r^D = 1[v = u]; A = (r - mean) / (std + eps) over the game's civilians, not a baseline
+            assert t["reward"] == float(g["votes"][t["role"]] == g["spy"]) and t["info"]["role"] == "civilian"
+            mean = sum(civilians) / 4
+            std = math.sqrt(sum((c - mean) ** 2 for c in civilians) / 4)
+            assert t["a_game"] == pytest.approx((t["reward"] - mean) / (std + 1e-6)) and t["a_mod"] == t["a_game"]
+        for t in outputs:  # RAE keyed by (task, role), read before it is updated
+            key = f"summarize/{t['info']['role']}"
+            b = baselines.get(key, 0.0)
+            assert t["baseline"] == pytest.approx(b) and t["a_game"] == pytest.approx(t["reward"] - b)
+            baselines[key] = 0.95 * b + 0.05 * t["reward"]
+    assert metrics[-1]["baselines"] == pytest.approx(baselines) and set(baselines) == {"summarize/spy", "summarize/civilian"}
+    assert baselines["summarize/spy"] < 0 < baselines["summarize/civilian"]  # kept apart: the scripted spy is caught
+    assert any(t["a_game"] != 0 for t in trajs if t["info"]["phase"] == "detection")
+
+
+def test_spyrl_metrics_alternation_and_two_generate_calls_per_wave(spy_runs):
+    out = spy_runs["tmp"] / "whole"
+    metrics = read_jsonl(out / "metrics.jsonl")
+    # batch 12: 3 games a step (12 / 5 outputs, 12 / 4 votes), --num-envs 4: one wave, two calls of 15 prompts
+    assert spy_runs["calls"] == [15, 15] * 3 and [m["generate_calls"] for m in metrics] == [2, 2, 2]
+    assert [m["spy"]["trained"] for m in metrics] == ["performance", "detection", "performance"]
+    phases = [{p for p, _ in u[0]} for u in spy_runs["updates"]]
+    assert phases == [{"performance"}, {"detection"}, {"performance"}]  # only this step's turns are learnt from
+    assert all(role == "civilian" for p, role in spy_runs["updates"][1][0])
+    assert [u[1] for u in spy_runs["updates"]] == [15 * 16, 12 * 16, 15 * 16]  # normaliser: trained turns x tokens
+    assert all(u[2] for u in spy_runs["updates"])  # the KL's reference is passed
+    assert metrics[0]["kl"] == 0.0 and metrics[1]["kl"] > 0 and metrics[2]["kl"] > 0  # the policy leaves its start
+    trajs = read_jsonl(out / "trajectories.jsonl")
+    for m in metrics:
+        s, rows = m["spy"], [t for t in trajs if t["step"] == m["step"]]
+        votes = [t for t in rows if t["info"]["phase"] == "detection"]
+        games = [t["info"] for t in rows if t["info"]["phase"] == "performance" and t["info"]["role"] == "spy"]
+        assert s["games"] == m["episodes"] == 3 and m["trajectories"] == 27 and s["trained_transitions"] in (15, 12)
+        assert s["detection_accuracy"] == pytest.approx(sum(t["reward"] for t in votes) / len(votes))
+        assert s["caught_rate"] == pytest.approx(sum(g["caught"] for g in games) / 3)
+        assert s["invalid_vote_rate"] == pytest.approx(sum(v is None for g in games for v in g["votes"]) / 15)
+        assert s["zero_sum_residual"] < 1e-9 and s["rouge_l"] == 1.0  # civilians only: the spy's would be 0.5
+        assert s["reward"]["spy"] == pytest.approx(sum(t["reward"] for t in rows if t["info"]["role"] == "spy") / 3)
+        assert m["games"]["WhoIsTheSpy-v0"]["spy"]["loss"] == sum(g["caught"] for g in games)
+    tags = watch.scalars(metrics[0])
+    for tag in ("spy/detection_accuracy", "spy/caught_rate", "spy/invalid_vote_rate", "spy/zero_sum_residual",
+                "spy/reward/spy", "spy/advantage/civilian", "spy/rouge_l", "adv/baselines/summarize/spy", "update/kl"):
+        assert tag in tags
+
+
+def test_spyrl_resumes_exactly(spy_runs):
+    """The KL's reference after a resume is the run's initial policy (rebuilt), not the checkpoint."""
+    assert_resumed_exactly(spy_runs["tmp"] / "whole", spy_runs["tmp"] / "part", 3)
+
+
+def test_games_import_neither_the_trainer_nor_the_tools():
+    for module in (HERE / "games").glob("*.py"):
+        assert not set(re.findall(r"^\s*(?:from|import) (\w+)", module.read_text(), re.MULTILINE)) & {"stratagem", "tools"}
+
+
+def test_show_renders_a_whole_spy_game(spy_runs, capsys):
+    out = spy_runs["tmp"] / "whole"
+    assert run(["show", str(out), "--step", "2", "--index", "1"]) == 0
+    printed = capsys.readouterr().out
+    rows = [t for t in read_jsonl(out / "trajectories.jsonl") if t["step"] == 2]
+    g = [t["info"] for t in rows][9]  # the second game's first line (9 lines a game: 5 outputs, 4 votes)
+    text = [t for t in rows[9:18] if t["info"]["role"] == "civilian"][0]["turns"][0]["observation"].split("The document:\n")[1]
+    assert f"the spy: Player {g['spy']}" in printed and f"seed {g['seed']}" in printed
+    for a, b in g["removed"]:
+        assert f"[-{text[a:b].strip()}-]" in printed
+    for k in range(5):
+        assert f"--- Player {k} ({'spy' if k == g['spy'] else 'civilian'}) ---" in printed
+    assert "spy caught: " in printed and "r^D = " in printed and "the spy's vote" in printed
+
+
+def test_spyrl_flags_defaults_follow_mode_and_task():
+    assert S.resolve_args({"mode": "spyrl"}).kl_coef == 0.04 and S.resolve_args({}).kl_coef == 0.0
+    assert S.resolve_args({"mode": "spiral"}).kl_coef == 0.0
+    assert S.resolve_args({"mode": "spyrl", "kl_coef": 0.0}).kl_coef == 0.0  # an explicit flag wins
+    assert S.resolve_args({"mode": "spyrl", "spy_task": "math"}).spy_mask == 0.4
+    assert S.resolve_args({"mode": "spyrl", "spy_task": "math", "spy_mask": 0.3}).spy_mask == 0.3
+    assert S.resolve_args({"mode": "spyrl", "spy_task": "write"}).spy_mask == 0.2
+    text = " ".join(S.build_parser().format_help().split())
+    assert "(default: 0.0; with --mode spyrl: 0.04)" in text and "(default: 0.2; with --spy-task math: 0.4)" in text
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "--spy-data {file}: No such file or directory"),
+    (b'{"text": "One two three four five six seven."}\n{oops\n', "--spy-data {file}, line 2: not JSON"),
+    (b'{"text": "One two three four five six seven."}\n\n{"reference": "x"}\n',
+     '--spy-data {file}, line 3: needs an object with a non-empty "text" string'),
+    (b'["text"]\n', '--spy-data {file}, line 1: needs an object with a non-empty "text" string'),
+    (b'\nnull\n', '--spy-data {file}, line 2: needs an object with a non-empty "text" string'),
+    (b'{"text": "Hi there"}\n', "--spy-data {file}, line 1: the text is too short to degrade (2 word(s)"),
+    (b'{"text": "caf\xe9 au lait et croissant"}\n', "--spy-data {file}, line 1: not UTF-8 (byte 0xe9 at column 14)"),
+    (b'{"text": "One two three four five six.", "reference": 3}\n', '--spy-data {file}, line 1: "reference" must be a string'),
+    (b"\n\n", "--spy-data {file}: no texts in it"),
+])
+def test_bad_spy_data_ends_in_one_line_naming_file_and_line(capsys, tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    if content is not None:
+        data.write_bytes(content)
+    err = error_of(capsys, ["--tiny", "--mode", "spyrl", "--spy-data", str(data), "--out", str(tmp_path / "never")])
+    assert message.format(file=data) in err and not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--spy-players", "2"], "--spy-players must be >= 3, got 2"),
+    (["--spy-mask", "1"], "--spy-mask must be in (0, 1), got 1.0"),
+    (["--spy-task", "poems"], "invalid choice: 'poems'"),
+    (["--kl-coef", "-0.1"], "--kl-coef must be >= 0, got -0.1"),
+])
+def test_bad_spyrl_flags(capsys, tmp_path, argv, message):
+    assert message in error_of(capsys, ["--tiny", "--mode", "spyrl", *argv, "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+
+
+def test_spyrl_without_data_needs_tiny_and_references_need_rouge(capsys, tmp_path, monkeypatch):
+    assert "--mode spyrl needs --spy-data FILE.jsonl" in error_of(capsys, ["--mode", "spyrl", "--out", str(tmp_path / "r")])
+    data = spy_data(tmp_path / "data.jsonl", n=2)
+    monkeypatch.setitem(sys.modules, "rouge_score", None)
+    spy.rouge_scorer.cache_clear()
+    try:
+        err = error_of(capsys, ["--tiny", "--mode", "spyrl", "--spy-data", str(data), "--out", str(tmp_path / "r")])
+    finally:
+        spy.rouge_scorer.cache_clear()
+    assert "pip install rouge-score" in err and not (tmp_path / "r").exists()
+
+
+def test_bench_spyrl_reports_calls_per_game_beside_stratagem(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    assert run(["bench", "--json", str(out), "--tiny", "--mode", "spyrl", "--steps", "2", "--batch-size", "8",
+                "--num-envs", "4", "--max-new-tokens", "8"]) == 0
+    res = read_jsonl(out)[0]["results"]
+    assert set(res) == {"spyrl", "stratagem"}
+    # step 2 trains the votes: ceil(8 / 4) = 2 games in one wave, two generate calls
+    # STRATAGEM's games share its calls (lockstep); a tiny model's games end on its first move (no action loses)
+    assert res["spyrl"]["generate_calls_per_game"] == 1.0 and 0 < res["stratagem"]["generate_calls_per_game"] < 1.0
+    assert res["spyrl"]["tokens_per_s"] > 0 and res["stratagem"]["tokens_per_s"] > 0
+    printed = capsys.readouterr().out
+    assert re.search(r"generate calls per game\s+1\.00\s+\d", printed) and "spyrl   stratagem" in printed
+
+
+@needs_vllm_cpu
+def test_vllm_plays_spy_games_and_resumes_exactly(tmp_path):
+    """The vLLM engine plays SpyRL's waves: two generate calls a step, every seat's prompt in each."""
+    stratagem(SPY + VLLM + ["--steps", "2", "--out", "whole"], tmp_path)
+    metrics, trajs = read_jsonl(tmp_path / "whole/metrics.jsonl"), read_jsonl(tmp_path / "whole/trajectories.jsonl")
+    assert [m["generate_calls"] for m in metrics] == [2, 2] and [m["spy"]["games"] for m in metrics] == [3, 3]
+    assert [m["spy"]["trained"] for m in metrics] == ["performance", "detection"] and metrics[-1]["response_tokens"] > 0
+    votes = [t for t in trajs if t["info"]["phase"] == "detection"]
+    assert len(votes) == 2 * 3 * 4 and all("Player 4:\n| " in t["turns"][0]["observation"] for t in votes)
+    stratagem(SPY + VLLM + ["--steps", "1", "--out", "part"], tmp_path)
+    assert "resuming" in stratagem(["--resume", "--out", "part", "--steps", "2"], tmp_path).stdout
+    assert read_jsonl(tmp_path / "part/trajectories.jsonl") == trajs

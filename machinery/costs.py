@@ -115,7 +115,7 @@ def plan(args, out, games: list[str], device, engine: str, projection: dict | No
     judge = ("none (--mode spiral)" if args.mode == "spiral" else
              f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}" if args.judge == "openai"
              else "heuristic stand-in (offline, NOT the paper's judge)")
-    lines = [f"stratagem --dry-run: the plan; nothing is loaded, run or written",
+    lines = ["stratagem --dry-run: the plan; nothing is loaded, run or written",
              f"run directory: {out}" + (" (exists: a run needs --resume or another --out)" if out.exists() and not args.resume else ""),
              f"model: {'a random tiny Qwen3, built offline' if args.tiny else args.model}",
              f"engine: {args.backend} on {device} ({engine})",

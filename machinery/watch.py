@@ -40,11 +40,13 @@ def fmt(x: float | None) -> str:
 
 def start_line(args, out: Path, device, engine: str) -> str:
     """The first line of a run: where it writes and what it will do."""
-    detail = "" if args.mode == "spiral" else (" w/o psi" if args.no_psi else f", beta {args.beta}")
+    detail = {"spiral": "", "spyrl": f", {args.spy_players} players, {args.spy_task}, mask {args.spy_mask}, "
+                                     f"alternate {args.spy_alternate}"}.get(args.mode, " w/o psi" if args.no_psi else f", beta {args.beta}")
+    detail += f", KL {args.kl_coef}" if args.kl_coef else ""
     model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
     judge = ("heuristic stand-in (offline, NOT the paper's judge)" if args.judge == "heuristic"
              else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}")
-    judge = "none (spiral)" if args.mode == "spiral" else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
+    judge = f"none ({args.mode})" if args.mode != "stratagem" else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
     report = "" if args.report_to == "none" else f" + {args.report_to}"
     return (f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
             f"{args.backend} on {device} ({engine}) | judge {judge} | steps {args.steps}, batch {args.batch_size} transitions | "
@@ -57,18 +59,26 @@ def step_line(m: dict, args) -> str:
             if args.judge_price_in + args.judge_price_out else "")
     ppo = (f" (last epoch: ratio {m['ppo']['ratio_mean'][-1]:.3f}, clipped {m['ppo']['clip_frac'][-1]:.1%})"
            if "ppo" in m else "")
+    kl = f" (KL {m['kl']:.2e})" if "kl" in m else ""
+    middle = (f"judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | phi {fmt(m['phi_mean'])} "
+              f"psi {fmt(m['psi_mean'])}")
+    if "spy" in m:  # SpyRL: no judge; the game's own figures
+        s = m["spy"]
+        middle = (f"trains {s['trained']} | detection {fmt(s['detection_accuracy'])}, caught {fmt(s['caught_rate'])}, "
+                  f"invalid votes {fmt(s['invalid_vote_rate'])}, zero-sum residual {s['zero_sum_residual']:.1e}"
+                  + (f", ROUGE-L {s['rouge_l']:.3f}" if s["rouge_l"] is not None else ""))
     return (f"step {m['step']}/{args.steps} | {m['episodes']} games, {m['trajectories']} trajectories, "
-            f"{m['transitions']} transitions | judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | "
-            f"phi {fmt(m['phi_mean'])} psi {fmt(m['psi_mean'])} | A_mod {m['a_mod_mean']:+.3f}±{m['a_mod_std']:.3f} | "
-            f"loss {m['loss']:+.4f}{ppo} | {m['time_s']:.1f}s")
+            f"{m['transitions']} transitions | {middle} | A_mod {m['a_mod_mean']:+.3f}±{m['a_mod_std']:.3f} | "
+            f"loss {m['loss']:+.4f}{ppo}{kl} | {m['time_s']:.1f}s")
 
 
-def closing_line(out: Path, steps: int) -> str:
+def closing_line(out: Path, steps: int, mode: str = "stratagem") -> str:
     """The last line of a run: where its outputs are, and the commands a newcomer runs next on them."""
     run = shlex.quote(str(out))
     return (f"done: {steps} steps in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
             f"python stratagem.py plot {run} --out {shlex.quote(str(out / 'plots'))}  |  "
-            f"python stratagem.py show {run} --judged  |  python stratagem.py eval {run} --n 20")
+            f"python stratagem.py show {run}{' --judged' if mode != 'spyrl' else ''}  |  "
+            f"python stratagem.py eval {run} --n 20")
 
 
 class Progress:
@@ -101,7 +111,7 @@ NAMESPACES = {"game": ("episodes", "trajectories", "transitions", "generate_call
                        "response_tokens_mean", "games"),
               "judge": ("modulated", "phi_mean", "psi_mean"),
               "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines"),
-              "update": ("loss", "grad_norm"), "time": ("time_s", "elapsed_s", "time_split_s")}
+              "update": ("loss", "grad_norm", "kl"), "time": ("time_s", "elapsed_s", "time_split_s")}
 TAG_OF = {key: f"{ns}/{key}" for ns, keys in NAMESPACES.items() for key in keys}
 
 

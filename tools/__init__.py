@@ -3,7 +3,7 @@
 
     eval          tools/eval.py          a model against a fixed opponent, per game and seat
     plot          tools/plot.py          PNG figures of runs over steps
-    show          tools/show.py          one trajectory read closely
+    show          tools/show.py          one trajectory read closely (a whole game of a SpyRL run)
     agree         tools/agree.py         the cross-judge agreement check (Table 1)
     serve-judge   tools/serve_judge.py   the heuristic stand-in judge as an OpenAI-compatible server
     bench         tools/bench.py         where a step's time goes; lockstep vs sequential rollouts

@@ -1,5 +1,6 @@
 """`stratagem.py bench`: a few training steps, measured: games/s, tokens/s, where the wall time goes,
-lockstep against one-game-at-a-time rollouts, and optionally the judge's latency."""
+lockstep against one-game-at-a-time rollouts (with --mode spyrl: SpyRL against STRATAGEM, the same flags
+otherwise), and optionally the judge's latency."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def bench_summary(metrics: list[dict]) -> dict:
             "transitions_per_s": sum(m["transitions"] for m in rows) / total,
             "tokens_per_s": sum(m["response_tokens"] for m in rows) / total,
             "live_games_per_call": sum(m["transitions"] for m in rows) / sum(m["generate_calls"] for m in rows),
+            "generate_calls_per_game": sum(m["generate_calls"] for m in rows) / sum(m["episodes"] for m in rows),
             "time_split": split,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
@@ -60,7 +62,8 @@ def main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py bench", description=(
         "Run a few training steps (any training flag applies; --steps defaults to 3, step 1 is warm-up) and "
         "print games/s, transitions/s, generated tokens/s, the split of wall time and peak memory; "
-        "optionally against the sequential reference (one game at a time, one generate call per turn)."))
+        "optionally against the sequential reference (one game at a time, one generate call per turn). "
+        "With --mode spyrl: a SpyRL run and a STRATAGEM run with the same flags, side by side."))
     p.add_argument("--rollout", choices=("lockstep", "sequential", "both"), default="both",
                    help="lockstep (--num-envs games per generate call), sequential (one), or both (default)")
     p.add_argument("--judgements", type=int, default=0,
@@ -76,14 +79,17 @@ def main(argv: list[str]) -> int:
     explicit.setdefault("steps", 3)
     base = resolve_args(explicit)
     modes = ["lockstep", "sequential"] if ns.rollout == "both" else [ns.rollout]
+    configs = {mode: dataclasses.replace(base, num_envs=base.num_envs if mode == "lockstep" else 1) for mode in modes}
+    if base.mode == "spyrl":  # SpyRL's figures beside STRATAGEM's, lockstep, measured in the same invocation
+        modes = ["spyrl", "stratagem"]
+        configs = {"spyrl": base, "stratagem": resolve_args({**explicit, "mode": "stratagem"})}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
-            args = dataclasses.replace(base, out=os.path.join(tmp, mode),
-                                       num_envs=base.num_envs if mode == "lockstep" else 1)
+            args = dataclasses.replace(configs[mode], out=os.path.join(tmp, mode))
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            print(f"--- bench: {mode} rollout, {args.num_envs} game(s) in flight ---", flush=True)
+            print(f"--- bench: {mode} ({args.mode}), {args.num_envs} game(s) in flight ---", flush=True)
             train(args)
             results[mode] = bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl"))
         if ns.judgements > 0:
@@ -92,6 +98,7 @@ def main(argv: list[str]) -> int:
     rows = [("s/step", "s_per_step", 2), ("games/s", "games_per_s", 2), ("games/s in rollout", "rollout_games_per_s", 2),
             ("transitions/s", "transitions_per_s", 1),
             ("generated tokens/s", "tokens_per_s", 0), ("live games per call", "live_games_per_call", 1),
+            ("generate calls per game", "generate_calls_per_game", 2),
             ("peak RSS MB", "peak_rss_mb", 0)]
     for label, key, digits in rows:
         print(f"{label:24}" + "".join(f"{results[m][key]:>12.{digits}f}" for m in modes))
@@ -99,7 +106,7 @@ def main(argv: list[str]) -> int:
         print(f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes))
     for m in modes:
         print(f"{m}: 400 steps (the paper's run) at this rate would take {400 * results[m]['s_per_step'] / 3600:.2f} h")
-    if len(modes) == 2:
+    if modes == ["lockstep", "sequential"]:
         speedup = results["lockstep"]["games_per_s"] / results["sequential"]["games_per_s"]
         rollout = results["lockstep"]["rollout_games_per_s"] / results["sequential"]["rollout_games_per_s"]
         results["lockstep_speedup"], results["lockstep_rollout_speedup"] = speedup, rollout

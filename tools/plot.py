@@ -15,13 +15,17 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
                       [("", lambda m: m.get("eval", {}).get("win_rate"))]),
     "invalid_rate": ("Invalid-action rate in self-play", "invalid moves per seat",
                      [("", lambda m: sum(c[p]["invalid"] for c in m["games"].values() for p in c)
-                       / max(1, 2 * m["episodes"]))]),
+                       / max(1, sum(c[p][k] for c in m["games"].values() for p in c for k in ("win", "draw", "loss"))))]),
     "response_length": ("Mean response length", "tokens", [("", lambda m: m["response_tokens_mean"])]),
     "phi_psi": ("Judge scores (batch means of judged trajectories)", "value",
                 [("phi", lambda m: m["phi_mean"]), ("psi", lambda m: m["psi_mean"])]),
     "a_mod_spread": ("Advantage spread", "std over trajectories",
                      [("A_mod", lambda m: m["a_mod_std"]), ("A_game", lambda m: m["a_game_std"])]),
     "loss": ("REINFORCE loss", "loss", [("", lambda m: m["loss"])]),
+    "spy": ("SpyRL: who is the spy (--mode spyrl)", "rate",
+            [(label, lambda m, key=key: m.get("spy", {}).get(key)) for label, key in (
+                ("detection accuracy", "detection_accuracy"), ("spy caught", "caught_rate"),
+                ("invalid votes", "invalid_vote_rate"), ("ROUGE-L", "rouge_l"))]),
 }
 
 
@@ -51,11 +55,12 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
                         label=" ".join(x for x in (run_label(run), label) if x))
                 drawn += 1
     if not drawn:
-        ax.text(0.5, 0.5, "no data in these runs" + (" (train with --eval-every N)" if name == "eval_win_rate" else ""),
+        ax.text(0.5, 0.5, "no data in these runs" + {"eval_win_rate": " (train with --eval-every N)",
+                                                      "spy": " (train with --mode spyrl)"}.get(name, ""),
                 ha="center", va="center", transform=ax.transAxes)
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    if name in ("eval_win_rate", "invalid_rate"):
+    if name in ("eval_win_rate", "invalid_rate", "spy"):
         ax.set_ylim(-0.02, 1.02)
     if drawn:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
@@ -66,7 +71,7 @@ def main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py plot", description=(
         "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
         "spiral vs --no-psi): win rate against a random player, invalid-action rate, response length, "
-        "phi and psi, A_mod spread and loss. Needs matplotlib."))
+        "phi and psi, A_mod spread, loss, and SpyRL's detection figures. Needs matplotlib."))
     p.add_argument("runs", nargs="+", help="run directories")
     p.add_argument("--out", default="", help="folder for the PNGs (default: <first run>/plots; files are replaced)")
     ns = p.parse_args(argv)

@@ -1,4 +1,5 @@
-"""`stratagem.py show`: one player-trajectory of a run, read closely (turns, scores, A_game -> A_mod)."""
+"""`stratagem.py show`: one player-trajectory of a run, read closely (turns, scores, A_game -> A_mod); in a
+SpyRL run, one whole game (seats, inputs with the spy's removed parts marked, outputs, votes, rewards)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import random
 from pathlib import Path
 
 import judge_prompts
+from games import spy
 from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.runfiles import read_config, read_jsonl
@@ -14,7 +16,8 @@ from tools.runs import run_file
 
 def main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py show", description=(
-        "Print one player-trajectory of a run readably: its turns, the judge's scores and A_game -> A_mod."))
+        "Print one player-trajectory of a run readably: its turns, the judge's scores and A_game -> A_mod. "
+        "In a SpyRL run (--mode spyrl), one whole game: --index counts games, --judged does not apply."))
     p.add_argument("run", help="run directory")
     p.add_argument("--step", type=int, default=0, help="only trajectories of this step (default: any)")
     p.add_argument("--judged", action="store_true", help="only trajectories the judge scored")
@@ -24,6 +27,8 @@ def main(argv: list[str]) -> int:
                    "it (default: the first turn's, then the new part of each observation)")
     ns = p.parse_args(argv)
     path = run_file(Path(ns.run), "trajectories.jsonl")
+    if read_config(Path(ns.run)).get("mode") == "spyrl":
+        return show_spy_game(ns, [r for r in read_jsonl(path) if not ns.step or r["step"] == ns.step])
     rows = [r for r in read_jsonl(path)
             if (not ns.step or r["step"] == ns.step) and (not ns.judged or r["scores"])]
     if not rows:
@@ -54,4 +59,51 @@ def main(argv: list[str]) -> int:
         shown = f"[prompt, as the policy got it]\n{turn['prompt']}" if whole else f"[observation, new part]\n{new.strip()}"
         print(f"\n--- turn {k} ---\n{shown}\n\n[response]\n{turn['response'].strip()}"
               f"\n\n[action sent] {turn['action'] or '(none found)'}")
+    return 0
+
+
+def marked(text: str, removed: list[list[int]]) -> str:
+    """`text` with each removed (start, end) span shown as [-...-] (what the spy's copy lacks)."""
+    out, last = [], 0
+    for a, b in removed:
+        piece = text[a:b]
+        out += [text[last:a], f"[-{piece.rstrip()}-]{piece[len(piece.rstrip()):]}"]
+        last = b
+    return "".join(out + [text[last:]])
+
+
+def show_spy_game(ns, rows: list[dict]) -> int:
+    """One SpyRL game: its trajectories are consecutive lines of trajectories.jsonl with one step and seed."""
+    games: dict[tuple, list[dict]] = {}
+    for r in rows:
+        games.setdefault((r["step"], r["info"]["seed"]), []).append(r)
+    if not games:
+        raise UserError("no game matches (check --step)")
+    if not -1 <= ns.index < len(games):
+        raise UserError(f"--index must be in [0, {len(games) - 1}]")
+    i = ns.index if ns.index >= 0 else random.Random(ns.seed).randrange(len(games))
+    game = list(games.values())[i]
+    g = game[0]["info"]
+    n, thing = len(g["votes"]), spy.TASKS[g["task"]][0]
+    outputs = {r["role"]: r for r in game if r["info"]["phase"] == "performance"}
+    votes = {r["role"]: r for r in game if r["info"]["phase"] == "detection"}
+    civilian = next(r for r in outputs.values() if r["info"]["role"] == "civilian")
+    text = civilian["turns"][0]["observation"].split(f"\nThe {thing}:\n", 1)[1]
+    print(f"{ns.run} | step {game[0]['step']} | game {i} of {len(games)} | {spy.GAME}, {g['task']}, {n} players, "
+          f"the spy: Player {g['spy']} | seed {g['seed']}")
+    print(f"\n--- the {thing} (civilians' copy; [-...-]: removed from the spy's) ---\n{marked(text, g['removed'])}")
+    for k in range(n):
+        out, vote = outputs[k], votes.get(k)
+        print(f"\n--- Player {k} ({out['info']['role']}) ---\n{out['turns'][0]['response'].strip()}")
+        print(f"[vote] {'Player ' + str(g['votes'][k]) if g['votes'][k] is not None else 'invalid'}  |  "
+              f"vote share s = {g['shares'][k]:.3f}  |  r^P = {out['reward']:+.4f}, b = {out['baseline']:+.4f}, "
+              f"A = {out['a_mod']:+.4f}" + (f"  |  ROUGE-L {out['info']['rouge_l']:.3f}" if "rouge_l" in out["info"] else ""))
+        if vote is not None:
+            print(f"[vote, detection] r^D = {vote['reward']:g}, A (group-relative) = {vote['a_mod']:+.4f}\n"
+                  f"{vote['turns'][0]['response'].strip()}")
+        else:
+            print("[vote, detection] the spy's vote: counted in the tally, paid nothing, not trained (not logged)")
+    tally = ", ".join(f"Player {k}: {g['votes'].count(k)}" for k in range(n))
+    print(f"\ntally: {tally} | "
+          f"spy caught: {'yes' if g['caught'] else 'no'} | zero-sum residual {g['zero_sum_residual']:.1e}")
     return 0
