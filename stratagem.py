@@ -1143,6 +1143,8 @@ def start_run(args: Args) -> Run | None:
     device = pick_device(args.device, dist.local_rank)
     rng = seed_everything(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
     judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
+    if args.resume and dist.main:
+        runfiles.check_not_in_use(out)
     ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world) if args.resume else None  # None: no save yet
     if ckpt is not None and runfiles.checkpoint_step(ckpt) == args.steps:  # a re-queued job ends cleanly
         if dist.main:

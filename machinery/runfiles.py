@@ -270,6 +270,15 @@ def claim_run(out: Path, fresh: bool) -> None:
             raise UserError(f"{out} already exists (another run has just started in it); choose another --out, "
                             "or pass --resume to continue it") from None
     f = open(out / LOCK, "a+", encoding="utf-8")
+    _lock(f, out)
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    f.flush()
+    _claimed[out] = (f, fresh)
+
+
+def _lock(f, out: Path) -> None:
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -278,11 +287,14 @@ def claim_run(out: Path, fresh: bool) -> None:
         f.close()
         raise UserError(f"{out} is in use by {holder}, which holds {out / LOCK}; one run folder takes one job "
                         "at a time: stop that job, or --resume once it has ended") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
-    f.flush()
-    _claimed[out] = (f, fresh)
+
+
+def check_not_in_use(out: Path) -> None:
+    """For a resume, before anything of the run is read (another job may be in the middle of a save): the
+    refusal of claim_run(), at once, touching nothing."""
+    if (out / LOCK).exists():
+        with open(out / LOCK, encoding="utf-8") as f:
+            _lock(f, out)  # and let go again when the file closes
 
 
 def release_runs() -> None:
