@@ -1533,17 +1533,6 @@ def _completion_with(**fields) -> dict:
     return {**body, **fields}
 
 
-@pytest.mark.parametrize("name, behaviour", [
-    ("not JSON", only_role1(200, b"this is not json {", {"Content-Type": "application/json"})),
-    ("HTML error page", only_role1(200, b"<html><body><h1>502 Bad Gateway</h1></body></html>",
-                                   {"Content-Type": "text/html"})),
-    ("JSON but a list", only_role1(200, b"[1, 2, 3]", {"Content-Type": "application/json"})),
-    ("choices not a list", only_role1(200, _completion_with(choices={"0": "x"}))),
-    ("content a list of parts", only_role1(200, _completion_with(choices=[
-        {"index": 0, "finish_reason": "stop",
-         "message": {"role": "assistant", "content": [{"type": "text", "text": '{"alpha": 1}'}]}}]))),
-    ("non-numeric usage", only_role1(200, _completion_with(usage={"prompt_tokens": "lots", "completion_tokens": None}))),
-])
 def run_with_player1_failing(out: Path, behaviour, kind: str, name: str) -> tuple[list[dict], JudgeServer]:
     """A one-step run whose judge misbehaves for Player 1's trajectories only: each of them is judged and
     fails as `kind`, Player 0's are scored. Returns the trajectories and the (closed) server."""
@@ -1561,6 +1550,17 @@ def run_with_player1_failing(out: Path, behaviour, kind: str, name: str) -> tupl
     return trajs, server
 
 
+@pytest.mark.parametrize("name, behaviour", [
+    ("not JSON", only_role1(200, b"this is not json {", {"Content-Type": "application/json"})),
+    ("HTML error page", only_role1(200, b"<html><body><h1>502 Bad Gateway</h1></body></html>",
+                                   {"Content-Type": "text/html"})),
+    ("JSON but a list", only_role1(200, b"[1, 2, 3]", {"Content-Type": "application/json"})),
+    ("choices not a list", only_role1(200, _completion_with(choices={"0": "x"}))),
+    ("content a list of parts", only_role1(200, _completion_with(choices=[
+        {"index": 0, "finish_reason": "stop",
+         "message": {"role": "assistant", "content": [{"type": "text", "text": '{"alpha": 1}'}]}}]))),
+    ("non-numeric usage", only_role1(200, _completion_with(usage={"prompt_tokens": "lots", "completion_tokens": None}))),
+])
 def test_judge_200_with_a_broken_body_is_a_counted_failure_never_a_crash(tmp_path, secret_key, name, behaviour):
     run_with_player1_failing(tmp_path / "run", behaviour, "bad_response", name)
 
