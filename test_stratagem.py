@@ -2266,11 +2266,10 @@ def test_odd_verdicts_from_a_real_server_are_counted_never_cached_and_paid_for(t
     out = tmp_path / "run"
     trajs, server = run_with_player1_failing(out, behaviour, kind, name)
     bad = [t for t in trajs if t["role"] == 1]
-    cached = read_jsonl(out / "judge_cache.jsonl")
-    valid_of_bad = 1 if name == "very long integer" else 0  # its evolution keys (d, a, c = 1) are valid
-    assert len(cached) == 2 * (len(trajs) - len(bad)) + valid_of_bad * len(bad)  # only valid verdicts are kept
-    ledger = read_jsonl(out / "judge_ledger.jsonl")
-    assert len(ledger) == len(server.requests) == 2 * len(trajs)  # every request paid for is on record
+    bodies = [r["body"] for r in server.requests]
+    valid = [b for b in bodies if not role1(b) or (name == "very long integer" and rubric_of(b) == "evolution")]
+    assert len(read_jsonl(out / "judge_cache.jsonl")) == len(valid) < len(bodies)  # only valid verdicts are kept
+    assert len(read_jsonl(out / "judge_ledger.jsonl")) == len(bodies)  # every request paid for is on record
 
 
 def test_paid_requests_are_on_record_before_their_reply_is_read(judge_server, secret_key, tmp_path, monkeypatch):
@@ -2285,7 +2284,8 @@ def test_paid_requests_are_on_record_before_their_reply_is_read(judge_server, se
     args = judge_args(judge_server.url, judge_price_in=10.0)
     ledger = tmp_path / "judge_ledger.jsonl"
     runner = S.JudgeRunner(S.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None), ledger)
-    trajs = [S.Trajectory("G", r, [S.Turn("o", "r", "[1]", [], [])], 0.0) for r in (0, 1, 0)]
+    trajs = [S.Trajectory("G", r, [S.Turn("o", "r", "[1]", [], []), S.Turn("o2", "r2", "[2]", [], [])], 0.0)
+             for r in (0, 1, 0)]
     with pytest.raises(Unforeseen):
         runner.judge(trajs, ["transferability", "evolution"])
     rows = read_jsonl(ledger)
