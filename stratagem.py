@@ -22,7 +22,6 @@ are in tools/, one module each, and run as `python stratagem.py COMMAND`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -35,7 +34,6 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import tempfile
@@ -52,10 +50,11 @@ from safetensors import SafetensorError
 import judge_prompts
 from games import spy  # importing games/ registers SPIRAL's own ids (games/spiral.py) and WhoIsTheSpy-v0
 from machinery import UserError, costs, runfiles, watch
-from machinery.distributed import Dist, full_weights, load_optimizer_state, pick_backend, pick_device, shard
+from machinery.distributed import (Dist, full_weights, load_optimizer_state, pick_backend, pick_device, shard,
+                                   stop_within)
 from machinery.flags import dataclass_parser, number_pair
 from machinery.matches import RandomPlayer, accepts, summarize_matches
-from machinery.openai_api import JudgeFailure, chat, check_reachable, openai_client
+from machinery.openai_api import JudgeFailure, chat, check_reachable, concurrently, openai_client
 from machinery.vllm_engine import VLLMPolicy
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in this process; no fork warnings
@@ -81,6 +80,8 @@ class Args:
     """also stream every scalar of metrics.jsonl to tensorboard (<out>/tensorboard) or wandb (+ the config)"""
     dry_run: bool = False
     """print the plan (model, engine, games, judge requests, tokens, money, run directory) and exit; nothing is loaded or written"""
+    dist_timeout: float = 0.0
+    """torchrun: seconds a rank waits in a collective before the run fails; 0: 30 min + the longest a step's judging can take"""
     # --- model ---
     model: str = "Qwen/Qwen3-4B-Base"
     """policy: a hub id or a local directory (paper: Qwen3-4B-Base)"""
@@ -147,7 +148,7 @@ class Args:
     judge_concurrency: int = 64
     """judge requests in flight at once (two rubrics a trajectory: 64 requests = 32 trajectories)"""
     judge_timeout: float = 60.0
-    """seconds per judge request before it counts as a timeout"""
+    """seconds a judge request may take as a whole (connect to the last byte of the reply), per attempt"""
     judge_retries: int = 3
     """retries with backoff on timeouts, 429 and 5xx before a judgement counts as failed"""
     judge_samples: int = 1
@@ -219,7 +220,7 @@ FLAG_DEFAULTS = {("mode", "spyrl"): dict(kl_coef=0.04), ("spy_task", "math"): di
 # Flags that may change when a run is resumed; everything else is read back from config.json.
 RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
              "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization",
-             "report_to", "vllm_enforce_eager", "dry_run"}
+             "report_to", "vllm_enforce_eager", "dry_run", "dist_timeout"}
 
 
 def build_parser():
@@ -257,7 +258,7 @@ def validate(args: Args) -> None:
         (("steps", "save_every", "ppo_epochs", "batch_size", "micro_batch_size", "num_envs", "max_new_tokens", "max_turns",
           "eval_n", "eval_max_turns", "judge_max_tokens", "judge_concurrency", "judge_samples"), lambda v: v >= 1, ">= 1"),
         (("error_allowance", "eval_every", "beta", "judge_temperature", "judge_retries", "judge_budget", "spy_beta",
-          "spy_lambda", "spy_alternate", "kl_coef"), lambda v: v >= 0, ">= 0"),
+          "spy_lambda", "spy_alternate", "kl_coef", "dist_timeout"), lambda v: v >= 0, ">= 0"),
         (("judge_price_in", "judge_price_out"), lambda v: v >= 0, ">= 0 (or -1: the price table's)"),
         (("spy_players",), lambda v: v >= 3, ">= 3"),
         (("lr", "temperature", "max_grad_norm", "judge_timeout"), lambda v: v > 0, "> 0"),
@@ -611,14 +612,15 @@ def parse_scores(reply: str, rubric: str) -> dict[str, float]:
     """The last JSON object in `reply` that holds all of the rubric's keys. Thinking, prose and
     ```json fences around it are fine; other keys are ignored; "+1", ".5" and numbers given as
     strings ("0.5", "+1") are read. Failure kinds: no_json (no JSON object at all), missing_keys
-    (objects, but none with every key), bad_value (booleans, NaN, or a level outside the rubric's set)."""
+    (objects, but none with every key), bad_value (booleans, NaN, or a level outside the rubric's set).
+    It raises nothing else, whatever the reply (huge numbers, deep nesting: see the tests' fuzzing)."""
     spec = judge_prompts.RUBRICS[rubric]
     tail = loosen_numbers(reply[-65536:])  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
     decoder, partial = json.JSONDecoder(), False
     for pos in reversed([m.start() for m in re.finditer(r"\{", tail)][-256:]):
         try:
             obj, _ = decoder.raw_decode(tail, pos)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "{" and a thousand "["
             continue
         if not isinstance(obj, dict):
             continue
@@ -687,7 +689,8 @@ class OpenAIJudge:
 
     def __init__(self, model: str, base_url: str, args: Args):
         self.name, self.base_url, self.args = model, base_url, args
-        self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "--judge openai")
+        self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "--judge openai",
+                                    args.judge_max_tokens)
 
     def check_reachable(self) -> None:
         check_reachable(self.client, self.base_url, self.args.judge_timeout, "judge")
@@ -740,19 +743,22 @@ class JudgeRunner:
             return hit, None
         if self.budget_exhausted():  # checked per request: at most judge_concurrency requests overshoot
             return None, "budget"
-        reply, p_tok, c_tok = None, 0, 0
+        reply, kind, scores = None, None, None
         try:
             reply, p_tok, c_tok = self.client.complete(rubric, text)
-            scores, kind = parse_scores(reply, rubric), None
         except JudgeFailure as e:
-            scores, kind = None, e.kind
-            p_tok, c_tok = (p_tok, c_tok) if reply is not None else e.tokens
+            kind, (p_tok, c_tok) = e.kind, e.tokens
         cost = p_tok * self.args.judge_price_in / 1e6 + c_tok * self.args.judge_price_out / 1e6
         self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
-        if self.ledger is not None:
+        if self.ledger is not None:  # on record as paid before its reply is read at all
             with self.lock:
                 runfiles.append_jsonl(self.ledger, {"rubric": rubric, "key": key, "failure": kind, "prompt_tokens": p_tok,
                                            "completion_tokens": c_tok, "cost": cost})
+        if reply is not None:
+            try:
+                scores = parse_scores(reply, rubric)
+            except JudgeFailure as e:
+                kind = e.kind
         if scores is not None and self.client.cacheable:
             self.cache.put(key, rubric, scores)
         return scores, kind
@@ -779,8 +785,7 @@ class JudgeRunner:
                 progress.phase(f"judge {next(done)}/{len(jobs)} requests")
             return result
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.judge_concurrency) as pool:
-            results = list(pool.map(request, jobs))
+        results = concurrently(request, jobs, self.args.judge_concurrency)  # a stop signal does not wait for them
         judgements = []
         for i, t in enumerate(trajs):
             scores, kinds, rule = {}, [], None
@@ -1217,16 +1222,18 @@ def train(args: Args) -> Path:
 
 def start_run(args: Args) -> Run | None:
     """Everything before the first step: every check that can fail (flags, games, devices, outputs, the
-    judge, the checkpoint to resume) before --out is touched, then the policy, then the run's files.
-    Returns None, touching nothing, for --dry-run (the plan printed) and for a resumed run that has
-    already done --steps."""
+    checkpoint to resume) before --out is claimed, then the policy and the judge (a fresh --out whose run
+    fails to start is removed again), then the run's files. Returns None, touching nothing, for --dry-run (the
+    plan printed) and for a resumed run that has already done --steps."""
     quiet_transformers()
-    dist, out = Dist(), Path(args.out)
+    dist, out = Dist(args), Path(args.out)
     games = game_ids(args.games)
     texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny) if args.mode == "spyrl" else []
     eval_games = game_ids(args.eval_games, "--eval-games") if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
     args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
+    if args.resume and dist.main:  # another job on the run may be in the middle of a save: refused before a read
+        runfiles.check_not_in_use(out)
     ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world) if args.resume else None  # None: no save yet
     steps_left = args.steps - (runfiles.checkpoint_step(ckpt) if ckpt is not None else 0)
     projection = (costs.judge_projection(args, games, make_env, steps_left) if args.mode == "stratagem" and dist.main
@@ -1244,14 +1251,15 @@ def start_run(args: Args) -> Run | None:
                   f"(pass --resume --steps N with N > {args.steps} to train it further)")
         dist.close()
         return None
-    if not args.resume and out.exists():
-        raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
     if dist.main:
+        if not args.resume and out.exists():
+            raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
         runfiles.check_writable_dir(out, "--out")
         if judge is not None and args.judge_cache:
             runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
     reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None
     if dist.main:
+        runfiles.claim_run(out, fresh=not args.resume)  # one job per run folder; released by main() or finish_run()
         print(watch.start_line(args, out, device, engine), flush=True)
         if projection is not None:
             print("\n".join(costs.projection_lines(args, projection)), flush=True)
@@ -1276,7 +1284,7 @@ def start_run(args: Args) -> Run | None:
         runfiles.set_rng_states(rng, own["rng"])
         policy.sync(model)
     elif dist.main:
-        (out / "checkpoints").mkdir(parents=True, exist_ok=args.resume)
+        (out / "checkpoints").mkdir(exist_ok=True)
     if not dist.main:
         return run
     if args.resume:  # lines logged after the checkpoint are replayed; without one, from step 0 with the saved config
@@ -1285,14 +1293,10 @@ def start_run(args: Args) -> Run | None:
         print(f"resuming {out} from step {run.start}" if ckpt else
               f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
     if reporter is not None:
-        try:
-            reporter.open(out, args, run.start)
-        except UserError:
-            if not args.resume:  # this call made --out, and nothing is in it yet
-                shutil.rmtree(out)
-            raise
+        reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it (release_runs)
     run.reporter = reporter
-    runfiles.write_atomic(out / "config.json", json.dumps(dataclasses.asdict(args), indent=2).encode())
+    if changes := runfiles.write_config(out, dataclasses.asdict(args), run.start):
+        print(changes, flush=True)
     if judge is not None:
         cache = runfiles.JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
         if cache.skipped:
@@ -1416,6 +1420,7 @@ def finish_run(run: Run) -> Path:
     run.dist.gather(None)  # every rank is done with the group before vLLM's teardown may destroy it
     run.policy.close()
     run.dist.close()
+    runfiles.release_runs()
     if run.dist.main:
         print(watch.closing_line(run.out, run.args.steps, run.args.mode), flush=True)
     return run.out
@@ -1461,7 +1466,8 @@ def main(argv: list[str] | None = None) -> int:
             saved = runfiles.read_config(config.parent, Args.__dataclass_fields__)
         args = resolve_args(explicit, saved)
         run_dir = Path(args.out)
-        train(args)
+        with stop_within(5.0) if in_main_thread else contextlib.nullcontext():  # see stop_within: a stuck collective
+            train(args)
     except UserError as e:
         print(f"stratagem: error: {e}", file=sys.stderr)
         return 2
@@ -1479,6 +1485,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     finally:
+        runfiles.release_runs()
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
     return 0

@@ -4,9 +4,12 @@
     distributed.py   torchrun / FSDP2 data parallelism and the choice of device
     vllm_engine.py   the vLLM generation engine and the weight sync into it
     runfiles.py      run files: JSONL logs and their repair, atomic writes, checkpoints, resume state,
-                     the judge's verdict cache and money ledger, checks that outputs can be written
+                     the run folder's lock and config history, the judge's verdict cache and money
+                     ledger, checks that outputs can be written
     watch.py         watching a run: start and step lines, progress bar, TensorBoard / W&B, alarms, timers
-    openai_api.py    talking to an OpenAI-compatible server: client, reachability, failures as named kinds
+    openai_api.py    talking to an OpenAI-compatible server: client, reachability, failures as named kinds,
+                     requests in flight on threads a stop signal does not wait for
+    judge_http.py    the HTTP under that client: a deadline per request attempt, a cap on the reply's size
     matches.py       the evaluation's random legal opponent and the statistics of a set of matches
     costs.py         what the judge will cost, known before it is paid: the price table, the projection, --dry-run
 

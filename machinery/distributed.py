@@ -7,34 +7,74 @@ Without torchrun this is a world of one and every collective returns its input.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import importlib.util
+import math
 import os
+import signal
+import sys
+import threading
+import time
 
 import torch
 
 from machinery import UserError
+from machinery.openai_api import judge_seconds
+
+
+def collective_timeout(args, world: int) -> float:
+    """How long a rank waits in a collective before the run fails (--dist-timeout): by default torch's own
+    30 minutes (for generation, learning, saving) plus the longest a step's judging can take, during which
+    every other rank waits for rank 0. A step judges at most ceil(rate * T) trajectories, T <= its
+    transitions <= world * (ceil(batch / world) + num_envs * max_turns) (games running at the target play
+    on to their end). A --dist-timeout shorter than that judging is refused."""
+    most = world * (math.ceil(args.batch_size / world) + args.num_envs * args.max_turns)
+    requests = math.ceil(args.judge_sample_rate * most) * (1 if args.no_psi else 2) * args.judge_samples
+    judging = (judge_seconds(requests, args.judge_concurrency, args.judge_timeout, args.judge_retries)
+               if args.mode == "stratagem" and args.judge == "openai" else 0.0)
+    if world > 1 and 0 < args.dist_timeout < judging:
+        raise UserError(f"--dist-timeout {args.dist_timeout:g} is shorter than a step's judging can take "
+                        f"({judging:g} s: {requests} requests, see docs/torchrun.md); the other ranks wait for it")
+    return args.dist_timeout or 1800.0 + judging
 
 
 class Dist:
-    def __init__(self):
+    """This process's place among torchrun's ranks. `args` (the run's) sets the collective timeout, see
+    collective_timeout(); a collective that times out, or whose peer is gone, ends in one line."""
+
+    def __init__(self, args=None):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.timeout = collective_timeout(args, self.world) if args is not None else None
         if self.world > 1 and not torch.distributed.is_initialized():
             if torch.cuda.is_available():
                 torch.cuda.set_device(self.local_rank)
-            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                                 timeout=datetime.timedelta(seconds=self.timeout or 1800))
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    @contextlib.contextmanager
+    def collective(self):
+        try:
+            yield
+        except RuntimeError as e:  # gloo's and NCCL's timeouts and lost peers
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"rank {self.rank}: a collective failed after waiting up to {self.timeout or 1800:g} s "
+                            f"(--dist-timeout): another rank is frozen or gone ({first[:200]}); continue from the "
+                            "last checkpoint with --resume") from None
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""
         if self.world == 1:
             return [obj]
         out = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
+        with self.collective():
+            torch.distributed.all_gather_object(out, obj)
         return out
 
     def broadcast(self, obj):
@@ -42,14 +82,16 @@ class Dist:
         if self.world == 1:
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
+        with self.collective():
+            torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
     def close(self) -> None:
         """Leave together and tear the group down: a gloo group left to the interpreter's exit can
         abort the process ("terminate called without an active exception")."""
         if self.world > 1 and torch.distributed.is_initialized():  # vLLM's teardown may have done it
-            torch.distributed.barrier()
+            with self.collective():
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
@@ -123,3 +165,34 @@ def pick_backend(spec: str, device: torch.device) -> tuple[str, str]:
     if importlib.util.find_spec("vllm") is None:
         return "hf", "auto: vLLM is not installed"
     return "vllm", "auto: a GPU and vLLM"
+
+
+_stop_pipe: list[int] = []  # the read and write ends of stop_within()'s pipe, made once per process
+
+
+@contextlib.contextmanager
+def stop_within(seconds: float):
+    """Within this context Ctrl-C or SIGTERM ends the process within `seconds` even when its main thread
+    cannot stop: Python runs signal handlers in the main thread between bytecodes, so a main thread blocked
+    in C++ (a collective waiting for a frozen rank) never sees the signal. The C-level handler also writes
+    the signal's number to a pipe (signal.set_wakeup_fd), which a daemon thread reads; if the process is
+    still there `seconds` later, the thread ends it (exit code 128 + the signal, as the handler's would be)."""
+    if not _stop_pipe:
+        _stop_pipe.extend(os.pipe())
+        os.set_blocking(_stop_pipe[1], False)
+
+        def watch() -> None:
+            while True:
+                signum = os.read(_stop_pipe[0], 1)[0]
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    time.sleep(seconds)
+                    print(f"stratagem: stopped by {signal.Signals(signum).name}; the run did not stop within "
+                          f"{seconds:g} s (blocked in a collective?), so it was ended there", file=sys.stderr, flush=True)
+                    os._exit(128 + signum)
+
+        threading.Thread(target=watch, daemon=True).start()
+    previous = signal.set_wakeup_fd(_stop_pipe[1], warn_on_full_buffer=False)
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)

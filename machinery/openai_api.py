@@ -7,7 +7,10 @@ The key comes from OPENAI_API_KEY only; it is never logged or saved.
 
 from __future__ import annotations
 
+import math
 import os
+import queue
+import threading
 
 from machinery import UserError
 
@@ -21,15 +24,30 @@ class JudgeFailure(Exception):
         self.kind, self.tokens = kind, tokens
 
 
-def openai_client(base_url: str, timeout: float, retries: int, what: str):
+def openai_client(base_url: str, timeout: float, retries: int, what: str, max_tokens: int):
     """An `openai` client, whose built-in retries back off exponentially on timeouts, connection errors,
-    429 (honouring Retry-After) and 5xx. Local servers usually take any key; the client insists on one."""
+    429 (honouring Retry-After) and 5xx. Each attempt takes at most `timeout` seconds as a whole, and a
+    reply may not be larger than judge_http.max_reply_bytes(max_tokens) (machinery/judge_http.py). Local
+    servers usually take any key; the client insists on one."""
     import openai
+
+    from machinery.judge_http import BoundedClient, max_reply_bytes
 
     key = os.environ.get("OPENAI_API_KEY")
     if not key and not base_url:
         raise UserError(f"{what} needs OPENAI_API_KEY in the environment or a base URL of a local server")
-    return openai.OpenAI(api_key=key or "EMPTY", base_url=base_url or None, timeout=timeout, max_retries=retries)
+    return openai.OpenAI(api_key=key or "EMPTY", base_url=base_url or None, timeout=timeout, max_retries=retries,
+                         http_client=BoundedClient(max_reply_bytes(max_tokens)))
+
+
+RETRY_WAIT_MAX = 60.0  # the longest the openai client waits before a retry (it honours Retry-After up to 60 s)
+
+
+def judge_seconds(requests: int, concurrency: int, timeout: float, retries: int) -> float:
+    """The longest `requests` requests can take, `concurrency` at a time: each worker makes at most
+    ceil(requests / concurrency) of them one after another, each at most retries + 1 attempts of `timeout`
+    seconds as a whole (machinery/judge_http.py) with a wait of at most RETRY_WAIT_MAX before each retry."""
+    return math.ceil(requests / concurrency) * ((retries + 1) * timeout + retries * RETRY_WAIT_MAX)
 
 
 def check_reachable(client, base_url: str, timeout: float, what: str) -> None:
@@ -49,14 +67,19 @@ def check_reachable(client, base_url: str, timeout: float, what: str) -> None:
 
 def chat(client, **request) -> tuple[str, int, int]:
     """One chat completion -> (reply, prompt tokens, completion tokens); a failure is a JudgeFailure whose
-    kind names it: timeout, connection, rate_limit, server_error, http_NNN, bad_response or empty."""
+    kind names it: timeout, too_large, connection, rate_limit, server_error, http_NNN, bad_response, empty
+    or finish_* (see chat_reply)."""
     import openai as oa
+
+    from machinery.judge_http import ReplyTooLarge
 
     try:
         resp = client.chat.completions.create(**request)
     except (oa.APIError, ValueError) as e:  # ValueError: an HTTP 200 whose body is not JSON at all
+        if isinstance(e.__cause__, ReplyTooLarge):  # an older openai retries it, then wraps it
+            e = e.__cause__
         kinds = ((oa.APITimeoutError, "timeout"),  # first: a timeout is also an APIConnectionError
-                 (oa.APIConnectionError, "connection"), (oa.RateLimitError, "rate_limit"),
+                 (ReplyTooLarge, "too_large"), (oa.APIConnectionError, "connection"), (oa.RateLimitError, "rate_limit"),
                  (oa.InternalServerError, "server_error"))
         kind = next((k for cls, k in kinds if isinstance(e, cls)),
                     f"http_{e.status_code}" if isinstance(e, oa.APIStatusError) else "bad_response")
@@ -64,10 +87,16 @@ def chat(client, **request) -> tuple[str, int, int]:
     return chat_reply(resp)
 
 
+# The finish reasons OpenAI documents besides "stop"; any other (or none at all) is "finish_other".
+FINISH_KINDS = ("length", "content_filter", "tool_calls", "function_call")
+
+
 def chat_reply(resp) -> tuple[str, int, int]:
     """(reply, prompt tokens, completion tokens), checked field by field: `openai` does not validate what it
     builds, so an HTTP 200 with a broken body (an HTML page, `choices` not a list, `content` a list of
-    parts, usage not a count) arrives as odd types. Each is a `bad_response` failure, never an exception."""
+    parts, usage not a count) arrives as odd types. Each is a `bad_response` failure, never an exception.
+    A reply that did not finish by itself (finish_reason not "stop": cut off by the token limit, a content
+    filter) is a failure of its own kind, finish_length, finish_content_filter, ..., whatever it holds."""
     usage = getattr(resp, "usage", None)
     counts = [getattr(usage, k, None) or 0 for k in ("prompt_tokens", "completion_tokens")]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
@@ -78,9 +107,43 @@ def chat_reply(resp) -> tuple[str, int, int]:
         raise JudgeFailure("bad_response", f"not a chat completion: {resp!r:.80}", tokens)
     if not choices:
         raise JudgeFailure("empty", tokens=tokens)
+    finish = getattr(choices[0], "finish_reason", None)
+    if finish != "stop":  # cut off (length) or filtered: whatever JSON it holds may be quoted, not the verdict
+        raise JudgeFailure(f"finish_{finish}" if finish in FINISH_KINDS else "finish_other",
+                           f"finish_reason {finish!r:.40}", tokens)
     content = getattr(getattr(choices[0], "message", None), "content", None)
     if content is not None and not isinstance(content, str):
         raise JudgeFailure("bad_response", f"content is not a string: {content!r:.80}", tokens)
     if not content:
         raise JudgeFailure("empty", tokens=tokens)
     return content, *tokens
+
+
+def concurrently(fn, items: list, workers: int) -> list:
+    """[fn(x) for x in items], `workers` at a time, on daemon threads, so that a stop signal (Ctrl-C,
+    SIGTERM), raised in the main thread while it waits here, ends the program at once: the requests still
+    in flight are abandoned. (concurrent.futures joins its threads when its pool shuts down and again at
+    interpreter exit, holding the exit for as long as a server holds a request.) fn's exception is raised."""
+    results, errors, todo, finished = [None] * len(items), [], queue.SimpleQueue(), threading.Semaphore(0)
+    for i in range(len(items)):
+        todo.put(i)
+
+    def work() -> None:
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, raised there
+                errors.append(e)
+            finished.release()
+
+    for _ in range(min(workers, len(items))):
+        threading.Thread(target=work, daemon=True).start()
+    for _ in items:
+        finished.acquire()  # a signal interrupts this wait
+    if errors:
+        raise errors[0]
+    return results

@@ -8,6 +8,8 @@ of a JSONL file is skipped with a warning and dropped on resume.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -15,6 +17,7 @@ import os
 import pickle
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -30,58 +33,83 @@ from machinery.distributed import full_weights, optimizer_state
 
 
 # ------------------------------------------------------------------ JSONL logs and atomic files
+@contextlib.contextmanager
+def naming(path: Path):
+    """An OSError while writing `path` names it: a failed write() carries no file name, and "no space
+    left on the device" must say where."""
+    try:
+        yield
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+
+
 def append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
+    with naming(path), open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def jsonl_records(path: Path) -> list[tuple[bytes, dict]]:
-    """(raw line, record) for every readable line of a JSONL file. A line that is not UTF-8 or not a
-    JSON object (a crash or a full disk in the middle of an append leaves a torn last line) is
-    skipped with one warning on stderr, never fatal."""
-    records, bad = [], 0
-    for raw in path.read_bytes().splitlines():
-        try:
-            record = json.loads(raw.decode("utf-8")) if raw.strip() else None
-        except ValueError:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
-            record = "unreadable"
-        if isinstance(record, dict):
-            records.append((raw, record))
-        elif record is not None:
-            bad += 1
+def iter_jsonl(path: Path):
+    """(raw line, record) for every readable line of a JSONL file, read line by line: the memory it takes
+    does not grow with the file. A line that is not UTF-8 or not a JSON object (a crash or a full disk in
+    the middle of an append leaves a torn last line) is skipped with one warning on stderr, never fatal."""
+    bad = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            raw = raw.rstrip(b"\r\n")
+            try:
+                record = json.loads(raw.decode("utf-8")) if raw.strip() else None
+            except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
+                record = "unreadable"
+            if isinstance(record, dict):
+                yield raw, record
+            elif record is not None:
+                bad += 1
     if bad:
         print(f"stratagem: warning: skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)",
               file=sys.stderr)
-    return records
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [record for _, record in jsonl_records(path)]
+    return [record for _, record in iter_jsonl(path)]
 
 
 def end_torn_line(path: Path) -> None:
     """A file whose last line a crash tore gets its newline, so that the next record starts a line of its own."""
-    if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
-        with open(path, "ab") as f:
-            f.write(b"\n")
+    if path.exists() and path.stat().st_size:
+        with naming(path), open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file whole or not at all: a temporary file beside it, then an atomic rename."""
+@contextlib.contextmanager
+def atomic_file(path: Path):
+    """A file written whole or not at all: written as a temporary file beside it, then renamed into place
+    (an atomic rename). A write that fails midway leaves the old file as it was and no temporary file."""
     tmp = path.with_name(f".tmp-{path.name}")
     try:
-        tmp.write_bytes(data)
+        with naming(path), open(tmp, "wb") as f:
+            yield f
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
+
+
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop lines written after the checkpoint we resume from (a crash can leave some), and a torn last line."""
+    """Drop lines written after the checkpoint we resume from (a crash can leave some), and a torn last
+    line, streaming the file through (a 1 GB trajectories.jsonl takes no more memory than a small one)."""
     if not path.exists():
         return
-    keep = [raw + b"\n" for raw, record in jsonl_records(path) if record.get("step", math.inf) <= last_step]
-    write_atomic(path, b"".join(keep))
+    with atomic_file(path) as f:
+        for raw, record in iter_jsonl(path):
+            if record.get("step", math.inf) <= last_step:
+                f.write(raw + b"\n")
 
 
 def read_config(run: Path, fields=None) -> dict:
@@ -95,6 +123,22 @@ def read_config(run: Path, fields=None) -> dict:
     if unknown:
         raise UserError(f"{path} is not a stratagem config (unknown: {', '.join(sorted(unknown))})")
     return config
+
+
+def write_config(out: Path, config: dict, step: int) -> str | None:
+    """config.json, the run's arguments. On a resume whose flags differ from the saved ones (those that may
+    change), the changes are first appended to config_history.jsonl ({"step", "changed": {flag: [old, new]}})
+    and returned as a line to print; --out and --resume themselves are not changes, nor a flag that the
+    saved config predates."""
+    saved = read_config(out) if (out / "config.json").exists() else config
+    changed = {k: [saved[k], v] for k, v in config.items() if k not in ("out", "resume") and saved.get(k, v) != v}
+    if changed:
+        append_jsonl(out / "config_history.jsonl", {"step": step, "changed": changed})
+    write_atomic(out / "config.json", json.dumps(config, indent=2).encode())
+    if changed:
+        return ("config changed on resume (kept in config_history.jsonl): "
+                + ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items()))
+    return None
 
 
 # ------------------------------------------------------------------ checkpoints and exact resume
@@ -208,6 +252,63 @@ def resume_advice(run_dir: Path | None) -> str:
     return f" (continue from {ckpt.name} with: python stratagem.py --resume --out {run_dir})"
 
 
+# ------------------------------------------------------------------ one job per run folder
+LOCK = "run.lock"
+_claimed: dict[Path, tuple] = {}  # run folder -> (its open lock file, whether this process created the folder)
+
+
+def claim_run(out: Path, fresh: bool) -> None:
+    """Make `out` this process's for the rest of its run: a fresh run creates it (two fresh runs started on
+    one --out at the same instant: the second finds it made), and either takes its exclusive lock, `LOCK`,
+    holding it until release_runs(). Another job on the folder (a requeued job beside the old one) is
+    refused in one line naming the holder. The kernel drops the lock of a process that dies, however it
+    dies, so a stale lock never blocks (fcntl.flock: on NFS the server's lock)."""
+    if fresh:
+        try:
+            out.mkdir(parents=True)
+        except FileExistsError:
+            raise UserError(f"{out} already exists (another run has just started in it); choose another --out, "
+                            "or pass --resume to continue it") from None
+    f = open(out / LOCK, "a+", encoding="utf-8")
+    _lock(f, out)
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    f.flush()
+    _claimed[out] = (f, fresh)
+
+
+def _lock(f, out: Path) -> None:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another job (just starting)"
+        f.close()
+        raise UserError(f"{out} is in use by {holder}, which holds {out / LOCK}; one run folder takes one job "
+                        "at a time: stop that job, or --resume once it has ended") from None
+
+
+def check_not_in_use(out: Path) -> None:
+    """For a resume, before anything of the run is read (another job may be in the middle of a save): the
+    refusal of claim_run(), at once, touching nothing."""
+    if (out / LOCK).exists():
+        with open(out / LOCK, encoding="utf-8") as f:
+            _lock(f, out)  # and let go again when the file closes
+
+
+def release_runs() -> None:
+    """Let go of every folder claimed (at the end of a run, or when it fails or is stopped). A fresh folder
+    whose run never started (no config.json: it failed or was stopped while loading) is removed whole."""
+    for out, (f, fresh) in list(_claimed.items()):
+        if fresh and not (out / "config.json").exists():
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            f.truncate(0)  # no holder any more
+        f.close()
+        del _claimed[out]
+
+
 # ------------------------------------------------------------------ checks before any work
 def nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:  # exists() is False under a file too
@@ -262,7 +363,7 @@ class JudgeCache:
                         raise ValueError("not the rubric's keys")
                     self.entries[record["key"]] = {k: judge_prompts.level(record["rubric"], k, record["scores"][k])
                                                    for k in keys}
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # a line of any shape
                     self.skipped += 1
             end_torn_line(path)
 
@@ -284,6 +385,10 @@ def ledger_totals(path: Path) -> dict:
     (judge_ledger.jsonl, one line per paid request, appended as it is paid). On resume these replace the
     checkpoint's totals: a step paid for and then lost to a crash is replayed from the cache for free,
     but its money was spent, and the budget must see it."""
-    rows = read_jsonl(path) if path.exists() else []
+    totals = dict.fromkeys(("requests", "prompt_tokens", "completion_tokens", "cost"), 0)
+    for _, row in iter_jsonl(path) if path.exists() else ():
+        totals["requests"] += 1
+        for k in ("prompt_tokens", "completion_tokens", "cost"):
+            totals[k] += row.get(k, 0)
     end_torn_line(path)
-    return {"requests": len(rows), **{k: sum(r.get(k, 0) for r in rows) for k in ("prompt_tokens", "completion_tokens", "cost")}}
+    return totals

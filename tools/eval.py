@@ -3,7 +3,6 @@ OpenAI-compatible model) on training and out-of-distribution games, each seat in
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import math
@@ -15,7 +14,7 @@ from machinery import UserError
 from machinery.distributed import pick_device
 from machinery.flags import FriendlyParser, field_docs
 from machinery.matches import RandomPlayer, summarize_matches
-from machinery.openai_api import check_reachable, openai_client
+from machinery.openai_api import check_reachable, concurrently, openai_client
 from machinery.runfiles import check_writable_file, latest_checkpoint
 from machinery.vllm_engine import VLLMPolicy
 from stratagem import (
@@ -30,7 +29,8 @@ class LLMPlayer:
 
     def __init__(self, model: str, base_url: str, args: Args):
         self.model, self.args, self.name, self.failures = model, args, f"openai:{model}", 0
-        self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "an openai opponent")
+        self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "an openai opponent",
+                                    args.max_new_tokens)
         check_reachable(self.client, base_url, args.judge_timeout, "opponent")
 
     def _one(self, pid: int, obs: str) -> str:
@@ -46,8 +46,7 @@ class LLMPlayer:
             return ""
 
     def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=self.args.judge_concurrency) as pool:
-            return list(pool.map(lambda job: self._one(job[1], job[2]), jobs))
+        return concurrently(lambda job: self._one(job[1], job[2]), jobs, self.args.judge_concurrency)
 
 
 def openai_spec(spec: str, alternative: str) -> tuple[str, str]:

@@ -42,12 +42,26 @@ def make_judge_server(host: str, port: int, noise: float, seed: int, delay: floa
         def do_GET(self):
             self._send(200, {"object": "list", "data": [{"id": "heuristic", "object": "model", "owned_by": "stratagem"}]})
 
+        def _chat_request(self) -> tuple[dict, str] | None:
+            """The request's JSON body and its last message's text; None for anything else (not JSON, not a
+            chat request, a bad Content-Length), which is answered 400."""
+            length = self.headers.get("Content-Length", "0")
+            if not length.isascii() or not length.isdigit():
+                return None
+            try:
+                body = json.loads(self.rfile.read(int(length)) or b"{}")
+                content = body["messages"][-1]["content"]
+            except (ValueError, RecursionError, KeyError, IndexError, TypeError):
+                return None
+            return (body, content) if isinstance(content, str) else None
+
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            content = body.get("messages", [{}])[-1].get("content", "")
+            request = self._chat_request()
+            body, content = request or ({}, "")
             rubric = next((r for r, spec in judge_prompts.RUBRICS.items() if spec["text"] in content), None)
             if rubric is None or judge_prompts.TRAJECTORY_OPEN not in content:
-                return self._send(400, {"error": {"message": "not a stratagem rubric request"}})
+                return self._send(400, {"error": {"message": "not a stratagem rubric request" if request
+                                                  else "not a JSON chat completion request"}})
             text = content.split(judge_prompts.TRAJECTORY_OPEN + "\n", 1)[1].rsplit("\n" + judge_prompts.TRAJECTORY_CLOSE, 1)[0]
             scores = HeuristicJudge().scores(rubric, text)
             draw = random.Random(hashlib.sha256(f"{seed}:{content}".encode()).digest())
@@ -55,7 +69,7 @@ def make_judge_server(host: str, port: int, noise: float, seed: int, delay: floa
             scores = {k: (draw.choice(levels) if draw.random() < noise else v) for k, v in scores.items()}
             reply = json.dumps(scores)
             time.sleep(delay)
-            prompt_tokens = sum(len(m.get("content", "")) for m in body["messages"]) // 4
+            prompt_tokens = sum(len(str(m.get("content", ""))) for m in body["messages"] if isinstance(m, dict)) // 4
             self._send(200, {"id": "heuristic", "object": "chat.completion", "created": 0, "model": body.get("model"),
                              "choices": [{"index": 0, "finish_reason": "stop",
                                           "message": {"role": "assistant", "content": reply}}],
@@ -83,8 +97,8 @@ def main(argv: list[str]) -> int:
         server = make_judge_server(ns.host, ns.port, ns.noise, ns.seed, ns.delay)
     except OSError as e:
         raise UserError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}") from None
-    print(f"heuristic judge on http://{ns.host}:{server.server_address[1]}/v1 (Ctrl-C to stop)", flush=True)
-    try:
+    try:  # the line inside: a Ctrl-C right after it is a stop too, not a traceback
+        print(f"heuristic judge on http://{ns.host}:{server.server_address[1]}/v1 (Ctrl-C to stop)", flush=True)
         server.serve_forever()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the normal way to stop a server
         print("serve-judge: stopped", file=sys.stderr)

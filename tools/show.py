@@ -4,6 +4,7 @@ SpyRL run, one whole game (seats, inputs with the spy's removed parts marked, ou
 from __future__ import annotations
 
 import random
+import unicodedata
 from pathlib import Path
 
 import judge_prompts
@@ -12,6 +13,18 @@ from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.runfiles import read_config, read_jsonl
 from tools.runs import run_file
+
+
+def visible(text: str) -> str:
+    """`text` with its control and format characters written as escapes (ESC as \\x1b, a bidi override as
+    \\u202e), so that what a policy wrote cannot move the cursor, recolour or rewrite the terminal; newlines
+    and tabs stay."""
+    return "".join(ch if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Zl", "Zp")
+                   else ch.encode("unicode_escape", "backslashreplace").decode() for ch in text)
+
+
+def say(text: str) -> None:
+    print(visible(text))
 
 
 def main(argv: list[str]) -> int:
@@ -38,27 +51,27 @@ def main(argv: list[str]) -> int:
     i = ns.index if ns.index >= 0 else random.Random(ns.seed).randrange(len(rows))
     r = rows[i]
     beta = read_config(Path(ns.run)).get("beta", 0.0)
-    print(f"{ns.run} | step {r['step']} | trajectory {i} of {len(rows)} | {r['game']}, Player {r['role']}, "
-          f"{len(r['turns'])} turn(s)")
-    print(f"reward R = {r['reward']:+g}   baseline b = {r['baseline']:+.4f}   A_game = R - b = {r['a_game']:+.4f}")
+    say(f"{ns.run} | step {r['step']} | trajectory {i} of {len(rows)} | {r['game']}, Player {r['role']}, "
+        f"{len(r['turns'])} turn(s)")
+    say(f"reward R = {r['reward']:+g}   baseline b = {r['baseline']:+.4f}   A_game = R - b = {r['a_game']:+.4f}")
     s = r["scores"]
     if s:
-        print(f"judge: alpha {s['alpha']:g}  sigma {s['sigma']:g}  rho {s['rho']:g}  -> phi = {r['phi']:.4f}")
+        say(f"judge: alpha {s['alpha']:g}  sigma {s['sigma']:g}  rho {s['rho']:g}  -> phi = {r['phi']:.4f}")
         if s.get("d") is not None:
-            print(f"       d {s['d']:g}  a {s['a']:g}  c {s['c']:g}  -> psi = {r['psi']:+.4f}")
+            say(f"       d {s['d']:g}  a {s['a']:g}  c {s['c']:g}  -> psi = {r['psi']:+.4f}")
     else:
-        print(f"judge: {'failed' if r['judged'] else 'not sampled'}; batch means used: phi = {r['phi']:.4f}, "
-              f"psi = {r['psi']:+.4f}")
-    print(f"A_mod = A_game*phi + beta*psi = {r['a_game']:+.4f}*{r['phi']:.4f} + {beta}*{r['psi']:+.4f} "
-          f"= {r['a_mod']:+.4f}")
+        say(f"judge: {'failed' if r['judged'] else 'not sampled'}; batch means used: phi = {r['phi']:.4f}, "
+            f"psi = {r['psi']:+.4f}")
+    say(f"A_mod = A_game*phi + beta*psi = {r['a_game']:+.4f}*{r['phi']:.4f} + {beta}*{r['psi']:+.4f} "
+        f"= {r['a_mod']:+.4f}")
     if not r["turns"]:
-        print("this seat never moved (the other lost on its first move): RAE took its return, nothing to judge or learn")
+        say("this seat never moved (the other lost on its first move): RAE took its return, nothing to judge or learn")
     news = judge_prompts.new_observations([t["observation"] for t in r["turns"]])
     for k, (turn, new) in enumerate(zip(r["turns"], news), 1):
         whole = (ns.prompts or k == 1) and "prompt" in turn  # runs before the prompt was kept have observations only
         shown = f"[prompt, as the policy got it]\n{turn['prompt']}" if whole else f"[observation, new part]\n{new.strip()}"
-        print(f"\n--- turn {k} ---\n{shown}\n\n[response]\n{turn['response'].strip()}"
-              f"\n\n[action sent] {turn['action'] or '(none found)'}")
+        say(f"\n--- turn {k} ---\n{shown}\n\n[response]\n{turn['response'].strip()}"
+            f"\n\n[action sent] {turn['action'] or '(none found)'}")
     return 0
 
 
@@ -89,21 +102,21 @@ def show_spy_game(ns, rows: list[dict]) -> int:
     votes = {r["role"]: r for r in game if r["info"]["phase"] == "detection"}
     civilian = next(r for r in outputs.values() if r["info"]["role"] == "civilian")
     text = civilian["turns"][0]["observation"].split(f"\nThe {thing}:\n", 1)[1]
-    print(f"{ns.run} | step {game[0]['step']} | game {i} of {len(games)} | {spy.GAME}, {g['task']}, {n} players, "
+    say(f"{ns.run} | step {game[0]['step']} | game {i} of {len(games)} | {spy.GAME}, {g['task']}, {n} players, "
           f"the spy: Player {g['spy']} | seed {g['seed']}")
-    print(f"\n--- the {thing} (civilians' copy; [-...-]: removed from the spy's) ---\n{marked(text, g['removed'])}")
+    say(f"\n--- the {thing} (civilians' copy; [-...-]: removed from the spy's) ---\n{marked(text, g['removed'])}")
     for k in range(n):
         out, vote = outputs[k], votes.get(k)
-        print(f"\n--- Player {k} ({out['info']['role']}) ---\n{out['turns'][0]['response'].strip()}")
-        print(f"[vote] {'Player ' + str(g['votes'][k]) if g['votes'][k] is not None else 'invalid'}  |  "
+        say(f"\n--- Player {k} ({out['info']['role']}) ---\n{out['turns'][0]['response'].strip()}")
+        say(f"[vote] {'Player ' + str(g['votes'][k]) if g['votes'][k] is not None else 'invalid'}  |  "
               f"vote share s = {g['shares'][k]:.3f}  |  r^P = {out['reward']:+.4f}, b = {out['baseline']:+.4f}, "
               f"A = {out['a_mod']:+.4f}" + (f"  |  ROUGE-L {out['info']['rouge_l']:.3f}" if "rouge_l" in out["info"] else ""))
         if vote is not None:
-            print(f"[vote, detection] r^D = {vote['reward']:g}, A (group-relative) = {vote['a_mod']:+.4f}\n"
+            say(f"[vote, detection] r^D = {vote['reward']:g}, A (group-relative) = {vote['a_mod']:+.4f}\n"
                   f"{vote['turns'][0]['response'].strip()}")
         else:
-            print("[vote, detection] the spy's vote: counted in the tally, paid nothing, not trained (not logged)")
+            say("[vote, detection] the spy's vote: counted in the tally, paid nothing, not trained (not logged)")
     tally = ", ".join(f"Player {k}: {g['votes'].count(k)}" for k in range(n))
-    print(f"\ntally: {tally} | "
+    say(f"\ntally: {tally} | "
           f"spy caught: {'yes' if g['caught'] else 'no'} | zero-sum residual {g['zero_sum_residual']:.1e}")
     return 0
