@@ -7,6 +7,9 @@ get the batch mean, and REINFORCE is run on
 
     A_mod(tau) = A_game(tau) * phi(tau) + beta * psi(tau)          (STRATAGEM, Feng et al. 2026)
 
+--mode spiral is SPIRAL itself (A_mod = A_game); --mode spyrl trains the judge-free SpyRL ("who is the spy",
+games/spy.py) with the same loop.
+
 The file reads top to bottom in the order of the paper's Algorithm 1: the arguments, then
 games & self-play (step 1) -> RAE (step 2) -> judge & modulation (step 3) -> REINFORCE (step 4),
 the reference HF generation path, the periodic evaluation, train() and main(). What a reader of the
@@ -27,7 +30,6 @@ import copy
 import dataclasses
 import errno
 import importlib
-import io
 import itertools
 import json
 import math
@@ -48,7 +50,7 @@ import torch
 from safetensors import SafetensorError
 
 import judge_prompts
-from games import spy  # importing games/ registers SPIRAL's own ids (games/spiral.py) and WhoIsTheSpy-v0
+from games import check_ids, spy  # importing games/ registers SPIRAL's own ids (games/spiral.py) and WhoIsTheSpy-v0
 from machinery import UserError, costs, runfiles, watch
 from machinery.distributed import (Dist, full_weights, load_optimizer_state, pick_backend, pick_device, shard,
                                    stop_within)
@@ -296,31 +298,6 @@ def seed_everything(seed: int) -> random.Random:
 PROMPT = ("You are playing a two-player zero-sum game as Player {role}. Make valid actions to win.\n"
           "Observation: {observation}\n"
           "Please reason step by step, and put your final answer within \\boxed{{}}.")
-
-
-def game_ids(spec: str, flag: str = "--games") -> list[str]:
-    """A comma-separated list of game ids, checked against TextArena's registry and for two-player play."""
-    import textarena as ta
-    from textarena.envs.registration import ENV_REGISTRY
-
-    ids = [g.strip() for g in spec.split(",") if g.strip()]
-    if not ids:
-        raise UserError(f"{flag} is empty")
-    for gid in ids:
-        if gid not in ENV_REGISTRY:
-            raise UserError(f"unknown game id {gid!r} (SPIRAL's look like KuhnPoker-v1, textarena 0.7.4's like TicTacToe-v0)")
-        state = random.getstate()  # reset(seed=...) reseeds the global `random`; leave it as it was
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                ta.make(gid).reset(num_players=2, seed=0)
-        except LookupError:  # nltk's "Resource 'words' not found": the word games download corpora
-            raise UserError(f"game {gid!r} needs data it downloads from the network (NLTK corpora); "
-                            "it cannot run offline") from None
-        except Exception as e:  # noqa: BLE001 - any other failure means "this id cannot be played here"
-            raise UserError(f"game {gid!r} cannot be played by two players here: {type(e).__name__}: {e}") from None
-        finally:
-            random.setstate(state)
-    return ids
 
 
 # SPIRAL's observations (spiral/envs/__init__.py): TicTacToe the current board only, the others the whole
@@ -805,7 +782,6 @@ class JudgeRunner:
         return judgements, step
 
 
-
 def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args) -> dict:
     """Fill phi, psi and A_mod on every trajectory; unjudged and failed ones get the batch means.
     With no valid judgement in the step (or in spiral mode) phi = 1 and psi = 0: A_mod = A_game."""
@@ -948,14 +924,6 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
 # =====================================================================================
 # Policy backends: the tiny offline model, HF generation, vLLM generation + weight sync.
 # =====================================================================================
-def quiet_transformers() -> None:
-    """No progress bars or advice from transformers in the run's log."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
 # Random-weight Qwen3 shapes. "qwen3-4b" is Qwen3-4B-Base's config.json (4.02 B parameters), for GPU
 # benchmarks where no hub can be reached; its tokenizer is the small in-memory one, so most sampled
 # ids decode to nothing and every response runs to --max-new-tokens: the worst case for speed.
@@ -1225,11 +1193,11 @@ def start_run(args: Args) -> Run | None:
     checkpoint to resume) before --out is claimed, then the policy and the judge (a fresh --out whose run
     fails to start is removed again), then the run's files. Returns None, touching nothing, for --dry-run (the
     plan printed) and for a resumed run that has already done --steps."""
-    quiet_transformers()
+    watch.quiet_transformers()
     dist, out = Dist(args), Path(args.out)
-    games = game_ids(args.games)
+    games = check_ids(args.games)
     texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny) if args.mode == "spyrl" else []
-    eval_games = game_ids(args.eval_games, "--eval-games") if args.eval_every else []
+    eval_games = check_ids(args.eval_games, "--eval-games") if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
     args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
     if args.resume and dist.main:  # another job on the run may be in the middle of a save: refused before a read

@@ -30,6 +30,7 @@ import judge_prompts
 import stratagem as S
 from games import spy
 from machinery import distributed, matches, runfiles, watch
+from games import check_ids
 from machinery.flags import field_docs
 from tools import agree, plot, serve_judge
 
@@ -1117,8 +1118,8 @@ def test_games_are_set_up_as_spiral_sets_them_up():
     from textarena.wrappers import LLMObservationWrapper
 
     assert S.Args().games == "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1"
-    assert S.game_ids(S.Args().games) == ["TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1"]
-    assert S.game_ids("KuhnPoker-v0-short,PigDice-v1,LiarsDice-v1,TruthAndDeception-v1")  # TextArena's stay
+    assert check_ids(S.Args().games) == ["TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1"]
+    assert check_ids("KuhnPoker-v0-short,PigDice-v1,LiarsDice-v1,TruthAndDeception-v1")  # TextArena's stay
     assert ENV_REGISTRY["KuhnPoker-v1"].kwargs == {"ante": 1, "max_rounds": 5}
     assert ENV_REGISTRY["SimpleNegotiation-v1"].kwargs == {"max_turns": 10}
     for gid in ("KuhnPoker-v1", "SimpleNegotiation-v1"):
@@ -3117,7 +3118,7 @@ def test_paid_requests_are_on_record_before_their_reply_is_read(judge_server, se
         raise Unforeseen(rubric)
 
     monkeypatch.setattr(S, "parse_scores", parse_that_breaks)
-    args = judge_args(judge_server.url, judge_price_in=10.0)
+    args = judge_args(judge_server.url, judge_price_in=10.0, judge_price_out=0.0)  # gpt-4o's table price otherwise
     ledger = tmp_path / "judge_ledger.jsonl"
     runner = S.JudgeRunner(S.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None), ledger)
     trajs = [S.Trajectory("G", r, [S.Turn("o", "r", "[1]", [], []), S.Turn("o2", "r2", "[2]", [], [])], 0.0)

@@ -7,7 +7,38 @@ TextArena agent can play them).
                 with TextArena's TicTacToe-v0), PigDice-v1, LiarsDice-v1, TruthAndDeception-v1
     spy.py      WhoIsTheSpy-v0: SpyRL's "who is the spy" (RLSVR), the game of `stratagem.py --mode spyrl`
 
-Like machinery/, nothing here imports stratagem.py.
+check_ids() checks the --games a run is given. Like machinery/, nothing here imports stratagem.py.
 """
 
+import contextlib
+import io
+import random
+
+import textarena as ta
+from textarena.envs.registration import ENV_REGISTRY
+
 from games import spiral, spy  # noqa: F401  (importing registers the ids)
+from machinery import UserError
+
+
+def check_ids(spec: str, flag: str = "--games") -> list[str]:
+    """A comma-separated list of game ids (ours or TextArena's), checked against TextArena's registry and for
+    two-player play offline: a bad id ends the run in one line before any work."""
+    ids = [g.strip() for g in spec.split(",") if g.strip()]
+    if not ids:
+        raise UserError(f"{flag} is empty")
+    for gid in ids:
+        if gid not in ENV_REGISTRY:
+            raise UserError(f"unknown game id {gid!r} (SPIRAL's look like KuhnPoker-v1, textarena 0.7.4's like TicTacToe-v0)")
+        state = random.getstate()  # reset(seed=...) reseeds the global `random`; leave it as it was
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                ta.make(gid).reset(num_players=2, seed=0)
+        except LookupError:  # nltk's "Resource 'words' not found": the word games download corpora
+            raise UserError(f"game {gid!r} needs data it downloads from the network (NLTK corpora); "
+                            "it cannot run offline") from None
+        except Exception as e:  # noqa: BLE001 - any other failure means "this id cannot be played here"
+            raise UserError(f"game {gid!r} cannot be played by two players here: {type(e).__name__}: {e}") from None
+        finally:
+            random.setstate(state)
+    return ids

@@ -1,5 +1,5 @@
 """Watching a run: the start line, one line per step, the closing line, a progress bar on a terminal,
-TensorBoard / W&B (--report-to), the judge's alarms, and a timer per phase of a step.
+TensorBoard / W&B (--report-to), the judge's alarms, a timer per phase of a step, and transformers kept quiet.
 
 Every number shown or reported is read from the step's metrics.jsonl line: nothing is computed for a
 display only. stdout carries the lines; stderr the bar (on a terminal only) and the alarms.
@@ -32,6 +32,14 @@ class Timer:
             yield
         finally:
             self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+
+
+def quiet_transformers() -> None:
+    """No progress bars or advice from transformers in the run's log."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def fmt(x: float | None) -> str:

@@ -10,6 +10,7 @@ import random
 import time
 from pathlib import Path
 
+from games import check_ids
 from machinery import UserError
 from machinery.distributed import pick_device
 from machinery.flags import FriendlyParser, field_docs
@@ -17,10 +18,8 @@ from machinery.matches import RandomPlayer, summarize_matches
 from machinery.openai_api import check_reachable, concurrently, openai_client
 from machinery.runfiles import check_writable_file, latest_checkpoint
 from machinery.vllm_engine import VLLMPolicy
-from stratagem import (
-    PROMPT, Args, HFPolicy, game_ids, load_policy, parse_action, play_matches, quiet_transformers, seed_everything,
-    stop_ids,
-)
+from machinery.watch import quiet_transformers
+from stratagem import PROMPT, Args, HFPolicy, load_policy, parse_action, play_matches, seed_everything, stop_ids
 
 
 class LLMPlayer:
@@ -104,7 +103,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"{out} already exists; choose another --json")
     check_writable_file(out, "--json")  # now, not after every game is played
     device = pick_device(ns.device)  # an unknown or absent device fails before any work
-    games = game_ids(ns.games)
+    games = check_ids(ns.games)
     quiet_transformers()
     rng = seed_everything(ns.seed)
     args = dataclasses.replace(Args(), temperature=0.0 if ns.greedy else ns.temperature, seed=ns.seed,

@@ -8,7 +8,8 @@ from pathlib import Path
 from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.runfiles import check_writable_dir
-from stratagem import ARCHS, build_random_model, quiet_transformers
+from machinery.watch import quiet_transformers
+from stratagem import ARCHS, build_random_model
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,8 @@ from machinery import UserError
 from machinery.flags import FriendlyParser, field_docs
 from machinery.runfiles import check_writable_file
 from machinery.vllm_engine import VLLMPolicy
-from stratagem import Args, load_policy, quiet_transformers, stop_ids, token_logprobs
+from machinery.watch import quiet_transformers
+from stratagem import Args, load_policy, stop_ids, token_logprobs
 
 
 def vllm_logprobs(policy: VLLMPolicy, ids: list[int]) -> list[float]:
