@@ -3339,15 +3339,15 @@ def wait_for(condition, seconds: float) -> float:
 
 
 def test_collective_timeout_rule():
-    args = S.Args()  # 128 transitions, 32 games of up to 30 turns, 25 %, 2 rubrics, 64 at once, 60 s, 3 retries
-    most = 2 * (64 + 32 * 30)
+    args = S.Args()  # 128 transitions, 32 games of up to 50 turns, 25 %, 2 rubrics, 64 at once, 60 s, 3 retries
+    most = 2 * (64 + 32 * 50)
     requests = math.ceil(0.25 * most) * 2
     judging = math.ceil(requests / 64) * (4 * 60 + 3 * 60)
-    assert distributed.collective_timeout(args, 2) == 1800 + judging == 1800 + 16 * 420
+    assert distributed.collective_timeout(args, 2) == 1800 + judging == 1800 + 26 * 420
     assert distributed.collective_timeout(S.dataclasses.replace(args, mode="spiral"), 2) == 1800
     assert distributed.collective_timeout(S.dataclasses.replace(args, judge="heuristic"), 2) == 1800
-    assert distributed.collective_timeout(S.dataclasses.replace(args, dist_timeout=9000.0), 2) == 9000
-    with pytest.raises(S.UserError, match=r"--dist-timeout 600 is shorter than a step's judging can take \(6720 s"):
+    assert distributed.collective_timeout(S.dataclasses.replace(args, dist_timeout=20000.0), 2) == 20000
+    with pytest.raises(S.UserError, match=r"--dist-timeout 600 is shorter than a step's judging can take \(10920 s"):
         distributed.collective_timeout(S.dataclasses.replace(args, dist_timeout=600.0), 2)
     assert distributed.collective_timeout(S.dataclasses.replace(args, dist_timeout=600.0), 1) == 600  # no ranks
 
