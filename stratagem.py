@@ -51,7 +51,7 @@ from safetensors import SafetensorError
 
 import judge_prompts
 from games import check_ids, spy  # importing games/ registers SPIRAL's own ids (games/spiral.py) and WhoIsTheSpy-v0
-from machinery import UserError, costs, runfiles, watch
+from machinery import UserError, costs, distill, runfiles, watch
 from machinery.distributed import (Dist, full_weights, load_optimizer_state, pick_backend, pick_device, shard,
                                    stop_within)
 from machinery.flags import dataclass_parser, number_pair
@@ -165,6 +165,17 @@ class Args:
     """stop judging once the estimated cost reaches this (0: no limit); the run goes on with imputation"""
     judge_cache: str = ""
     """verdict cache (append-only JSONL; default <out>/judge_cache.jsonl); share one file across runs"""
+    # --- distilled judge ---
+    distill: bool = False
+    """learn the judge: heads on the policy's hidden states predict its levels; trusted, they score the unjudged trajectories in place of the batch mean (docs/distill.md)"""
+    distill_kappa: float = 0.6
+    """trust the heads while every used rubric dimension reaches this Cohen's kappa with the judge on held-out verdicts (the paper's cross-judge bar)"""
+    distill_audit_rate: float = 0.0
+    """the judge's sample rate while the heads are trusted, e.g. 0.05 (0: --judge-sample-rate throughout)"""
+    distill_window: int = 100
+    """held-out (heads, judge) pairs kept per dimension, trust judged on a full window; the heads train on the last 3N others"""
+    distill_lr: float = 1e-3
+    """Adam learning rate of the heads"""
     # --- SpyRL (--mode spyrl) ---
     spy_data: str = ""
     """task data, JSONL: one {"text": ..., "reference": ... (optional, for ROUGE-L)} a line (--tiny: Python's pydoc topics)"""
@@ -257,15 +268,15 @@ def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
 
 def validate(args: Args) -> None:
     bounds = [  # (fields, test, wording)
-        (("steps", "save_every", "ppo_epochs", "batch_size", "micro_batch_size", "num_envs", "max_new_tokens", "max_turns",
-          "eval_n", "eval_max_turns", "judge_max_tokens", "judge_concurrency", "judge_samples"), lambda v: v >= 1, ">= 1"),
+        (("steps", "save_every", "ppo_epochs", "batch_size", "micro_batch_size", "num_envs", "max_new_tokens", "max_turns", "eval_n",
+          "eval_max_turns", "judge_max_tokens", "judge_concurrency", "judge_samples", "distill_window"), lambda v: v >= 1, ">= 1"),
         (("error_allowance", "eval_every", "beta", "judge_temperature", "judge_retries", "judge_budget", "spy_beta",
           "spy_lambda", "spy_alternate", "kl_coef", "dist_timeout"), lambda v: v >= 0, ">= 0"),
         (("judge_price_in", "judge_price_out"), lambda v: v >= 0, ">= 0 (or -1: the price table's)"),
         (("spy_players",), lambda v: v >= 3, ">= 3"),
-        (("lr", "temperature", "max_grad_norm", "judge_timeout"), lambda v: v > 0, "> 0"),
+        (("lr", "temperature", "max_grad_norm", "judge_timeout", "distill_lr"), lambda v: v > 0, "> 0"),
         (("ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
-        (("judge_sample_rate",), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        (("judge_sample_rate", "distill_kappa", "distill_audit_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
         (("vllm_gpu_memory_utilization", "clip_range", "spy_mask"), lambda v: 0 < v < 1, "in (0, 1)"),
     ]
     for names, ok, wording in bounds:
@@ -276,6 +287,8 @@ def validate(args: Args) -> None:
     number_pair(args.invalid_rewards, "--invalid-rewards")  # a UserError when it is not two numbers
     if not all(0 <= b < 1 for b in args.betas):
         raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
+    if args.distill and args.mode != "stratagem":
+        raise UserError(f"--distill learns the judge of --mode stratagem; --mode {args.mode} has none")
     if args.judge_budget and not args.judge_price_in + args.judge_price_out:
         raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
     pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
@@ -403,11 +416,12 @@ class Trajectory:
     psi: float = 0.0
     a_mod: float = 0.0
     info: dict = field(default_factory=dict)  # SpyRL: the seat's phase, role, ... (spy.results); logged when set
+    predicted: dict | None = None  # --distill: the heads' levels, and whether they scored A_mod; logged when set
 
     def record(self, step: int) -> dict:
         """The trajectories.jsonl line (token ids left out)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns" and
-                  (f.name != "info" or self.info)}
+                  (f.name not in ("info", "predicted") or getattr(self, f.name))}
         return {"step": step, **fields, "turns": [{"observation": t.observation, "response": t.response,
                                                    "action": t.action, "prompt": t.prompt} for t in self.turns]}
 
@@ -782,9 +796,10 @@ class JudgeRunner:
         return judgements, step
 
 
-def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args) -> dict:
-    """Fill phi, psi and A_mod on every trajectory; unjudged and failed ones get the batch means.
-    With no valid judgement in the step (or in spiral mode) phi = 1 and psi = 0: A_mod = A_game."""
+def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args, estimates: dict | None = None) -> dict:
+    """Fill phi, psi and A_mod on every trajectory; unjudged and failed ones get the batch means (or the
+    --distill heads' `estimates`, once trusted). With no valid judgement in the step (or in spiral mode)
+    phi = 1 and psi = 0: A_mod = A_game."""
     phis, psis = [None] * len(trajs), [None] * len(trajs)
     for i, j in judgements.items():
         trajs[i].judged = not j.skipped
@@ -794,6 +809,8 @@ def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Ar
             psis[i] = 0.0 if args.no_psi else psi(j.scores["d"], j.scores["a"], j.scores["c"])
     phis, phi_mean = impute(phis, 1.0)
     psis, psi_mean = impute(psis, 0.0)
+    for i, s in (estimates or {}).items():  # trusted heads (machinery/distill.py): levels of their own, not the mean
+        phis[i], psis[i] = phi(s["alpha"], s["sigma"], s["rho"]), 0.0 if args.no_psi else psi(s["d"], s["a"], s["c"])
     for t, f, s in zip(trajs, phis, psis):
         t.phi, t.psi = f, s
         t.a_mod = a_mod(t.a_game, f, s, args.beta)
@@ -1100,6 +1117,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     texts: list[dict]  # SpyRL's task data (spy.load_texts); empty in the other modes
     reference: torch.nn.Module | None  # the initial policy, frozen: the KL penalty's (--kl-coef > 0), else None
+    distiller: distill.Distiller | None = None  # --distill: the heads, their holdout and trust (rank 0)
     baselines: dict[str, float] = field(default_factory=dict)  # RAE: b[G, p], keyed "game/playerP"; SpyRL "task/role"
     lengths: dict[str, float] = field(default_factory=dict)  # transitions per game id, to size the batch
     start: int = 0  # steps already done (a resumed run)
@@ -1132,6 +1150,8 @@ def train(args: Args) -> Path:
                                               target, progress)
         parts = dist.gather(mine)
         trajs = [t for part in parts for t in part]  # the whole batch, rank by rank
+        feats = distill.features(run.model, mine, collate, run.tokenizer.pad_token_id, args.micro_batch_size, run.device,
+                                 dist, timer) if args.distill else None  # --distill: every rank passes its own turns
         judged, usage, mod = {}, {}, {}
         if dist.main:
             # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
@@ -1147,10 +1167,12 @@ def train(args: Args) -> Path:
             with timer("judge"):
                 if run.runner is not None and not run.runner.budget_exhausted():
                     played = [i for i, t in enumerate(trajs) if t.turns]  # a seat that never moved has nothing to judge
-                    picked = [played[k] for k in sample_for_judging(len(played), args.judge_sample_rate, run.rng)]
+                    rate = run.distiller.sample_rate() if run.distiller else args.judge_sample_rate  # trusted heads: audit rate
+                    picked = [played[k] for k in sample_for_judging(len(played), rate, run.rng)]
                     results, usage = run.runner.judge([trajs[i] for i in picked], rubrics, progress)
                     judged = dict(zip(picked, results))
-            mod = modulate(trajs, judged, args)  # imputes the batch mean for the unjudged
+            estimates = run.distiller.step(trajs, feats, judged) if run.distiller else {}  # holdout, trust, training
+            mod = modulate(trajs, judged, args, estimates)  # imputes the batch mean for the unjudged (trusted: the heads')
             if run.runner is not None and run.runner.budget_exhausted() and not run.announced:
                 watch.announce_budget(run.runner.totals["cost"], args.judge_budget, step)
                 run.announced = True
@@ -1241,6 +1263,7 @@ def start_run(args: Args) -> Run | None:
         print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=args.betas)
     run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer, texts, reference)
+    run.distiller = distill.Distiller(model.config.hidden_size, args, phi, psi) if args.distill and dist.main else None
     judge_totals = None
     if ckpt is not None:
         state = runfiles.load_state(ckpt / "trainer_state.pt")
@@ -1249,6 +1272,8 @@ def start_run(args: Args) -> Run | None:
         run.baselines, run.start, run.elapsed, judge_totals = (state["baselines"], state["step"], state["elapsed"],
                                                                state["judge_totals"])
         run.lengths = own["lengths"]
+        if run.distiller is not None:
+            run.distiller.load_state_dict(state["distill"])
         runfiles.set_rng_states(rng, own["rng"])
         policy.sync(model)
     elif dist.main:
@@ -1350,6 +1375,7 @@ def step_metrics(run: Run, step: int, trajs: list[Trajectory], ranks: list[tuple
         **({"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)} if run.args.ppo_epochs > 1 else {}),
         **({"kl": sum(e["kl"] for r in ranks for e in r[3]) / (len(ranks[0][3]) * run.dist.world)} if run.reference is not None else {}),
         "baselines": dict(run.baselines), **({"eval": evaluation} if evaluation else {}),
+        **({"distill": run.distiller.report} if run.distiller else {}),
         **({"spy": spy.step_metrics(trajs, spy.trained_phases(step, run.args.spy_alternate))} if run.args.mode == "spyrl" else {}),
     }
 
@@ -1375,7 +1401,8 @@ def save(run: Run, step: int) -> None:
     and game lengths, so that --resume replays exactly what an uninterrupted run does."""
     runfiles.save_checkpoint(run.out, step, run.model, run.tokenizer, run.optimizer, dist=run.dist,
                              shared={"baselines": run.baselines, "elapsed": run.elapsed,
-                                     "judge_totals": run.runner.totals if run.runner else None},
+                                     "judge_totals": run.runner.totals if run.runner else None,
+                                     "distill": run.distiller.state_dict() if run.distiller else None},
                              own={"rng": runfiles.rng_states(run.rng), "lengths": run.lengths})
 
 

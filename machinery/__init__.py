@@ -12,6 +12,8 @@
     judge_http.py    the HTTP under that client: a deadline per request attempt, a cap on the reply's size
     matches.py       the evaluation's random legal opponent and the statistics of a set of matches
     costs.py         what the judge will cost, known before it is paid: the price table, the projection, --dry-run
+    distill.py       --distill: heads on the policy's hidden states that learn the judge, their holdout and trust;
+                     Cohen's kappa and Spearman's rho (also `agree`'s)
 
 Imports walk one way, tools/ -> stratagem.py -> machinery/: nothing here imports stratagem.py, and
 what a module needs of the trainer (its arguments, a validator) is passed in.

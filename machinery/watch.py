@@ -70,6 +70,12 @@ def step_line(m: dict, args) -> str:
     kl = f" (KL {m['kl']:.2e})" if "kl" in m else ""
     middle = (f"judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | phi {fmt(m['phi_mean'])} "
               f"psi {fmt(m['psi_mean'])}")
+    if "distill" in m:  # --distill: the heads' lowest kappa on the holdout, and who scored what
+        d = m["distill"]
+        kappas = [v for k, v in d["kappa"].items() if k in d["used"] and v is not None]
+        middle += (f" | heads {'TRUSTED' if d['trusted'] else 'learning'}, min kappa {fmt(min(kappas, default=None))} "
+                   f"on {min(d['holdout'][k] for k in d['used'])} held out; scored judge {d['scored']['judge']}, "
+                   f"heads {d['scored']['heads']}, mean {d['scored']['imputed']}")
     if "spy" in m:  # SpyRL: no judge; the game's own figures
         s = m["spy"]
         middle = (f"trains {s['trained']} | detection {fmt(s['detection_accuracy'])}, caught {fmt(s['caught_rate'])}, "
@@ -213,7 +219,8 @@ def announce_budget(cost: float, budget: float, step: int) -> None:
     A progress bar on the terminal steps aside for it."""
     bar = "!" * 100
     line = (f"JUDGE BUDGET REACHED at step {step}: estimated cost {cost:.4f} >= --judge-budget {budget}. "
-            f"No more judge requests; every trajectory now gets phi = 1, psi = 0.")
+            f"No more judge requests; every trajectory now gets phi = 1, psi = 0 (with --distill: the heads' "
+            f"levels while they are trusted).")
     with tqdm.external_write_mode(file=sys.stderr):
         for stream in (sys.stdout, sys.stderr):
             print(f"{bar}\n{line}\n{bar}", file=stream, flush=True)

@@ -5,7 +5,7 @@
     plot          tools/plot.py          PNG figures of runs over steps
     show          tools/show.py          one trajectory read closely (a whole game of a SpyRL run)
     agree         tools/agree.py         the cross-judge agreement check (Table 1)
-    serve-judge   tools/serve_judge.py   the heuristic stand-in judge as an OpenAI-compatible server
+    serve-judge   tools/serve_judge.py   the heuristic stand-in judge (or --distill's synthetic teacher) as a server
     bench         tools/bench.py         where a step's time goes; lockstep vs sequential rollouts
     random-model  tools/random_model.py  a random Qwen3 of a real shape, saved offline
     sync-check    tools/sync_check.py    proof that the vLLM weight sync is right

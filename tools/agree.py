@@ -10,56 +10,60 @@ import random
 import sys
 from pathlib import Path
 
+import torch
+
 import judge_prompts
-from machinery import UserError
+from machinery import UserError, distill, watch
+from machinery.distill import cohen_kappa, spearman
+from machinery.distributed import Dist, pick_device
 from machinery.flags import FriendlyParser, field_docs
-from machinery.runfiles import JudgeCache, check_writable_file
-from stratagem import Args, HeuristicJudge, JudgeRunner, OpenAIJudge, phi, psi, validate
+from machinery.runfiles import JudgeCache, check_writable_file, latest_checkpoint, load_state, read_config
+from stratagem import (
+    Args, HeuristicJudge, JudgeRunner, OpenAIJudge, Trajectory, collate, format_prompt, load_policy, phi, psi,
+    render_for_judge, validate,
+)
 from tools.eval import openai_spec
 from tools.runs import read_trajectories
 
 
-def cohen_kappa(a: list, b: list) -> float:
-    """Unweighted Cohen's kappa of two raters' labels; nan when chance agreement is 1 (no variation) or
-    there is nothing to compare."""
-    n, labels = len(a), set(a) | set(b)
-    if n == 0:
-        return float("nan")
-    p_observed = sum(x == y for x, y in zip(a, b)) / n
-    p_chance = sum((a.count(v) / n) * (b.count(v) / n) for v in labels)
-    return float("nan") if p_chance == 1 else (p_observed - p_chance) / (1 - p_chance)
+class DistilledJudge:
+    """`distilled:RUN`: the --distill heads of RUN's last checkpoint as a judge. That checkpoint's policy computes
+    every trajectory's features, its turns tokenised again from the text trajectories.jsonl keeps (the sampled
+    token ids are not kept, so a few tokens may split differently), and the heads give their levels."""
+
+    cacheable = False  # free, and it answers from its own table
+
+    def __init__(self, spec: str, trajs: list[Trajectory]):
+        run = Path(spec.removeprefix("distilled:"))
+        ckpt = latest_checkpoint(run) if (run / "config.json").exists() else None
+        if ckpt is None:
+            raise UserError(f"{spec}: {run} is not a run with a checkpoint")
+        state = load_state(ckpt / "trainer_state.pt").get("distill")
+        if state is None:
+            raise UserError(f"{spec}: {run} was trained without --distill; it has no heads to ask")
+        args = Args(**read_config(run, Args.__dataclass_fields__))
+        device = pick_device("auto")
+        model, tok = load_policy(str(ckpt), device)
+        for t in trajs:
+            for turn in t.turns:
+                turn.prompt_ids = tok(turn.prompt or format_prompt(tok, turn.observation, t.role),
+                                      add_special_tokens=False).input_ids
+                turn.response_ids = tok(turn.response, add_special_tokens=False).input_ids or [tok.eos_token_id]
+        feats = distill.features(model, trajs, collate, tok.pad_token_id, args.micro_batch_size, device, Dist(), watch.Timer())
+        heads = distill.Distiller(model.config.hidden_size, args, phi, psi)
+        heads.load_state_dict(state)
+        self.name, self.levels = spec, dict(zip(map(render_for_judge, trajs), heads.predict(torch.stack(feats))))
+
+    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
+        return json.dumps({k: self.levels[trajectory_text][k] for k in judge_prompts.RUBRICS[rubric]["keys"]}), 0, 0
 
 
-def ranks(xs: list[float]) -> list[float]:
-    """1-based ranks, ties sharing their average rank."""
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    out = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in order[i:j + 1]:
-            out[k] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (Pearson on average ranks); nan when either side is constant or empty."""
-    if not x:
-        return float("nan")
-    rx, ry = ranks(x), ranks(y)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return float("nan") if var == 0 else cov / var
-
-
-def judge_from_spec(spec: str, args: Args) -> HeuristicJudge | OpenAIJudge:
+def judge_from_spec(spec: str, args: Args, trajs: list[Trajectory]) -> HeuristicJudge | OpenAIJudge | DistilledJudge:
     if spec == "heuristic":
         return HeuristicJudge()
-    judge = OpenAIJudge(*openai_spec(spec, "heuristic"), args)
+    if spec.startswith("distilled:"):
+        return DistilledJudge(spec, trajs)
+    judge = OpenAIJudge(*openai_spec(spec, "heuristic, distilled:RUN_DIR"), args)
     judge.check_reachable()
     return judge
 
@@ -70,7 +74,8 @@ def main(argv: list[str]) -> int:
         "Cohen's kappa on the discrete levels and Spearman's rho for phi and psi (as in the paper's Table 1)."))
     p.add_argument("run", help="run directory (its trajectories.jsonl is read, its judge_cache.jsonl reused)")
     p.add_argument("--judges", nargs="+", required=True, metavar="JUDGE",
-                   help="two or more of: heuristic, openai:MODEL, openai:MODEL@BASE_URL (key from OPENAI_API_KEY)")
+                   help="two or more of: heuristic, openai:MODEL, openai:MODEL@BASE_URL (key from OPENAI_API_KEY), "
+                        "distilled:RUN_DIR (a --distill run's heads, on its last checkpoint's features)")
     p.add_argument("--sample", type=int, default=200, help="trajectories to re-score (default: 200, as in the paper)")
     p.add_argument("--seed", type=int, default=1, help="seed of the sample (default: 1)")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
@@ -92,7 +97,7 @@ def main(argv: list[str]) -> int:
     pool = read_trajectories(run)
     trajs = [pool[i] for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))]
     cache = JudgeCache(run / "judge_cache.jsonl")
-    judges = [judge_from_spec(spec, args) for spec in ns.judges]  # every judge is checked before any is paid
+    judges = [judge_from_spec(spec, args, trajs) for spec in ns.judges]  # every judge is checked before any is paid
     verdicts, ruled = [], set()
     for spec, judge in zip(ns.judges, judges):
         judgements, usage = JudgeRunner(judge, args, cache).judge(trajs, list(judge_prompts.RUBRICS))

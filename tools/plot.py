@@ -22,11 +22,24 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
     "a_mod_spread": ("Advantage spread", "std over trajectories",
                      [("A_mod", lambda m: m["a_mod_std"]), ("A_game", lambda m: m["a_game_std"])]),
     "loss": ("REINFORCE loss", "loss", [("", lambda m: m["loss"])]),
+    "distill": ("Distilled heads against the judge on held-out verdicts (--distill)", "kappa",
+                [("lowest kappa of a used dimension", lambda m: min_kappa(m.get("distill"))),
+                 ("the bar (--distill-kappa)", lambda m: m.get("distill", {}).get("bar")),
+                 ("trusted (1 = yes)", lambda m: float(m["distill"]["trusted"]) if "distill" in m else None)]),
+    "judge_requests": ("Judge requests per step, and trajectories the heads scored (--distill)", "per step",
+                       [("judge requests", lambda m: m.get("judge_requests")),
+                        ("scored by the heads", lambda m: m.get("distill", {}).get("scored", {}).get("heads"))]),
     "spy": ("SpyRL: who is the spy (--mode spyrl)", "rate",
             [(label, lambda m, key=key: m.get("spy", {}).get(key)) for label, key in (
                 ("detection accuracy", "detection_accuracy"), ("spy caught", "caught_rate"),
                 ("invalid votes", "invalid_vote_rate"), ("ROUGE-L", "rouge_l"))]),
 }
+
+
+def min_kappa(report: dict | None) -> float | None:
+    """The lowest kappa over the dimensions the run uses (None: not measured yet, or nothing to measure)."""
+    values = [v for k, v in (report or {}).get("kappa", {}).items() if k in report["used"] and v is not None]
+    return min(values, default=None)
 
 
 SERIES_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]  # line style and marker of a figure's 1st, 2nd, ... series
@@ -56,12 +69,15 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
                 drawn += 1
     if not drawn:
         ax.text(0.5, 0.5, "no data in these runs" + {"eval_win_rate": " (train with --eval-every N)",
-                                                      "spy": " (train with --mode spyrl)"}.get(name, ""),
+                                                      "spy": " (train with --mode spyrl)",
+                                                      "distill": " (train with --distill)"}.get(name, ""),
                 ha="center", va="center", transform=ax.transAxes)
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     if name in ("eval_win_rate", "invalid_rate", "spy"):
         ax.set_ylim(-0.02, 1.02)
+    if name == "distill":
+        ax.set_ylim(-0.22, 1.02)
     if drawn:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
     return fig
@@ -71,7 +87,8 @@ def main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py plot", description=(
         "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
         "spiral vs --no-psi): win rate against a random player, invalid-action rate, response length, "
-        "phi and psi, A_mod spread, loss, and SpyRL's detection figures. Needs matplotlib."))
+        "phi and psi, A_mod spread, loss, the distilled heads' agreement and the judge's requests, and SpyRL's "
+        "detection figures. Needs matplotlib."))
     p.add_argument("runs", nargs="+", help="run directories")
     p.add_argument("--out", default="", help="folder for the PNGs (default: <first run>/plots; files are replaced)")
     ns = p.parse_args(argv)

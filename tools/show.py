@@ -12,6 +12,7 @@ from games import spy
 from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.runfiles import read_config, read_jsonl
+from stratagem import phi, psi
 from tools.runs import run_file
 
 
@@ -29,7 +30,8 @@ def say(text: str) -> None:
 
 def main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py show", description=(
-        "Print one player-trajectory of a run readably: its turns, the judge's scores and A_game -> A_mod. "
+        "Print one player-trajectory of a run readably: its turns, the judge's scores (and the distilled heads' "
+        "levels, --distill) and A_game -> A_mod. "
         "In a SpyRL run (--mode spyrl), one whole game: --index counts games, --judged does not apply."))
     p.add_argument("run", help="run directory")
     p.add_argument("--step", type=int, default=0, help="only trajectories of this step (default: any)")
@@ -50,7 +52,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--index must be in [0, {len(rows) - 1}]")
     i = ns.index if ns.index >= 0 else random.Random(ns.seed).randrange(len(rows))
     r = rows[i]
-    beta = read_config(Path(ns.run)).get("beta", 0.0)
+    config = read_config(Path(ns.run))
+    beta = config.get("beta", 0.0)
     say(f"{ns.run} | step {r['step']} | trajectory {i} of {len(rows)} | {r['game']}, Player {r['role']}, "
         f"{len(r['turns'])} turn(s)")
     say(f"reward R = {r['reward']:+g}   baseline b = {r['baseline']:+.4f}   A_game = R - b = {r['a_game']:+.4f}")
@@ -59,9 +62,18 @@ def main(argv: list[str]) -> int:
         say(f"judge: alpha {s['alpha']:g}  sigma {s['sigma']:g}  rho {s['rho']:g}  -> phi = {r['phi']:.4f}")
         if s.get("d") is not None:
             say(f"       d {s['d']:g}  a {s['a']:g}  c {s['c']:g}  -> psi = {r['psi']:+.4f}")
+    elif (r.get("predicted") or {}).get("used"):
+        say(f"judge: {'failed' if r['judged'] else 'not sampled'}; the trusted heads' levels used (below)")
     else:
         say(f"judge: {'failed' if r['judged'] else 'not sampled'}; batch means used: phi = {r['phi']:.4f}, "
             f"psi = {r['psi']:+.4f}")
+    if r.get("predicted"):  # --distill: the heads' levels beside the judge's (evolution rules applied to both)
+        h, role = r["predicted"]["levels"], ("scored this trajectory" if r["predicted"]["used"] else
+                                             "the judge's verdict stands" if s else "not trusted: the batch mean stands")
+        say(f"heads: alpha {h['alpha']:g}  sigma {h['sigma']:g}  rho {h['rho']:g}  -> phi = "
+              f"{phi(h['alpha'], h['sigma'], h['rho']):.4f}  ({role})")
+        if not config.get("no_psi"):
+            say(f"       d {h['d']:g}  a {h['a']:g}  c {h['c']:g}  -> psi = {psi(h['d'], h['a'], h['c']):+.4f}")
     say(f"A_mod = A_game*phi + beta*psi = {r['a_game']:+.4f}*{r['phi']:.4f} + {beta}*{r['psi']:+.4f} "
         f"= {r['a_mod']:+.4f}")
     if not r["turns"]:
