@@ -1041,9 +1041,11 @@ def test_periodic_eval_plots_and_viewer(tmp_path, capsys):
                             "--eval-n", "2", "--out", str(runs[-1])]) == 0
         metrics, _ = check_run(runs[-1], 2, beta=0.2, mode=mode)
         assert all(m["eval"]["n"] == 4 and 0 <= m["eval"]["win_rate"] <= 1 for m in metrics)
+    capsys.readouterr()
     assert run(["plot", *map(str, runs), "--out", str(tmp_path / "plots")]) == 0
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    assert pngs == sorted(f"{n}.png" for n in plot.PLOTS)
+    assert pngs == sorted(f"{n}.png" for n in plot.PLOTS if n not in ("distill", "spy"))  # no empty figures
+    assert capsys.readouterr().out.endswith("; no data for distill.png (--distill), spy.png (--mode spyrl)\n")
     assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     capsys.readouterr()
     assert run(["show", str(runs[0]), "--judged", "--index", "0"]) == 0

@@ -36,6 +36,10 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
 }
 
 
+NEEDS = {"eval_win_rate": " (train with --eval-every N)", "distill": " (--distill)", "judge_requests": " (a judge)",
+         "spy": " (--mode spyrl)"}  # what a run needs for the figures that only some runs have data for
+
+
 def min_kappa(report: dict | None) -> float | None:
     """The lowest kappa over the dimensions the run uses (None: not measured yet, or nothing to measure)."""
     values = [v for k, v in (report or {}).get("kappa", {}).items() if k in report["used"] and v is not None]
@@ -46,9 +50,10 @@ SERIES_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]  # line style
 
 
 def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
-    """One figure of PLOTS: a colour per run, a line style and marker per series. Lines that coincide
-    stay visible: each line drawn is thinner and on top of the one before (nested stripes), and hollow
-    markers of different shapes sit at shifted steps. The legend sits right of the axes, off the data."""
+    """One figure of PLOTS, or None when no run has a value for it: a colour per run, a line style and marker
+    per series. Lines that coincide stay visible: each line drawn is thinner and on top of the one before
+    (nested stripes), and hollow markers of different shapes sit at shifted steps. The legend sits right of
+    the axes, off the data."""
     import matplotlib.ticker
 
     title, ylabel, series = PLOTS[name]
@@ -68,18 +73,15 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
                         label=" ".join(x for x in (run_label(run), label) if x))
                 drawn += 1
     if not drawn:
-        ax.text(0.5, 0.5, "no data in these runs" + {"eval_win_rate": " (train with --eval-every N)",
-                                                      "spy": " (train with --mode spyrl)",
-                                                      "distill": " (train with --distill)"}.get(name, ""),
-                ha="center", va="center", transform=ax.transAxes)
+        plt.close(fig)
+        return None
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     if name in ("eval_win_rate", "invalid_rate", "spy"):
         ax.set_ylim(-0.02, 1.02)
     if name == "distill":
         ax.set_ylim(-0.22, 1.02)
-    if drawn:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
     return fig
 
 
@@ -103,9 +105,15 @@ def main(argv: list[str]) -> int:
     out = Path(ns.out) if ns.out else runs[0][0] / "plots"
     check_writable_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
+    written, empty = [], []
     for name in PLOTS:
         fig = draw_plot(plt, name, runs)
+        if fig is None:
+            empty.append(f"{name}.png{NEEDS.get(name, '')}")
+            continue
         fig.savefig(out / f"{name}.png")
         plt.close(fig)
-    print(f"wrote {len(PLOTS)} figures to {out}: " + ", ".join(f"{n}.png" for n in PLOTS))
+        written.append(f"{name}.png")
+    print(f"wrote {len(written)} figures to {out}: " + ", ".join(written)
+          + (f"; no data for {', '.join(empty)}" if empty else ""))
     return 0
