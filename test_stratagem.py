@@ -2477,6 +2477,18 @@ def test_prices_come_from_the_dated_table_unless_given():
         "judge money: my-local-judge is not in the price table of 2025-06; pass --judge-price-in/out to see money")
 
 
+def test_the_projected_example_never_exceeds_the_bound():
+    """--tiny caps responses at 48 tokens: the plan's example (1,000-token responses) must not cost more
+    than the bound it illustrates."""
+    from machinery import costs
+
+    args = S.resolve_args({"tiny": True, "judge": "openai", "judge_model": "gpt-4o"})
+    p = costs.judge_projection(args, ["TicTacToe-v0"], S.make_env, 10)
+    assert p["example_tokens"] == (48, 200) and p["example"]["money"] <= p["bound"]["money"]
+    money = costs.projection_lines(args, p)[-1]
+    assert money.startswith(f"judge money: at most {costs.dollars(p['bound']['money'])}, ~") and "48-token responses" in money
+
+
 def dry_run(*flags) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(HERE / "stratagem.py"), "--dry-run", *flags], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -78,10 +78,11 @@ def judge_projection(args, games: list[str], make_env, steps: int) -> dict:
     one_turn = sum(len(t) == 1 for _, _, t in sampled) / len(sampled)
     prices = (args.judge_price_in, args.judge_price_out) if args.judge == "openai" else (0.0, 0.0)
     common = (steps, args.batch_size, args.judge_sample_rate, rubrics, args.judge_samples, turns, one_turn, chars)
+    example = (min(EXAMPLE[0], args.max_new_tokens), min(EXAMPLE[1], args.judge_max_tokens))  # never past the bound
     return {"rubrics": rubrics, "turns": turns, "one_turn": one_turn, "steps": steps, "prices": prices,
-            "base_tokens": {r: c / CHARS_PER_TOKEN for r, c in chars.items()},
+            "base_tokens": {r: c / CHARS_PER_TOKEN for r, c in chars.items()}, "example_tokens": example,
             "bound": project(*common, args.max_new_tokens, args.judge_max_tokens, prices),
-            "example": project(*common, *EXAMPLE, prices)}
+            "example": project(*common, *example, prices)}
 
 
 def dollars(x: float) -> str:
@@ -97,7 +98,7 @@ def projection_lines(args, p: dict) -> list[str]:
              f"{p['one_turn']:.0%} in the dry render)",
              f"judge tokens a request: ~{sum(p['base_tokens'].values()) / len(p['base_tokens']):,.0f} + {p['turns']:.1f} "
              f"turns of responses: at most ~{b['prompt_tokens'] / b['requests']:,.0f} (--max-new-tokens "
-             f"{args.max_new_tokens}), ~{e['prompt_tokens'] / e['requests']:,.0f} with {EXAMPLE[0]:,}-token responses; "
+             f"{args.max_new_tokens}), ~{e['prompt_tokens'] / e['requests']:,.0f} with {p['example_tokens'][0]:,}-token responses; "
              f"replies at most {args.judge_max_tokens:,} (--judge-max-tokens)"]
     if args.judge != "openai":
         return lines + ["judge money: none (the heuristic stand-in is free and offline)"]
@@ -105,8 +106,8 @@ def projection_lines(args, p: dict) -> list[str]:
         return lines + [f"judge money: {args.judge_model} is not in the price table of {PRICES_DATE}; "
                         "pass --judge-price-in/out to see money"]
     known = PRICES.get(args.judge_model) == p["prices"]
-    return lines + [f"judge money: at most {dollars(b['money'])}, ~{dollars(e['money'])} with {EXAMPLE[0]:,}-token responses "
-                    f"and {EXAMPLE[1]}-token replies (USD {p['prices'][0]:.2f} in / {p['prices'][1]:.2f} out per 1M "
+    return lines + [f"judge money: at most {dollars(b['money'])}, ~{dollars(e['money'])} with {p['example_tokens'][0]:,}-token responses "
+                    f"and {p['example_tokens'][1]}-token replies (USD {p['prices'][0]:.2f} in / {p['prices'][1]:.2f} out per 1M "
                     f"tokens{f', list prices of {PRICES_DATE}' if known else ''}; the paper: ~${PAPER_MONEY} a run)"]
 
 
