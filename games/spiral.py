@@ -54,8 +54,10 @@ class KuhnPokerV1(SpiralGame):
     (showdown: the higher card takes the pot). The game ends with its last round, and the winner of that
     round wins the game: earlier rounds move chips, which decide nothing (there are no draws)."""
 
-    TREE = {"check": {"check": "showdown", "bet": {"fold": "loser", "call": "showdown"}},
-            "bet": {"fold": "loser", "call": "showdown"}}
+    TREE = {
+        "check": {"check": "showdown", "bet": {"fold": "loser", "call": "showdown"}},
+        "bet": {"fold": "loser", "call": "showdown"},
+    }
     MOVE = re.compile(r"\[(Check|Bet|Fold|Call)\]", re.IGNORECASE)
 
     def __init__(self, ante: int = 1, max_rounds: int = 5):
@@ -64,22 +66,26 @@ class KuhnPokerV1(SpiralGame):
     def reset(self, num_players: int, seed: int | None = None):
         self.state = ta.TwoPlayerState(num_players=num_players, seed=seed)
         self.deck = [0, 1, 2]  # shuffled in place each round, as SPIRAL's code does: a seed deals its cards
-        self.state.reset(game_state={"chips": {0: 0, 1: 0}, "round": 0, "opener": 0, "round_over": False},
-                         player_prompt_function=self._prompt)
+        self.state.reset(
+            game_state={"chips": {0: 0, 1: 0}, "round": 0, "opener": 0, "round_over": False},
+            player_prompt_function=self._prompt,
+        )
         self._start_round()
 
     def _prompt(self, player_id: int, game_state: dict) -> str:
-        return (f"You are Player {player_id} in a {self.max_rounds} round game of Kuhn Poker.\n"
-                "Game Rules:\n"
-                "- Kuhn Poker uses a 3-card deck with J, Q, K (J lowest, K highest)\n"
-                f"- Each player antes {self.ante} chip and receives 1 card each round\n"
-                f"- Game continues for {self.max_rounds} rounds\n"
-                "- The player with the most chips after all rounds wins\n\n"
-                "Action Rules:\n"
-                "- '[check]': Pass without betting (only if no bet is on the table)\n"
-                "- '[bet]': Add 1 chip to the pot (only if no bet is on the table)\n"
-                "- '[call]': Match an opponent's bet by adding 1 chip to the pot\n"
-                "- '[fold]': Surrender your hand and let your opponent win the pot\n\n")
+        return (
+            f"You are Player {player_id} in a {self.max_rounds} round game of Kuhn Poker.\n"
+            "Game Rules:\n"
+            "- Kuhn Poker uses a 3-card deck with J, Q, K (J lowest, K highest)\n"
+            f"- Each player antes {self.ante} chip and receives 1 card each round\n"
+            f"- Game continues for {self.max_rounds} rounds\n"
+            "- The player with the most chips after all rounds wins\n\n"
+            "Action Rules:\n"
+            "- '[check]': Pass without betting (only if no bet is on the table)\n"
+            "- '[bet]': Add 1 chip to the pot (only if no bet is on the table)\n"
+            "- '[call]': Match an opponent's bet by adding 1 chip to the pot\n"
+            "- '[fold]': Surrender your hand and let your opponent win the pot\n\n"
+        )
 
     def _start_round(self):
         gs = self.state.game_state
@@ -89,7 +95,9 @@ class KuhnPokerV1(SpiralGame):
         gs["opener"] = opener = 1 - gs["opener"]
         for p in (0, 1):
             gs["chips"][p] -= self.ante
-            message = f"Starting round {gs['round']} out of {self.max_rounds} rounds.\nYour card is: {CARD[gs['cards'][p]]}\n"
+            message = (
+                f"Starting round {gs['round']} out of {self.max_rounds} rounds.\nYour card is: {CARD[gs['cards'][p]]}\n"
+            )
             self.say(message + (f"Your available actions are: {self._options()}" if p == opener else ""), to=p)
         self.state.current_player_id = opener
 
@@ -120,8 +128,11 @@ class KuhnPokerV1(SpiralGame):
             c0, c1 = gs["cards"][0], gs["cards"][1]
             self.say(f"Cards: Player 0 had {CARD[c0]}, Player 1 had {CARD[c1]}")
             w = 0 if c0 > c1 else 1
-            self._round_won_by(w, f"Showdown: Player {w}'s {CARD[max(c0, c1)]} beats Player {1 - w}'s "
-                                  f"{CARD[min(c0, c1)]}. Player {w} wins pot of {gs['pot']} chips.")
+            self._round_won_by(
+                w,
+                f"Showdown: Player {w}'s {CARD[max(c0, c1)]} beats Player {1 - w}'s "
+                f"{CARD[min(c0, c1)]}. Player {w} wins pot of {gs['pot']} chips.",
+            )
         else:
             self.say(f"Your available actions are: {self._options()}", to=1 - pid)
             return self.state.step()
@@ -132,7 +143,9 @@ class KuhnPokerV1(SpiralGame):
         gs["chips"][pid] += gs["pot"]
         self.say(reason)
         if gs["round"] >= self.max_rounds:  # SPIRAL's terminal rule: the last round's winner wins the game
-            self.state.set_winner(pid, f"Player {pid} won by having more chips at the end of all {self.max_rounds} rounds.")
+            self.state.set_winner(
+                pid, f"Player {pid} won by having more chips at the end of all {self.max_rounds} rounds."
+            )
         else:
             gs["round_over"] = True
 
@@ -158,29 +171,35 @@ class SimpleNegotiationV1(SpiralGame):
     def reset(self, num_players: int, seed: int | None = None):
         self.state = ta.TwoPlayerState(num_players=num_players, seed=seed, max_turns=self.max_turns)
         holdings = {p: {"Wood": 10, "Gold": 10} for p in (0, 1)}
-        self.state.reset(game_state={"offer": None, "resources": holdings, "history": []},
-                         player_prompt_function=self._prompt)
+        self.state.reset(
+            game_state={"offer": None, "resources": holdings, "history": []}, player_prompt_function=self._prompt
+        )
         self.initial = {p: self.value(p) for p in (0, 1)}
 
     def value(self, pid: int) -> int:
         return sum(q * self.VALUES[pid][r] for r, q in self.state.game_state["resources"][pid].items())
 
     def _prompt(self, player_id: int, game_state: dict) -> str:
-        held = "\n\t+ ".join(f"{'[' + r + ']':<8}  Qty: {q:<2}   Value: {self.VALUES[player_id][r]}"
-                             for r, q in game_state["resources"][player_id].items())
-        return (f"You are Player {player_id} in the Negotiation Game.\n"
-                "You have some resources, and your task is to trade such that the total value of your resources increases.\n"
-                f"The resources and associated values you currently have are:\n\t+ {held}\n"
-                "At each turn, you can talk to your opponent or make a trade offer.\n"
-                "Use the following special tokens for actions:\n"
-                "  - [Offer]: To make a trade offer.\n"
-                "    Format: [Offer: Offered Resources -> Requested Resources]\n"
-                "    Example: [Offer: 3 Wood -> 2 Gold]\n"
-                "  - [Accept]: To accept an incoming offer.\n"
-                "  - [Deny]: To deny an incoming offer (default).\n"
-                "YOU CAN INCLUDE ADDITIONAL TEXT BEFORE AND/OR AFTER THESE TOKENS.\n"
-                '    Example: "I\'m open to negotiation."\n'
-                f"The game lasts for {self.max_turns} turns in total.\n")
+        held = "\n\t+ ".join(
+            f"{'[' + r + ']':<8}  Qty: {q:<2}   Value: {self.VALUES[player_id][r]}"
+            for r, q in game_state["resources"][player_id].items()
+        )
+        return (
+            f"You are Player {player_id} in the Negotiation Game.\n"
+            "You have some resources, and your task is to trade such that the total value of your resources "
+            "increases.\n"
+            f"The resources and associated values you currently have are:\n\t+ {held}\n"
+            "At each turn, you can talk to your opponent or make a trade offer.\n"
+            "Use the following special tokens for actions:\n"
+            "  - [Offer]: To make a trade offer.\n"
+            "    Format: [Offer: Offered Resources -> Requested Resources]\n"
+            "    Example: [Offer: 3 Wood -> 2 Gold]\n"
+            "  - [Accept]: To accept an incoming offer.\n"
+            "  - [Deny]: To deny an incoming offer (default).\n"
+            "YOU CAN INCLUDE ADDITIONAL TEXT BEFORE AND/OR AFTER THESE TOKENS.\n"
+            '    Example: "I\'m open to negotiation."\n'
+            f"The game lasts for {self.max_turns} turns in total.\n"
+        )
 
     def step(self, action: str):
         pid = self.state.current_player_id
@@ -231,7 +250,9 @@ class SimpleNegotiationV1(SpiralGame):
             self.say("Trade cancelled: Neither player has sufficient resources for the trade.")
             gs["offer"] = None
         elif not taker_can:
-            self.state.set_invalid_move(reason=f"Player {taker} tried accepting a trade without having the necessary resources.")
+            self.state.set_invalid_move(
+                reason=f"Player {taker} tried accepting a trade without having the necessary resources."
+            )
         else:  # the proposer no longer holds the goods: the offer lapses, nobody is punished
             self.say(f"Trade cancelled: Player {giver} no longer has the resources they offered.")
             gs["offer"] = None
@@ -245,7 +266,9 @@ class SimpleNegotiationV1(SpiralGame):
         if parsed is None:
             self.state.set_invalid_move(reason=f"Player {pid} made a trade offer in an incorrect format.")
         elif not self._has(pid, parsed[0]):
-            self.state.set_invalid_move(reason=f"Player {pid} tried to make a trade offer without having the necessary resources.")
+            self.state.set_invalid_move(
+                reason=f"Player {pid} tried to make a trade offer without having the necessary resources."
+            )
         else:
             previous = gs["offer"]
             if previous is not None and previous["to"] == pid:
@@ -253,8 +276,10 @@ class SimpleNegotiationV1(SpiralGame):
                 gs["history"].append({**previous, "outcome": "Implicitly Denied"})
             gs["offer"] = {"from": pid, "to": 1 - pid, "give": parsed[0], "get": parsed[1]}
             listed = [", ".join(f"{q} {r}" for r, q in goods.items()) for goods in parsed]
-            self.say(f"Player {pid} made the following offer to Player {1 - pid}: "
-                     f"Offered items: {listed[0]} -> Requested items: {listed[1]}")
+            self.say(
+                f"Player {pid} made the following offer to Player {1 - pid}: "
+                f"Offered items: {listed[0]} -> Requested items: {listed[1]}"
+            )
 
     @classmethod
     def parse_offer(cls, text: str) -> tuple[dict, dict] | None:
@@ -297,22 +322,25 @@ class PigDiceV1(SpiralGame):
 
     def reset(self, num_players: int, seed: int | None = None):
         self.state = ta.TwoPlayerState(num_players=num_players, seed=seed)
-        self.state.reset(game_state={"scores": [0, 0], "turn_total": 0, "turn_count": 0},
-                         player_prompt_function=self._prompt)
+        self.state.reset(
+            game_state={"scores": [0, 0], "turn_total": 0, "turn_count": 0}, player_prompt_function=self._prompt
+        )
         self.say(f"Game starting! Player 0 goes first.\n\n{self._scores()}\n\nCurrent turn total: 0")
         self.say(self.OPTIONS, to=0)
 
     def _prompt(self, player_id: int, game_state: dict) -> str:
-        return ("[GAME] Welcome to Pig Dice Game!\n\n"
-                f"You are Player {player_id}.\n\n"
-                "Rules:\n"
-                "- On your turn, you can either '[roll]' or '[hold]'\n"
-                "- Roll a 2-6: Add to your turn total\n"
-                "- Roll a 1: Lose turn total and end turn\n"
-                "- Hold: Add turn total to your score and end turn\n"
-                f"- First to {self.winning_score} points wins\n\n"
-                "When it's your turn, you'll see the current scores and turn total.\n"
-                "Respond with '[roll]' to roll the die or '[hold]' to bank your points.\n")
+        return (
+            "[GAME] Welcome to Pig Dice Game!\n\n"
+            f"You are Player {player_id}.\n\n"
+            "Rules:\n"
+            "- On your turn, you can either '[roll]' or '[hold]'\n"
+            "- Roll a 2-6: Add to your turn total\n"
+            "- Roll a 1: Lose turn total and end turn\n"
+            "- Hold: Add turn total to your score and end turn\n"
+            f"- First to {self.winning_score} points wins\n\n"
+            "When it's your turn, you'll see the current scores and turn total.\n"
+            "Respond with '[roll]' to roll the die or '[hold]' to bank your points.\n"
+        )
 
     def _scores(self) -> str:
         return "\n".join(f"Player {i} score: {s}" for i, s in enumerate(self.state.game_state["scores"]))
@@ -322,7 +350,9 @@ class PigDiceV1(SpiralGame):
         self.show_action(action)
         match = self.MOVE.search(action.strip())
         if not match:
-            self.state.set_invalid_move(reason="Invalid action format. Use '[roll]' or '[hold]' or one letter shorthands.")
+            self.state.set_invalid_move(
+                reason="Invalid action format. Use '[roll]' or '[hold]' or one letter shorthands."
+            )
             return self.state.step(rotate_player=False)
         if match.group(1).lower() in ("roll", "r"):
             roll = random.randint(1, 6)
@@ -381,25 +411,34 @@ class LiarsDiceV1(SpiralGame):
 
     def reset(self, num_players: int, seed: int | None = None):
         self.state = ta.TwoPlayerState(num_players=num_players, seed=seed)
-        self.state.reset(game_state={"bid": (0, 0), "bidder": None, "dice_left": {p: self.num_dice for p in (0, 1)},
-                                     "dice": {p: [random.randint(1, 6) for _ in range(self.num_dice)] for p in (0, 1)}},
-                         player_prompt_function=self._prompt)
+        self.state.reset(
+            game_state={
+                "bid": (0, 0),
+                "bidder": None,
+                "dice_left": {p: self.num_dice for p in (0, 1)},
+                "dice": {p: [random.randint(1, 6) for _ in range(self.num_dice)] for p in (0, 1)},
+            },
+            player_prompt_function=self._prompt,
+        )
 
     def _prompt(self, player_id: int, game_state: dict) -> str:
         mine, (q, f) = game_state["dice"][player_id], game_state["bid"]
-        return (f"You are Player {player_id} in an N-player Liar's Dice game.\n"
-                f"You have {len(mine)} dice: {', '.join(map(str, mine))}.\n"
-                f"Player {1 - player_id} has {game_state['dice_left'][1 - player_id]} dice.\n\n"
-                "Rules:\n"
-                "- On your turn, you may either:\n"
-                "  [1] Make a new bid with a higher quantity or higher face (or both),\n"
-                "  [2] Call the last bid by typing '[Call]'.\n\n"
-                "If you call:\n"
-                "  - If the actual count of that face value among all dice is less than the bid, the last bidder loses one die.\n"
-                "  - Otherwise, the caller loses one die.\n"
-                "A player who reaches 0 dice is eliminated. The last remaining player wins.\n\n"
-                f"Current bid: Quantity = {q}, Face Value = {f}\n"
-                "Your action? (e.g. '[Bid: 3, 4]' or '[Call]')")
+        return (
+            f"You are Player {player_id} in an N-player Liar's Dice game.\n"
+            f"You have {len(mine)} dice: {', '.join(map(str, mine))}.\n"
+            f"Player {1 - player_id} has {game_state['dice_left'][1 - player_id]} dice.\n\n"
+            "Rules:\n"
+            "- On your turn, you may either:\n"
+            "  [1] Make a new bid with a higher quantity or higher face (or both),\n"
+            "  [2] Call the last bid by typing '[Call]'.\n\n"
+            "If you call:\n"
+            "  - If the actual count of that face value among all dice is less than the bid, "
+            "the last bidder loses one die.\n"
+            "  - Otherwise, the caller loses one die.\n"
+            "A player who reaches 0 dice is eliminated. The last remaining player wins.\n\n"
+            f"Current bid: Quantity = {q}, Face Value = {f}\n"
+            "Your action? (e.g. '[Bid: 3, 4]' or '[Call]')"
+        )
 
     def step(self, action: str):
         pid, gs = self.state.current_player_id, self.state.game_state
@@ -411,9 +450,15 @@ class LiarsDiceV1(SpiralGame):
             (q, f), bidder = gs["bid"], gs["bidder"]
             count = sum(d.count(f) for d in gs["dice"].values())
             loser = bidder if count < q else pid
-            self._lose_die(loser, f"Player {pid} calls! The actual count of face {f} is {count}, which is "
-                                  + (f"LESS than {q}.\nPlayer {loser} (the last bidder) loses one die." if count < q
-                                     else f">= {q}.\nPlayer {loser} (the caller) loses one die."))
+            self._lose_die(
+                loser,
+                f"Player {pid} calls! The actual count of face {f} is {count}, which is "
+                + (
+                    f"LESS than {q}.\nPlayer {loser} (the last bidder) loses one die."
+                    if count < q
+                    else f">= {q}.\nPlayer {loser} (the caller) loses one die."
+                ),
+            )
             return self.state.step(rotate_player=False)  # the loser opens the next round
         bid = self.BID.search(action)
         if not bid:
@@ -428,7 +473,9 @@ class LiarsDiceV1(SpiralGame):
         self.say(f"Player {pid} bids {q} of face {f}.")
         done, info = self.state.step()
         if not done:
-            self.say(f"Current bid: {q} of face {f}\nYour turn, Player {1 - pid}. '[Bid: X, Y]' or '[Call]'?", to=1 - pid)
+            self.say(
+                f"Current bid: {q} of face {f}\nYour turn, Player {1 - pid}. '[Bid: X, Y]' or '[Call]'?", to=1 - pid
+            )
         return done, info
 
     @staticmethod
@@ -459,8 +506,11 @@ class LiarsDiceV1(SpiralGame):
         gs["bid"], gs["bidder"] = (0, 0), None
         gs["dice"] = {p: [random.randint(1, 6) for _ in range(n)] for p, n in gs["dice_left"].items()}
         for p, dice in gs["dice"].items():
-            self.say(f"Your new dice are: {', '.join(map(str, dice))}\nRemaining dice:\n"
-                     + "\n".join(f"Player {o}: {n}" for o, n in gs["dice_left"].items()), to=p)
+            self.say(
+                f"Your new dice are: {', '.join(map(str, dice))}\nRemaining dice:\n"
+                + "\n".join(f"Player {o}: {n}" for o, n in gs["dice_left"].items()),
+                to=p,
+            )
         self.state.manually_set_current_player_id(loser)
         self.say(f"Player {loser} starts the new round.")
 
@@ -484,28 +534,36 @@ class TruthAndDeceptionV1(SpiralGame):
     def reset(self, num_players: int, seed: int | None = None):
         self.state = ta.TwoPlayerState(num_players=num_players, seed=seed)
         pick = random.choice(self.facts)
-        facts = [(pick["facts"]["fact1"], pick["correct_fact"] == "fact1"), (pick["facts"]["fact2"], pick["correct_fact"] == "fact2")]
+        facts = [
+            (pick["facts"]["fact1"], pick["correct_fact"] == "fact1"),
+            (pick["facts"]["fact2"], pick["correct_fact"] == "fact2"),
+        ]
         random.shuffle(facts)
-        self.state.reset(game_state={"facts": facts}, player_prompt_function=self._prompt,
-                         role_mapping={0: "Deceiver", 1: "Guesser"})
+        self.state.reset(
+            game_state={"facts": facts}, player_prompt_function=self._prompt, role_mapping={0: "Deceiver", 1: "Guesser"}
+        )
 
     def _prompt(self, player_id: int, game_state: dict) -> str:
         (f1, true1), (f2, true2) = game_state["facts"]
         if player_id == 0:
-            return ("You are Player 0, and you are the Deceiver in the 'Truth and Deception' game.\n"
-                    "You know which of the following two facts is correct:\n"
-                    f"Fact 1: {f1} ({'correct' if true1 else 'wrong'})\n"
-                    f"Fact 2: {f2} ({'correct' if true2 else 'wrong'})\n"
-                    "Your goal is to convince the other player to choose the incorrect fact.\n"
-                    f"You will have a conversation for {self.max_turns - 1} turns.\n"
-                    "After that, the other player will make their guess.\n"
-                    "On your turn, simply type your message.")
-        return ("You are Player 1, and you are the Guesser in the 'Truth and Deception' game.\n"
-                "You need to determine which of the following two facts is correct:\n"
-                f"Fact 1: {f1}\nFact 2: {f2}\n"
-                f"You will have a conversation with the other player for {self.max_turns - 2} turns.\n"
-                "After that, you will make your guess.\n"
-                "On your turn, simply type your message.")
+            return (
+                "You are Player 0, and you are the Deceiver in the 'Truth and Deception' game.\n"
+                "You know which of the following two facts is correct:\n"
+                f"Fact 1: {f1} ({'correct' if true1 else 'wrong'})\n"
+                f"Fact 2: {f2} ({'correct' if true2 else 'wrong'})\n"
+                "Your goal is to convince the other player to choose the incorrect fact.\n"
+                f"You will have a conversation for {self.max_turns - 1} turns.\n"
+                "After that, the other player will make their guess.\n"
+                "On your turn, simply type your message."
+            )
+        return (
+            "You are Player 1, and you are the Guesser in the 'Truth and Deception' game.\n"
+            "You need to determine which of the following two facts is correct:\n"
+            f"Fact 1: {f1}\nFact 2: {f2}\n"
+            f"You will have a conversation with the other player for {self.max_turns - 2} turns.\n"
+            "After that, you will make your guess.\n"
+            "On your turn, simply type your message."
+        )
 
     def step(self, action: str):
         self.show_action(action)
@@ -525,9 +583,11 @@ class TruthAndDeceptionV1(SpiralGame):
 
 
 # ----------------------------------------------------------------------------------- the ids, as SPIRAL registers them
-for _id, _cls, _kwargs in (("KuhnPoker-v1", KuhnPokerV1, dict(ante=1, max_rounds=5)),
-                           ("SimpleNegotiation-v1", SimpleNegotiationV1, dict(max_turns=10)),
-                           ("PigDice-v1", PigDiceV1, dict(winning_score=50, max_turns=50)),
-                           ("LiarsDice-v1", LiarsDiceV1, {}),
-                           ("TruthAndDeception-v1", TruthAndDeceptionV1, dict(max_turns=6))):
+for _id, _cls, _kwargs in (
+    ("KuhnPoker-v1", KuhnPokerV1, dict(ante=1, max_rounds=5)),
+    ("SimpleNegotiation-v1", SimpleNegotiationV1, dict(max_turns=10)),
+    ("PigDice-v1", PigDiceV1, dict(winning_score=50, max_turns=50)),
+    ("LiarsDice-v1", LiarsDiceV1, {}),
+    ("TruthAndDeception-v1", TruthAndDeceptionV1, dict(max_turns=6)),
+):
     register(id=_id, entry_point=_cls, default_wrappers=[LLMObservationWrapper], **_kwargs)

@@ -44,10 +44,19 @@ PHASES = ("performance", "detection")
 MASKS = {"summarize": 0.2, "write": 0.2, "math": 0.4}  # the seed's fraction removed for the spy, per task
 # task -> (what every player is given, what it writes, its plural, the instruction); --spy-task
 TASKS = {
-    "summarize": ("document", "summary", "summaries",
-                  "Write a summary of the document: its main points, concisely, in your own words."),
+    "summarize": (
+        "document",
+        "summary",
+        "summaries",
+        "Write a summary of the document: its main points, concisely, in your own words.",
+    ),
     "write": ("writing prompt", "story", "stories", "Write a short story for the writing prompt."),
-    "math": ("problem", "solution", "solutions", "Solve the problem. Reason step by step and end with the final answer."),
+    "math": (
+        "problem",
+        "solution",
+        "solutions",
+        "Solve the problem. Reason step by step and end with the final answer.",
+    ),
 }
 
 PERFORM = """\
@@ -84,8 +93,12 @@ def default_texts() -> list[dict]:
     topics (pydoc_data.topics, shipped with Python), 300 to 700 characters each; no references."""
     from pydoc_data.topics import topics
 
-    paragraphs = (" ".join(p.split()) for name in sorted(topics) for p in topics[name].split("\n\n")
-                  if p.strip() and not p.startswith(" "))  # indented blocks are code and grammar
+    paragraphs = (
+        " ".join(p.split())
+        for name in sorted(topics)
+        for p in topics[name].split("\n\n")
+        if p.strip() and not p.startswith(" ")
+    )  # indented blocks are code and grammar
     return [{"text": p} for p in paragraphs if 300 <= len(p) <= 700 and p.count(". ") >= 2]
 
 
@@ -95,8 +108,10 @@ def load_texts(path: str, mask: float, tiny: bool) -> list[dict]:
     for --spy-mask to remove anything, a reference that is not a string, no texts at all."""
     if not path:
         if not tiny:
-            raise UserError("--mode spyrl needs --spy-data FILE.jsonl (docs/spyrl.md turns a hub dataset into one); "
-                            "only --tiny has an offline default")
+            raise UserError(
+                "--mode spyrl needs --spy-data FILE.jsonl (docs/spyrl.md turns a hub dataset into one); "
+                "only --tiny has an offline default"
+            )
         return default_texts()
     try:
         raw = Path(path).read_bytes()
@@ -120,8 +135,10 @@ def load_texts(path: str, mask: float, tiny: bool) -> list[dict]:
         text = item["text"].strip()
         units = split_units(text)
         if not 1 <= removed_count(len(units), mask) < len(units):
-            raise UserError(f"{where}: the text is too short to degrade ({len(units)} word(s); --spy-mask {mask} "
-                            f"would remove {removed_count(len(units), mask)})")
+            raise UserError(
+                f"{where}: the text is too short to degrade ({len(units)} word(s); --spy-mask {mask} "
+                f"would remove {removed_count(len(units), mask)})"
+            )
         texts.append({"text": text, **({"reference": item["reference"]} if "reference" in item else {})})
     if not texts:
         raise UserError(f"--spy-data {path}: no texts in it")
@@ -171,7 +188,8 @@ def visible_output(response: str) -> str:
 
 
 def parse_vote(response: str, seat: int, n: int) -> int | None:
-    """The seat named in the last \\boxed{} ("3", "Player 3", "[3]"), or None: no box, not a seat, or the voter's own."""
+    """The seat named in the last \\boxed{} ("3", "Player 3", "[3]"), or None: no box, not a seat, or the voter's
+    own."""
     boxes = _BOXED.findall(visible_output(response))
     m = _SEAT.fullmatch(boxes[-1]) if boxes else None
     vote = int(m.group(1)) if m else None
@@ -224,8 +242,14 @@ class WhoIsTheSpyEnv(ta.Env):
     (default: the task's, MASKS); beta, lam: the performance reward's beta and lambda (the trainer passes
     its --spy-* flags). Its draws come from its own Random(seed): the global `random` is left alone."""
 
-    def __init__(self, texts: list[dict] | None = None, task: str = "summarize", mask: float | None = None,
-                 beta: float = 1.0, lam: float = 0.5):
+    def __init__(
+        self,
+        texts: list[dict] | None = None,
+        task: str = "summarize",
+        mask: float | None = None,
+        beta: float = 1.0,
+        lam: float = 0.5,
+    ):
         self.texts = texts if texts is not None else default_texts()
         self.task, self.mask, self.beta, self.lam = task, MASKS[task] if mask is None else mask, beta, lam
 
@@ -266,16 +290,23 @@ class WhoIsTheSpyEnv(ta.Env):
             self.phase, self.current = PHASES[1], 0
         elif self.current == self.n:
             self.done = True
-            self.rewards = dict(enumerate(performance_rewards(vote_shares(self.votes, self.n), self.spy,
-                                                              self.beta, self.lam)))
+            self.rewards = dict(
+                enumerate(performance_rewards(vote_shares(self.votes, self.n), self.spy, self.beta, self.lam))
+            )
         return self.done, {}
 
     def close(self) -> tuple[dict[int, float], dict[int, dict]]:
         """TextArena's (rewards, game_info): r^P per seat; each seat's role, vote and detection reward."""
         detection = detection_rewards(self.votes, self.spy)
-        return self.rewards, {k: {"role": "spy" if k == self.spy else "civilian", "vote": self.votes[k],
-                                  "invalid_move": self.votes[k] is None, "detection_reward": detection[k]}
-                              for k in range(self.n)}
+        return self.rewards, {
+            k: {
+                "role": "spy" if k == self.spy else "civilian",
+                "vote": self.votes[k],
+                "invalid_move": self.votes[k] is None,
+                "detection_reward": detection[k],
+            }
+            for k in range(self.n)
+        }
 
     def results(self) -> list[tuple[int, int, float, dict]]:
         """What a trainer learns from: (seat, phase index, reward, info) per seat and paid phase (the spy's
@@ -284,20 +315,49 @@ class WhoIsTheSpyEnv(ta.Env):
         rewards, info = self.close()
         detection = [i["detection_reward"] for i in info.values()]
         shares = vote_shares(self.votes, self.n)
-        game = {"task": self.task, "seed": self.seed, "spy": self.spy, "votes": self.votes, "shares": shares,
-                "caught": caught(self.votes, self.spy), "zero_sum_residual": abs(sum(rewards.values())),
-                "removed": self.removed}
+        game = {
+            "task": self.task,
+            "seed": self.seed,
+            "spy": self.spy,
+            "votes": self.votes,
+            "shares": shares,
+            "caught": caught(self.votes, self.spy),
+            "zero_sum_residual": abs(sum(rewards.values())),
+            "removed": self.removed,
+        }
         scorer = rouge_scorer() if "reference" in self.item else None
         out = []
         for k in range(self.n):
             role = info[k]["role"]
-            rouge = ({"rouge_l": scorer.score(self.item["reference"], self.outputs[k])["rougeL"].fmeasure}
-                     if scorer is not None and role == "civilian" else {})
-            out.append((k, 0, rewards[k], {"phase": PHASES[0], "role": role, "seat": k, "key": f"{self.task}/{role}",
-                                           **rouge, **game}))
-        out += [(k, 1, r, {"phase": PHASES[1], "role": "civilian", "seat": k,
-                           "group": [r for r in detection if r is not None], **game})
-                for k, r in enumerate(detection) if r is not None]
+            rouge = (
+                {"rouge_l": scorer.score(self.item["reference"], self.outputs[k])["rougeL"].fmeasure}
+                if scorer is not None and role == "civilian"
+                else {}
+            )
+            out.append(
+                (
+                    k,
+                    0,
+                    rewards[k],
+                    {"phase": PHASES[0], "role": role, "seat": k, "key": f"{self.task}/{role}", **rouge, **game},
+                )
+            )
+        out += [
+            (
+                k,
+                1,
+                r,
+                {
+                    "phase": PHASES[1],
+                    "role": "civilian",
+                    "seat": k,
+                    "group": [r for r in detection if r is not None],
+                    **game,
+                },
+            )
+            for k, r in enumerate(detection)
+            if r is not None
+        ]
         return out
 
 
@@ -311,8 +371,11 @@ def play(games: list[WhoIsTheSpyEnv], generate, wave: int, timer) -> tuple[list[
     calls = 0
     for first in range(0, len(games), wave):
         for phase in range(len(PHASES)):
-            seats = [(g, pid, obs) for g in range(first, min(first + wave, len(games)))
-                     for pid, obs in games[g].phase_observations()]
+            seats = [
+                (g, pid, obs)
+                for g in range(first, min(first + wave, len(games)))
+                for pid, obs in games[g].phase_observations()
+            ]
             with timer("generate"):
                 outputs = generate([obs for _, _, obs in seats])
             calls += 1
@@ -325,7 +388,8 @@ def play(games: list[WhoIsTheSpyEnv], generate, wave: int, timer) -> tuple[list[
 
 
 def new_game(texts: list[dict], args, seed: int) -> WhoIsTheSpyEnv:
-    """A game as the trainer plays it, from its flags (--spy-task, --spy-mask, --spy-beta, --spy-lambda, --spy-players)."""
+    """A game as the trainer plays it, from its flags (--spy-task, --spy-mask, --spy-beta, --spy-lambda,
+    --spy-players)."""
     env = ta.make(GAME, texts=texts, task=args.spy_task, mask=args.spy_mask, beta=args.spy_beta, lam=args.spy_lambda)
     env.reset(num_players=args.spy_players, seed=seed)
     return env
@@ -367,23 +431,29 @@ def step_metrics(trajs: list, phases: tuple[str, ...]) -> dict:
     votes on the spy), the spy-caught rate, the invalid-vote rate, the mean reward and advantage per role
     (spy, civilian: outputs; vote: the civilians' votes), the largest zero-sum residual and the civilians'
     mean ROUGE-L (null without references)."""
+
     def mean(xs):
         xs = list(xs)
         return sum(xs) / len(xs) if xs else None
 
     games = [t.info for t in trajs if t.info["phase"] == "performance" and t.info["role"] == "spy"]
-    groups = {"spy": [t for t in trajs if t.info["role"] == "spy"],
-              "civilian": [t for t in trajs if t.info["role"] == "civilian" and t.info["phase"] == "performance"],
-              "vote": [t for t in trajs if t.info["phase"] == "detection"]}
-    return {"trained": "+".join(phases), "games": len(games),
-            "trained_transitions": sum(len(t.turns) for t in trajs if t.info["phase"] in phases),
-            "detection_accuracy": mean(t.reward for t in groups["vote"]),
-            "caught_rate": mean(g["caught"] for g in games),
-            "invalid_vote_rate": mean(v is None for g in games for v in g["votes"]),
-            "reward": {k: mean(t.reward for t in ts) for k, ts in groups.items()},
-            "advantage": {k: mean(t.a_mod for t in ts) for k, ts in groups.items()},
-            "zero_sum_residual": max((g["zero_sum_residual"] for g in games), default=0.0),
-            "rouge_l": mean(t.info["rouge_l"] for t in groups["civilian"] if "rouge_l" in t.info)}
+    groups = {
+        "spy": [t for t in trajs if t.info["role"] == "spy"],
+        "civilian": [t for t in trajs if t.info["role"] == "civilian" and t.info["phase"] == "performance"],
+        "vote": [t for t in trajs if t.info["phase"] == "detection"],
+    }
+    return {
+        "trained": "+".join(phases),
+        "games": len(games),
+        "trained_transitions": sum(len(t.turns) for t in trajs if t.info["phase"] in phases),
+        "detection_accuracy": mean(t.reward for t in groups["vote"]),
+        "caught_rate": mean(g["caught"] for g in games),
+        "invalid_vote_rate": mean(v is None for g in games for v in g["votes"]),
+        "reward": {k: mean(t.reward for t in ts) for k, ts in groups.items()},
+        "advantage": {k: mean(t.a_mod for t in ts) for k, ts in groups.items()},
+        "zero_sum_residual": max((g["zero_sum_residual"] for g in games), default=0.0),
+        "rouge_l": mean(t.info["rouge_l"] for t in groups["civilian"] if "rouge_l" in t.info),
+    }
 
 
 if GAME not in ENV_REGISTRY:  # a second import of this module must not register it twice

@@ -22,19 +22,35 @@ PRICES_DATE = "2025-06"
 # USD per million (prompt, completion) tokens: the providers' list prices as of PRICES_DATE.
 # --judge-price-in / --judge-price-out override them; a model not listed has no money shown.
 PRICES = {
-    "gpt-4o": (2.50, 10.00), "gpt-4o-2024-08-06": (2.50, 10.00), "gpt-4o-2024-11-20": (2.50, 10.00),
-    "gpt-4o-mini": (0.15, 0.60), "gpt-4.1": (2.00, 8.00), "gpt-4.1-mini": (0.40, 1.60),
-    "gpt-4-turbo": (10.00, 30.00), "gpt-4": (30.00, 60.00),
-    "claude-3-5-sonnet-20241022": (3.00, 15.00), "gemini-2.0-flash": (0.10, 0.40),
+    "gpt-4o": (2.50, 10.00),
+    "gpt-4o-2024-08-06": (2.50, 10.00),
+    "gpt-4o-2024-11-20": (2.50, 10.00),
+    "gpt-4o-mini": (0.15, 0.60),
+    "gpt-4.1": (2.00, 8.00),
+    "gpt-4.1-mini": (0.40, 1.60),
+    "gpt-4-turbo": (10.00, 30.00),
+    "gpt-4": (30.00, 60.00),
+    "claude-3-5-sonnet-20241022": (3.00, 15.00),
+    "gemini-2.0-flash": (0.10, 0.40),
 }
 CHARS_PER_TOKEN = 4  # English text in GPT-4-class tokenizers; the judge's tokenizer is not at hand
 EXAMPLE = (1000, 200)  # response and reply tokens of the plan's example (an illustration, not a measurement)
 PAPER_MONEY = 100  # "about $100 a run" (the STRATAGEM paper, as its reviews report it)
 
 
-def project(steps: int, batch_size: int, sample_rate: float, rubrics: list[str], samples: int, turns: float,
-            one_turn: float, chars: dict[str, float], response_tokens: float, reply_tokens: float,
-            prices: tuple[float, float]) -> dict:
+def project(
+    steps: int,
+    batch_size: int,
+    sample_rate: float,
+    rubrics: list[str],
+    samples: int,
+    turns: float,
+    one_turn: float,
+    chars: dict[str, float],
+    response_tokens: float,
+    reply_tokens: float,
+    prices: tuple[float, float],
+) -> dict:
     """The judge's requests, prompt and completion tokens and money over `steps` steps. `turns`: mean turns of
     a player-trajectory; `one_turn`: the share with one turn; `chars[rubric]`: mean characters of a request
     before the responses are added; `prices`: USD per million (prompt, completion) tokens."""
@@ -44,11 +60,19 @@ def project(steps: int, batch_size: int, sample_rate: float, rubrics: list[str],
     requests = steps * sum(asked.values())
     prompt = steps * sum(n * (chars[r] / CHARS_PER_TOKEN + turns * response_tokens) for r, n in asked.items())
     completion = requests * reply_tokens
-    return {"trajectories": trajectories, "judged": judged, "requests": requests, "prompt_tokens": prompt,
-            "completion_tokens": completion, "money": (prompt * prices[0] + completion * prices[1]) / 1e6}
+    return {
+        "trajectories": trajectories,
+        "judged": judged,
+        "requests": requests,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "money": (prompt * prices[0] + completion * prices[1]) / 1e6,
+    }
 
 
-def sample_games(make_env, games: list[str], seed: int, max_turns: int, n: int = 4) -> list[tuple[str, int, list[dict]]]:
+def sample_games(
+    make_env, games: list[str], seed: int, max_turns: int, n: int = 4
+) -> list[tuple[str, int, list[dict]]]:
     """The dry render's games: n seeded games of each id, both seats played by a random legal player (the
     first legal move of the shuffled candidates: uniform over the legal ones without trying them all).
     Returns (game, seat, turns) per seat that moved. The global `random`, which games reseed, is left as it was."""
@@ -72,17 +96,30 @@ def judge_projection(args, games: list[str], make_env, steps: int) -> dict:
     """This run's judge, projected from a dry render: the bound, the example, and what they rest on."""
     rubrics = ["transferability"] + ([] if args.no_psi else ["evolution"])
     sampled = sample_games(make_env, games, args.seed, args.max_turns)
-    chars = {r: sum(sum(len(m["content"]) for m in judge_prompts.build_messages(
-        r, judge_prompts.render_trajectory(g, p, t))) for g, p, t in sampled) / len(sampled) for r in rubrics}
+    chars = {
+        r: sum(
+            sum(len(m["content"]) for m in judge_prompts.build_messages(r, judge_prompts.render_trajectory(g, p, t)))
+            for g, p, t in sampled
+        )
+        / len(sampled)
+        for r in rubrics
+    }
     turns = sum(len(t) for _, _, t in sampled) / len(sampled)
     one_turn = sum(len(t) == 1 for _, _, t in sampled) / len(sampled)
     prices = (args.judge_price_in, args.judge_price_out) if args.judge == "openai" else (0.0, 0.0)
     common = (steps, args.batch_size, args.judge_sample_rate, rubrics, args.judge_samples, turns, one_turn, chars)
     example = (min(EXAMPLE[0], args.max_new_tokens), min(EXAMPLE[1], args.judge_max_tokens))  # never past the bound
-    return {"rubrics": rubrics, "turns": turns, "one_turn": one_turn, "steps": steps, "prices": prices,
-            "base_tokens": {r: c / CHARS_PER_TOKEN for r, c in chars.items()}, "example_tokens": example,
-            "bound": project(*common, args.max_new_tokens, args.judge_max_tokens, prices),
-            "example": project(*common, *example, prices)}
+    return {
+        "rubrics": rubrics,
+        "turns": turns,
+        "one_turn": one_turn,
+        "steps": steps,
+        "prices": prices,
+        "base_tokens": {r: c / CHARS_PER_TOKEN for r, c in chars.items()},
+        "example_tokens": example,
+        "bound": project(*common, args.max_new_tokens, args.judge_max_tokens, prices),
+        "example": project(*common, *example, prices),
+    }
 
 
 def dollars(x: float) -> str:
@@ -93,35 +130,50 @@ def projection_lines(args, p: dict) -> list[str]:
     """The judge's requests, tokens per request and money, as the start of a run and --dry-run print them."""
     b, e = p["bound"], p["example"]
     samples = "" if args.judge_samples == 1 else f", {args.judge_samples} verdicts each"
-    lines = [f"judge requests: ~{b['requests']:,.0f} over {p['steps']} steps (~{b['trajectories']:.1f} trajectories "
-             f"a step, {b['judged']} judged: {' + '.join(p['rubrics'])}{samples}; one-turn ones skip evolution: "
-             f"{p['one_turn']:.0%} in the dry render)",
-             f"judge tokens a request: ~{sum(p['base_tokens'].values()) / len(p['base_tokens']):,.0f} + {p['turns']:.1f} "
-             f"turns of responses: at most ~{b['prompt_tokens'] / b['requests']:,.0f} (--max-new-tokens "
-             f"{args.max_new_tokens}), ~{e['prompt_tokens'] / e['requests']:,.0f} with {p['example_tokens'][0]:,}-token responses; "
-             f"replies at most {args.judge_max_tokens:,} (--judge-max-tokens)"]
+    lines = [
+        f"judge requests: ~{b['requests']:,.0f} over {p['steps']} steps (~{b['trajectories']:.1f} trajectories "
+        f"a step, {b['judged']} judged: {' + '.join(p['rubrics'])}{samples}; one-turn ones skip evolution: "
+        f"{p['one_turn']:.0%} in the dry render)",
+        f"judge tokens a request: ~{sum(p['base_tokens'].values()) / len(p['base_tokens']):,.0f} + {p['turns']:.1f} "
+        f"turns of responses: at most ~{b['prompt_tokens'] / b['requests']:,.0f} (--max-new-tokens "
+        f"{args.max_new_tokens}), ~{e['prompt_tokens'] / e['requests']:,.0f} "
+        f"with {p['example_tokens'][0]:,}-token responses; "
+        f"replies at most {args.judge_max_tokens:,} (--judge-max-tokens)",
+    ]
     if args.judge != "openai":
         return lines + ["judge money: none (the heuristic stand-in is free and offline)"]
     if not sum(p["prices"]):
-        return lines + [f"judge money: {args.judge_model} is not in the price table of {PRICES_DATE}; "
-                        "pass --judge-price-in/out to see money"]
+        return lines + [
+            f"judge money: {args.judge_model} is not in the price table of {PRICES_DATE}; "
+            "pass --judge-price-in/out to see money"
+        ]
     known = PRICES.get(args.judge_model) == p["prices"]
-    return lines + [f"judge money: at most {dollars(b['money'])}, ~{dollars(e['money'])} with {p['example_tokens'][0]:,}-token responses "
-                    f"and {p['example_tokens'][1]}-token replies (USD {p['prices'][0]:.2f} in / {p['prices'][1]:.2f} out per 1M "
-                    f"tokens{f', list prices of {PRICES_DATE}' if known else ''}; the paper: ~${PAPER_MONEY} a run)"]
+    return lines + [
+        f"judge money: at most {dollars(b['money'])}, ~{dollars(e['money'])} "
+        f"with {p['example_tokens'][0]:,}-token responses "
+        f"and {p['example_tokens'][1]}-token replies (USD {p['prices'][0]:.2f} in / {p['prices'][1]:.2f} out per 1M "
+        f"tokens{f', list prices of {PRICES_DATE}' if known else ''}; the paper: ~${PAPER_MONEY} a run)"
+    ]
 
 
 def plan(args, out, games: list[str], device, engine: str, projection: dict | None) -> str:
     """--dry-run: what the run would do and cost. Nothing is loaded, run or written."""
-    judge = ("none (--mode spiral)" if args.mode == "spiral" else
-             f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}" if args.judge == "openai"
-             else "heuristic stand-in (offline, NOT the paper's judge)")
-    lines = ["stratagem --dry-run: the plan; nothing is loaded, run or written",
-             f"run directory: {out}" + (" (exists: a run needs --resume or another --out)" if out.exists() and not args.resume else ""),
-             f"model: {'a random tiny Qwen3, built offline' if args.tiny else args.model}",
-             f"engine: {args.backend} on {device} ({engine})",
-             f"games: {', '.join(games)}, one sampled uniformly per episode, turn cap {args.max_turns}",
-             f"steps: {args.steps}, batch {args.batch_size} transitions ({args.steps * args.batch_size:,} in all), "
-             f"lr {args.lr:g}, mode {args.mode}" + ("" if args.mode == "spiral" else f", beta {args.beta}"),
-             f"judge: {judge}" + ("" if args.mode == "spiral" else f", {args.judge_sample_rate:.0%} of trajectories")]
+    judge = (
+        "none (--mode spiral)"
+        if args.mode == "spiral"
+        else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
+        if args.judge == "openai"
+        else "heuristic stand-in (offline, NOT the paper's judge)"
+    )
+    lines = [
+        "stratagem --dry-run: the plan; nothing is loaded, run or written",
+        f"run directory: {out}"
+        + (" (exists: a run needs --resume or another --out)" if out.exists() and not args.resume else ""),
+        f"model: {'a random tiny Qwen3, built offline' if args.tiny else args.model}",
+        f"engine: {args.backend} on {device} ({engine})",
+        f"games: {', '.join(games)}, one sampled uniformly per episode, turn cap {args.max_turns}",
+        f"steps: {args.steps}, batch {args.batch_size} transitions ({args.steps * args.batch_size:,} in all), "
+        f"lr {args.lr:g}, mode {args.mode}" + ("" if args.mode == "spiral" else f", beta {args.beta}"),
+        f"judge: {judge}" + ("" if args.mode == "spiral" else f", {args.judge_sample_rate:.0%} of trajectories"),
+    ]
     return "\n".join(lines + (projection_lines(args, projection) if projection else []))

@@ -61,7 +61,7 @@ def ranks(xs: list[float]) -> list[float]:
         j = i
         while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
             j += 1
-        for k in order[i:j + 1]:
+        for k in order[i : j + 1]:
             out[k] = (i + j) / 2 + 1
         i = j + 1
     return out
@@ -92,16 +92,19 @@ def final_norm(model) -> torch.nn.Module:
     return next(getattr(decoder, name) for name in ("norm", "final_layernorm", "ln_f") if hasattr(decoder, name))
 
 
-def features(model, trajs: list, collate, pad_id: int, micro_batch_size: int, device: torch.device, dist,
-             timer) -> list[torch.Tensor | None] | None:
+def features(
+    model, trajs: list, collate, pad_id: int, micro_batch_size: int, device: torch.device, dist, timer
+) -> list[torch.Tensor | None] | None:
     """Every trajectory's mean last hidden state over its response tokens (all its turns), [H] float32 on the CPU;
     None for a seat that never moved. Each rank passes its own trajectories; rank 0 gets the whole batch in rank
     order (the others None). Micro-batched like the learner, `logits_to_keep=1`: no full-vocabulary logits. The
     hidden state is caught by a forward hook on the final norm, which also works under FSDP (the root unit holds
     the norm). Eval mode and no_grad: no dropout, no RNG draw, no graph; the previous mode is restored."""
-    items = sorted(((j, t.prompt_ids, t.response_ids) for j, traj in enumerate(trajs) for t in traj.turns),
-                   key=lambda x: len(x[1]) + len(x[2]))
-    chunks = [items[k:k + micro_batch_size] for k in range(0, len(items), micro_batch_size)]
+    items = sorted(
+        ((j, t.prompt_ids, t.response_ids) for j, traj in enumerate(trajs) for t in traj.turns),
+        key=lambda x: len(x[1]) + len(x[2]),
+    )
+    chunks = [items[k : k + micro_batch_size] for k in range(0, len(items), micro_batch_size)]
     n_real = len(chunks)
     chunks += chunks[-1:] * (max(dist.gather(len(chunks))) - len(chunks))  # FSDP: every rank makes as many passes
     sums = [None] * len(trajs)
@@ -115,11 +118,16 @@ def features(model, trajs: list, collate, pad_id: int, micro_batch_size: int, de
             for k, chunk in enumerate(chunks):
                 ids, attn, mask = (x.to(device) for x in collate([(p, r) for _, p, r in chunk], pad_id))
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                          logits_to_keep=1, use_cache=False)
+                    model(
+                        input_ids=ids,
+                        attention_mask=attn,
+                        position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                        logits_to_keep=1,
+                        use_cache=False,
+                    )
                 if k >= n_real:  # a repeat that only keeps the ranks in step
                     continue
-                hidden = caught["hidden"][:, -mask.shape[1]:].float()  # [b, R, H]: response positions (left-padded)
+                hidden = caught["hidden"][:, -mask.shape[1] :].float()  # [b, R, H]: response positions (left-padded)
                 pooled = (hidden * mask[..., None]).sum(1).cpu()  # [b, H]
                 for (j, _, _), row, n in zip(chunk, pooled, mask.sum(1).tolist()):
                     sums[j] = row if sums[j] is None else sums[j] + row
@@ -183,7 +191,8 @@ class Distiller:
         self.report: dict = {}
 
     def sample_rate(self) -> float:
-        """The judge's rate this step: --distill-audit-rate while trusted (if one was given), else --judge-sample-rate."""
+        """The judge's rate this step: --distill-audit-rate while trusted (if one was given), else
+        --judge-sample-rate."""
         audit = self.args.distill_audit_rate
         return audit if self.trusted and audit > 0 else self.args.judge_sample_rate
 
@@ -204,11 +213,15 @@ class Distiller:
     def train(self) -> float:
         """EPOCHS full-batch Adam steps on the training window; returns the last loss."""
         x = self.standardise(torch.stack(list(self.train_x)))  # [W, H]
-        levels = torch.tensor([[0 if y[k] is None else level_index(k, y[k]) for k in KEYS] for y in self.train_y])  # [W, D]
+        levels = torch.tensor(
+            [[0 if y[k] is None else level_index(k, y[k]) for k in KEYS] for y in self.train_y]
+        )  # [W, D]
         known = torch.tensor([[y[k] is not None for k in KEYS] for y in self.train_y])  # [W, D]
         for _ in range(EPOCHS):
             self.optimizer.zero_grad(set_to_none=True)
-            loss = ordinal_loss(self.heads.log_probs(x), levels, known) + WEIGHT_DECAY * self.heads.weight.square().sum()
+            loss = (
+                ordinal_loss(self.heads.log_probs(x), levels, known) + WEIGHT_DECAY * self.heads.weight.square().sum()
+            )
             loss.backward()
             self.optimizer.step()
         return loss.item()
@@ -246,30 +259,52 @@ class Distiller:
         predicted = {}
         for i, raw in zip(played, self.predict(x)):
             turns = trajs[i].turns
-            predicted[i] = judge_prompts.evolution_rules([t.observation for t in turns], [t.response for t in turns], raw)[0]
+            predicted[i] = judge_prompts.evolution_rules(
+                [t.observation for t in turns], [t.response for t in turns], raw
+            )[0]
             trajs[i].predicted = {"levels": predicted[i], "used": False}
         valid = {i: j for i, j in sorted(judged.items()) if j.scores is not None and i in predicted}
-        trained = sum(self.file(feats[i], predicted[i], j) for i, j in valid.items())  # none: the heads stay as they are
+        trained = sum(
+            self.file(feats[i], predicted[i], j) for i, j in valid.items()
+        )  # none: the heads stay as they are
         kappas, rhos = self.agreement()
         counts = {k: len(self.pairs[k]) for k in KEYS}
-        self.trusted = trusted({k: kappas[k] for k in self.used}, counts, self.args.distill_kappa, self.args.distill_window)
+        self.trusted = trusted(
+            {k: kappas[k] for k in self.used}, counts, self.args.distill_kappa, self.args.distill_window
+        )
         estimates = {i: predicted[i] for i in played if i not in valid} if self.trusted else {}
         for i in estimates:
             trajs[i].predicted["used"] = True
         loss = self.train() if trained else float("nan")
         finite = lambda v: None if math.isnan(v) else v  # noqa: E731 - JSON has no nan
-        self.report = {"trusted": self.trusted, "judge_rate": rate, "used": self.used, "bar": self.args.distill_kappa,
-                       "scored": {"judge": len(valid), "heads": len(estimates),
-                                  "imputed": len(played) - len(valid) - len(estimates)},
-                       "kappa": {k: finite(v) for k, v in kappas.items()}, "holdout": counts,
-                       "spearman": {k: finite(v) for k, v in rhos.items()},
-                       "trained_on": len(self.train_x) if trained else 0, "train_loss": finite(loss)}
+        self.report = {
+            "trusted": self.trusted,
+            "judge_rate": rate,
+            "used": self.used,
+            "bar": self.args.distill_kappa,
+            "scored": {
+                "judge": len(valid),
+                "heads": len(estimates),
+                "imputed": len(played) - len(valid) - len(estimates),
+            },
+            "kappa": {k: finite(v) for k, v in kappas.items()},
+            "holdout": counts,
+            "spearman": {k: finite(v) for k, v in rhos.items()},
+            "trained_on": len(self.train_x) if trained else 0,
+            "train_loss": finite(loss),
+        }
         return estimates
 
     def state_dict(self) -> dict:
-        return {"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": self.rng.getstate(),
-                "train_x": list(self.train_x), "train_y": list(self.train_y),
-                "pairs": {k: list(v) for k, v in self.pairs.items()}, "trusted": self.trusted}
+        return {
+            "heads": self.heads.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": self.rng.getstate(),
+            "train_x": list(self.train_x),
+            "train_y": list(self.train_y),
+            "pairs": {k: list(v) for k, v in self.pairs.items()},
+            "trusted": self.trusted,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.heads.load_state_dict(state["heads"])

@@ -31,11 +31,16 @@ def collective_timeout(args, world: int) -> float:
     on to their end). A --dist-timeout shorter than that judging is refused."""
     most = world * (math.ceil(args.batch_size / world) + args.num_envs * args.max_turns)
     requests = math.ceil(args.judge_sample_rate * most) * (1 if args.no_psi else 2) * args.judge_samples
-    judging = (judge_seconds(requests, args.judge_concurrency, args.judge_timeout, args.judge_retries)
-               if args.mode == "stratagem" and args.judge == "openai" else 0.0)
+    judging = (
+        judge_seconds(requests, args.judge_concurrency, args.judge_timeout, args.judge_retries)
+        if args.mode == "stratagem" and args.judge == "openai"
+        else 0.0
+    )
     if world > 1 and 0 < args.dist_timeout < judging:
-        raise UserError(f"--dist-timeout {args.dist_timeout:g} is shorter than a step's judging can take "
-                        f"({judging:g} s: {requests} requests, see docs/torchrun.md); the other ranks wait for it")
+        raise UserError(
+            f"--dist-timeout {args.dist_timeout:g} is shorter than a step's judging can take "
+            f"({judging:g} s: {requests} requests, see docs/torchrun.md); the other ranks wait for it"
+        )
     return args.dist_timeout or 1800.0 + judging
 
 
@@ -51,8 +56,10 @@ class Dist:
         if self.world > 1 and not torch.distributed.is_initialized():
             if torch.cuda.is_available():
                 torch.cuda.set_device(self.local_rank)
-            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                                 timeout=datetime.timedelta(seconds=self.timeout or 1800))
+            torch.distributed.init_process_group(
+                "nccl" if torch.cuda.is_available() else "gloo",
+                timeout=datetime.timedelta(seconds=self.timeout or 1800),
+            )
 
     @property
     def main(self) -> bool:
@@ -64,9 +71,11 @@ class Dist:
             yield
         except RuntimeError as e:  # gloo's and NCCL's timeouts and lost peers
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"rank {self.rank}: a collective failed after waiting up to {self.timeout or 1800:g} s "
-                            f"(--dist-timeout): another rank is frozen or gone ({first[:200]}); continue from the "
-                            "last checkpoint with --resume") from None
+            raise UserError(
+                f"rank {self.rank}: a collective failed after waiting up to {self.timeout or 1800:g} s "
+                f"(--dist-timeout): another rank is frozen or gone ({first[:200]}); continue from the "
+                "last checkpoint with --resume"
+            ) from None
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""
@@ -186,8 +195,12 @@ def stop_within(seconds: float):
                 signum = os.read(_stop_pipe[0], 1)[0]
                 if signum in (signal.SIGTERM, signal.SIGINT):
                     time.sleep(seconds)
-                    print(f"stratagem: stopped by {signal.Signals(signum).name}; the run did not stop within "
-                          f"{seconds:g} s (blocked in a collective?), so it was ended there", file=sys.stderr, flush=True)
+                    print(
+                        f"stratagem: stopped by {signal.Signals(signum).name}; the run did not stop within "
+                        f"{seconds:g} s (blocked in a collective?), so it was ended there",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     os._exit(128 + signum)
 
         threading.Thread(target=watch, daemon=True).start()

@@ -21,8 +21,11 @@ def field_docs(cls) -> dict[str, tuple[str, str]]:
         if m := re.fullmatch(r"\s*# --- (.+) ---", line):
             group = m.group(1)
         groups[number] = group
-    return {node.target.id: (groups[node.lineno], nxt.value.value) for node, nxt in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
+    return {
+        node.target.id: (groups[node.lineno], " ".join(nxt.value.value.split()))
+        for node, nxt in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+    }
 
 
 class FriendlyParser(argparse.ArgumentParser):
@@ -50,8 +53,13 @@ def dataclass_parser(cls, choices: dict, presets: dict[str, dict], **kwargs) -> 
             section.add_argument(flag, action="store_true", help=doc)
             continue
         preset = "".join(f"; with {flag}: {values[name]!r}" for flag, values in presets.items() if name in values)
-        section.add_argument(flag, type=kind, choices=choices.get(name), metavar=None if name in choices else kind.__name__.upper(),
-                             help=f"{doc} (default: {default!r}{preset})")
+        section.add_argument(
+            flag,
+            type=kind,
+            choices=choices.get(name),
+            metavar=None if name in choices else kind.__name__.upper(),
+            help=f"{doc} (default: {default!r}{preset})",
+        )
     return p
 
 

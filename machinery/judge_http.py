@@ -50,7 +50,9 @@ class _BoundedStream(httpcore.NetworkStream):
         self.stream.close()
 
     def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> _BoundedStream:
-        return _BoundedStream(self.stream.start_tls(ssl_context, server_hostname, _wait(timeout, httpcore.ConnectTimeout)))
+        return _BoundedStream(
+            self.stream.start_tls(ssl_context, server_hostname, _wait(timeout, httpcore.ConnectTimeout))
+        )
 
     def get_extra_info(self, info: str):
         return self.stream.get_extra_info(info)
@@ -63,12 +65,14 @@ class _BoundedBackend(httpcore.NetworkBackend):
         self.backend = backend
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None) -> _BoundedStream:
-        return _BoundedStream(self.backend.connect_tcp(host, port, _wait(timeout, httpcore.ConnectTimeout),
-                                                       local_address, socket_options))
+        return _BoundedStream(
+            self.backend.connect_tcp(host, port, _wait(timeout, httpcore.ConnectTimeout), local_address, socket_options)
+        )
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None) -> _BoundedStream:
-        return _BoundedStream(self.backend.connect_unix_socket(path, _wait(timeout, httpcore.ConnectTimeout),
-                                                               socket_options))
+        return _BoundedStream(
+            self.backend.connect_unix_socket(path, _wait(timeout, httpcore.ConnectTimeout), socket_options)
+        )
 
     def sleep(self, seconds: float) -> None:
         self.backend.sleep(seconds)
@@ -104,10 +108,16 @@ class BoundedClient(httpx.Client):
     as they will be parsed."""
 
     def __init__(self, max_bytes: int):
-        super().__init__(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
-                         follow_redirects=True, headers={"Accept-Encoding": "identity"})  # openai's own limits
+        super().__init__(
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            follow_redirects=True,
+            headers={"Accept-Encoding": "identity"},
+        )  # openai's own limits
         self.max_bytes = max_bytes
-        for transport in [self._transport, *self._mounts.values()]:  # httpx takes no network backend (encode/httpx#3749)
+        for transport in [
+            self._transport,
+            *self._mounts.values(),
+        ]:  # httpx takes no network backend (encode/httpx#3749)
             pool = getattr(transport, "_pool", None)
             if pool is not None:
                 pool._network_backend = _BoundedBackend(pool._network_backend)

@@ -38,7 +38,7 @@ def candidate_actions(observation: str) -> list[str]:
             for values in itertools.product(range(16), repeat=len(numbers)):
                 pieces, last = [], 0
                 for m, v in zip(numbers, values):
-                    pieces += [action[last:m.start()], str(v)]
+                    pieces += [action[last : m.start()], str(v)]
                     last = m.end()
                 out["".join(pieces) + action[last:]] = None
     return list(out)
@@ -81,5 +81,9 @@ def summarize_matches(records: list[dict]) -> dict:
                 cell[key] = {"count": k, "rate": k / len(rows) if rows else 0.0, "ci95": wilson(k, len(rows))}
             table.setdefault(game, {})[seat] = cell
     wins = sum(r["outcome"] == "win" for r in records)
-    return {"games": table, "n": len(records), "win_rate": wins / len(records) if records else 0.0,
-            "win_ci95": wilson(wins, len(records))}
+    return {
+        "games": table,
+        "n": len(records),
+        "win_rate": wins / len(records) if records else 0.0,
+        "win_ci95": wilson(wins, len(records)),
+    }

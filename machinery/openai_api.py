@@ -36,8 +36,13 @@ def openai_client(base_url: str, timeout: float, retries: int, what: str, max_to
     key = os.environ.get("OPENAI_API_KEY")
     if not key and not base_url:
         raise UserError(f"{what} needs OPENAI_API_KEY in the environment or a base URL of a local server")
-    return openai.OpenAI(api_key=key or "EMPTY", base_url=base_url or None, timeout=timeout, max_retries=retries,
-                         http_client=BoundedClient(max_reply_bytes(max_tokens)))
+    return openai.OpenAI(
+        api_key=key or "EMPTY",
+        base_url=base_url or None,
+        timeout=timeout,
+        max_retries=retries,
+        http_client=BoundedClient(max_reply_bytes(max_tokens)),
+    )
 
 
 RETRY_WAIT_MAX = 60.0  # the longest the openai client waits before a retry (it honours Retry-After up to 60 s)
@@ -59,8 +64,9 @@ def check_reachable(client, base_url: str, timeout: float, what: str) -> None:
     except openai.AuthenticationError:
         raise UserError(f"the {what} rejected the API key (HTTP 401); check OPENAI_API_KEY") from None
     except openai.APIConnectionError:
-        raise UserError(f"the {what} at {base_url or 'api.openai.com'} is unreachable; start the server or "
-                        "fix its base URL") from None
+        raise UserError(
+            f"the {what} at {base_url or 'api.openai.com'} is unreachable; start the server or fix its base URL"
+        ) from None
     except openai.APIStatusError:
         pass  # reachable; some compatible servers simply have no /models route
 
@@ -78,11 +84,17 @@ def chat(client, **request) -> tuple[str, int, int]:
     except (oa.APIError, ValueError) as e:  # ValueError: an HTTP 200 whose body is not JSON at all
         if isinstance(e.__cause__, ReplyTooLarge):  # an older openai retries it, then wraps it
             e = e.__cause__
-        kinds = ((oa.APITimeoutError, "timeout"),  # first: a timeout is also an APIConnectionError
-                 (ReplyTooLarge, "too_large"), (oa.APIConnectionError, "connection"), (oa.RateLimitError, "rate_limit"),
-                 (oa.InternalServerError, "server_error"))
-        kind = next((k for cls, k in kinds if isinstance(e, cls)),
-                    f"http_{e.status_code}" if isinstance(e, oa.APIStatusError) else "bad_response")
+        kinds = (
+            (oa.APITimeoutError, "timeout"),  # first: a timeout is also an APIConnectionError
+            (ReplyTooLarge, "too_large"),
+            (oa.APIConnectionError, "connection"),
+            (oa.RateLimitError, "rate_limit"),
+            (oa.InternalServerError, "server_error"),
+        )
+        kind = next(
+            (k for cls, k in kinds if isinstance(e, cls)),
+            f"http_{e.status_code}" if isinstance(e, oa.APIStatusError) else "bad_response",
+        )
         raise JudgeFailure(kind, str(e)) from None
     return chat_reply(resp)
 
@@ -109,8 +121,9 @@ def chat_reply(resp) -> tuple[str, int, int]:
         raise JudgeFailure("empty", tokens=tokens)
     finish = getattr(choices[0], "finish_reason", None)
     if finish != "stop":  # cut off (length) or filtered: whatever JSON it holds may be quoted, not the verdict
-        raise JudgeFailure(f"finish_{finish}" if finish in FINISH_KINDS else "finish_other",
-                           f"finish_reason {finish!r:.40}", tokens)
+        raise JudgeFailure(
+            f"finish_{finish}" if finish in FINISH_KINDS else "finish_other", f"finish_reason {finish!r:.40}", tokens
+        )
     content = getattr(getattr(choices[0], "message", None), "content", None)
     if content is not None and not isinstance(content, str):
         raise JudgeFailure("bad_response", f"content is not a string: {content!r:.80}", tokens)

@@ -66,8 +66,10 @@ def iter_jsonl(path: Path):
             elif record is not None:
                 bad += 1
     if bad:
-        print(f"stratagem: warning: skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)",
-              file=sys.stderr)
+        print(
+            f"stratagem: warning: skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)",
+            file=sys.stderr,
+        )
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -136,8 +138,9 @@ def write_config(out: Path, config: dict, step: int) -> str | None:
         append_jsonl(out / "config_history.jsonl", {"step": step, "changed": changed})
     write_atomic(out / "config.json", json.dumps(config, indent=2).encode())
     if changed:
-        return ("config changed on resume (kept in config_history.jsonl): "
-                + ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items()))
+        return "config changed on resume (kept in config_history.jsonl): " + ", ".join(
+            f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items()
+        )
     return None
 
 
@@ -158,23 +161,32 @@ def resume_checkpoint(out: Path, steps: int, world: int) -> Path | None:
     if ckpt is not None:
         check_checkpoint(ckpt, world)
         if steps < (done := checkpoint_step(ckpt)):
-            raise UserError(f"--resume: {out} has already done {done} steps; --steps {steps} cannot undo them "
-                            f"(pass --steps > {done} to train further)")
+            raise UserError(
+                f"--resume: {out} has already done {done} steps; --steps {steps} cannot undo them "
+                f"(pass --steps > {done} to train further)"
+            )
     return ckpt
 
 
 def check_checkpoint(ckpt: Path, world: int) -> None:
     """Refuse, in one line, a checkpoint that is missing files or was written by another number of processes."""
     ranks = len(list(ckpt.glob("rank*.pt")))
-    missing = [name for name in ("config.json", "model.safetensors", "trainer_state.pt", "rank0.pt")
-               if not (ckpt / name).is_file()]
+    missing = [
+        name
+        for name in ("config.json", "model.safetensors", "trainer_state.pt", "rank0.pt")
+        if not (ckpt / name).is_file()
+    ]
     if "model.safetensors" in missing and (ckpt / "model.safetensors.index.json").is_file():
         missing.remove("model.safetensors")  # a large model is saved in shards, listed by the index
     if missing:
-        raise UserError(f"--resume: checkpoint {ckpt} is incomplete (missing {', '.join(missing)}); restore it, or "
-                        "delete that folder to start the run again from step 0")
+        raise UserError(
+            f"--resume: checkpoint {ckpt} is incomplete (missing {', '.join(missing)}); restore it, or "
+            "delete that folder to start the run again from step 0"
+        )
     if ranks != world:
-        raise UserError(f"--resume: {ckpt} was written by {ranks} process(es); resume it with as many (this is {world})")
+        raise UserError(
+            f"--resume: {ckpt} was written by {ranks} process(es); resume it with as many (this is {world})"
+        )
 
 
 def load_state(path: Path) -> dict:
@@ -183,14 +195,20 @@ def load_state(path: Path) -> dict:
         return torch.load(path, weights_only=False)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:  # a torn zip is a RuntimeError
         first = str(e).strip().split(". ")[0] if str(e).strip() else "empty file"
-        raise UserError(f"--resume: {path} is damaged ({type(e).__name__}: {first}); restore it, or delete "
-                        f"{path.parent} to start the run again from step 0") from None
+        raise UserError(
+            f"--resume: {path} is damaged ({type(e).__name__}: {first}); restore it, or delete "
+            f"{path.parent} to start the run again from step 0"
+        ) from None
 
 
 def rng_states(rng: random.Random) -> dict:
-    return {"rng": rng.getstate(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "rng": rng.getstate(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def set_rng_states(rng: random.Random, s: dict) -> None:
@@ -234,8 +252,10 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split(". ")[0]
-        raise UserError(f"cannot write checkpoint {final} ({detail}); the previous one is intact: make room, "
-                        f"then continue with --resume --out {out}") from None
+        raise UserError(
+            f"cannot write checkpoint {final} ({detail}); the previous one is intact: make room, "
+            f"then continue with --resume --out {out}"
+        ) from None
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM in the middle of a save: the previous checkpoint stands
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -267,8 +287,10 @@ def claim_run(out: Path, fresh: bool) -> None:
         try:
             out.mkdir(parents=True)
         except FileExistsError:
-            raise UserError(f"{out} already exists (another run has just started in it); choose another --out, "
-                            "or pass --resume to continue it") from None
+            raise UserError(
+                f"{out} already exists (another run has just started in it); choose another --out, "
+                "or pass --resume to continue it"
+            ) from None
     f = open(out / LOCK, "a+", encoding="utf-8")
     _lock(f, out)
     f.seek(0)
@@ -285,8 +307,10 @@ def _lock(f, out: Path) -> None:
         f.seek(0)
         holder = f.read().strip() or "another job (just starting)"
         f.close()
-        raise UserError(f"{out} is in use by {holder}, which holds {out / LOCK}; one run folder takes one job "
-                        "at a time: stop that job, or --resume once it has ended") from None
+        raise UserError(
+            f"{out} is in use by {holder}, which holds {out / LOCK}; one run folder takes one job "
+            "at a time: stop that job, or --resume once it has ended"
+        ) from None
 
 
 def check_not_in_use(out: Path) -> None:
@@ -361,8 +385,9 @@ class JudgeCache:
                     keys = judge_prompts.RUBRICS[record["rubric"]]["keys"]
                     if set(record["scores"]) != set(keys) or not isinstance(record["key"], str):
                         raise ValueError("not the rubric's keys")
-                    self.entries[record["key"]] = {k: judge_prompts.level(record["rubric"], k, record["scores"][k])
-                                                   for k in keys}
+                    self.entries[record["key"]] = {
+                        k: judge_prompts.level(record["rubric"], k, record["scores"][k]) for k in keys
+                    }
                 except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # a line of any shape
                     self.skipped += 1
             end_torn_line(path)

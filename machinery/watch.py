@@ -48,51 +48,79 @@ def fmt(x: float | None) -> str:
 
 def start_line(args, out: Path, device, engine: str) -> str:
     """The first line of a run: where it writes and what it will do."""
-    detail = {"spiral": "", "spyrl": f", {args.spy_players} players, {args.spy_task}, mask {args.spy_mask}, "
-                                     f"alternate {args.spy_alternate}"}.get(args.mode, " w/o psi" if args.no_psi else f", beta {args.beta}")
+    detail = {
+        "spiral": "",
+        "spyrl": f", {args.spy_players} players, {args.spy_task}, mask {args.spy_mask}, alternate {args.spy_alternate}",
+    }.get(args.mode, " w/o psi" if args.no_psi else f", beta {args.beta}")
     detail += f", KL {args.kl_coef}" if args.kl_coef else ""
     model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
-    judge = ("heuristic stand-in (offline, NOT the paper's judge)" if args.judge == "heuristic"
-             else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}")
-    judge = f"none ({args.mode})" if args.mode != "stratagem" else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
+    judge = (
+        "heuristic stand-in (offline, NOT the paper's judge)"
+        if args.judge == "heuristic"
+        else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
+    )
+    judge = (
+        f"none ({args.mode})"
+        if args.mode != "stratagem"
+        else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
+    )
     report = "" if args.report_to == "none" else f" + {args.report_to}"
-    return (f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
-            f"{args.backend} on {device} ({engine}) | judge {judge} | steps {args.steps}, batch {args.batch_size} transitions | "
-            f"logs metrics.jsonl{report}")
+    return (
+        f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
+        f"{args.backend} on {device} ({engine}) | judge {judge} | steps {args.steps}, "
+        f"batch {args.batch_size} transitions | "
+        f"logs metrics.jsonl{report}"
+    )
 
 
 def step_line(m: dict, args) -> str:
     """One line per step, from its metrics.jsonl record `m`."""
-    cost = (f" ${m['judge_cost_total']:.4f} (run at this rate: ${m['judge_cost_total'] / m['step'] * args.steps:.2f})"
-            if args.judge_price_in + args.judge_price_out else "")
-    ppo = (f" (last epoch: ratio {m['ppo']['ratio_mean'][-1]:.3f}, clipped {m['ppo']['clip_frac'][-1]:.1%})"
-           if "ppo" in m else "")
+    cost = (
+        f" ${m['judge_cost_total']:.4f} (run at this rate: ${m['judge_cost_total'] / m['step'] * args.steps:.2f})"
+        if args.judge_price_in + args.judge_price_out
+        else ""
+    )
+    ppo = (
+        f" (last epoch: ratio {m['ppo']['ratio_mean'][-1]:.3f}, clipped {m['ppo']['clip_frac'][-1]:.1%})"
+        if "ppo" in m
+        else ""
+    )
     kl = f" (KL {m['kl']:.2e})" if "kl" in m else ""
-    middle = (f"judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | phi {fmt(m['phi_mean'])} "
-              f"psi {fmt(m['psi_mean'])}")
+    middle = (
+        f"judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | phi {fmt(m['phi_mean'])} "
+        f"psi {fmt(m['psi_mean'])}"
+    )
     if "distill" in m:  # --distill: the heads' lowest kappa on the holdout, and who scored what
         d = m["distill"]
         kappas = [v for k, v in d["kappa"].items() if k in d["used"] and v is not None]
-        middle += (f" | heads {'TRUSTED' if d['trusted'] else 'learning'}, min kappa {fmt(min(kappas, default=None))} "
-                   f"on {min(d['holdout'][k] for k in d['used'])} held out; scored judge {d['scored']['judge']}, "
-                   f"heads {d['scored']['heads']}, mean {d['scored']['imputed']}")
+        middle += (
+            f" | heads {'TRUSTED' if d['trusted'] else 'learning'}, min kappa {fmt(min(kappas, default=None))} "
+            f"on {min(d['holdout'][k] for k in d['used'])} held out; scored judge {d['scored']['judge']}, "
+            f"heads {d['scored']['heads']}, mean {d['scored']['imputed']}"
+        )
     if "spy" in m:  # SpyRL: no judge; the game's own figures
         s = m["spy"]
-        middle = (f"trains {s['trained']} | detection {fmt(s['detection_accuracy'])}, caught {fmt(s['caught_rate'])}, "
-                  f"invalid votes {fmt(s['invalid_vote_rate'])}, zero-sum residual {s['zero_sum_residual']:.1e}"
-                  + (f", ROUGE-L {s['rouge_l']:.3f}" if s["rouge_l"] is not None else ""))
-    return (f"step {m['step']}/{args.steps} | {m['episodes']} games, {m['trajectories']} trajectories, "
-            f"{m['transitions']} transitions | {middle} | A_mod {m['a_mod_mean']:+.3f}±{m['a_mod_std']:.3f} | "
-            f"loss {m['loss']:+.4f}{ppo}{kl} | {m['time_s']:.1f}s")
+        middle = (
+            f"trains {s['trained']} | detection {fmt(s['detection_accuracy'])}, caught {fmt(s['caught_rate'])}, "
+            f"invalid votes {fmt(s['invalid_vote_rate'])}, zero-sum residual {s['zero_sum_residual']:.1e}"
+            + (f", ROUGE-L {s['rouge_l']:.3f}" if s["rouge_l"] is not None else "")
+        )
+    return (
+        f"step {m['step']}/{args.steps} | {m['episodes']} games, {m['trajectories']} trajectories, "
+        f"{m['transitions']} transitions | {middle} | A_mod {m['a_mod_mean']:+.3f}±{m['a_mod_std']:.3f} | "
+        f"loss {m['loss']:+.4f}{ppo}{kl} | {m['time_s']:.1f}s"
+    )
 
 
 def closing_line(out: Path, steps: int, mode: str = "stratagem") -> str:
     """The last line of a run: where its outputs are, and the commands a newcomer runs next on them."""
     run = shlex.quote(str(out))
-    return (f"done: {steps} steps in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
-            f"python stratagem.py plot {run} --out {shlex.quote(str(out / 'plots'))}  |  "
-            f"python stratagem.py show {run}{' --judged' if mode != 'spyrl' else ''}  |  "
-            f"python stratagem.py eval {run} --n 20")
+    return (
+        f"done: {steps} steps in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
+        f"python stratagem.py plot {run} --out {shlex.quote(str(out / 'plots'))}  |  "
+        f"python stratagem.py show {run}{' --judged' if mode != 'spyrl' else ''}  |  "
+        f"python stratagem.py eval {run} --n 20"
+    )
 
 
 class Progress:
@@ -102,9 +130,15 @@ class Progress:
 
     def __init__(self, step: int, steps: int, target: int, show: bool):
         self.games = 0
-        self.bar = tqdm(total=target, desc=f"step {step}/{steps}", file=sys.stderr, disable=None if show else True,
-                        leave=False, dynamic_ncols=True,
-                        bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} transitions{postfix} [{elapsed}]")
+        self.bar = tqdm(
+            total=target,
+            desc=f"step {step}/{steps}",
+            file=sys.stderr,
+            disable=None if show else True,
+            leave=False,
+            dynamic_ncols=True,
+            bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} transitions{postfix} [{elapsed}]",
+        )
 
     def played(self, transitions: int, games: int) -> None:
         self.games = games
@@ -121,11 +155,21 @@ class Progress:
 
 # --report-to tags: CleanRL-style namespaces for metrics.jsonl's top-level keys (`judge_x` -> `judge/x`);
 # nested dicts continue the path (game/games/TicTacToe-v0/player0/win), unlisted keys keep their name.
-NAMESPACES = {"game": ("episodes", "trajectories", "transitions", "generate_calls", "response_tokens",
-                       "response_tokens_mean", "games"),
-              "judge": ("modulated", "phi_mean", "psi_mean"),
-              "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines"),
-              "update": ("loss", "grad_norm", "kl"), "time": ("time_s", "elapsed_s", "time_split_s")}
+NAMESPACES = {
+    "game": (
+        "episodes",
+        "trajectories",
+        "transitions",
+        "generate_calls",
+        "response_tokens",
+        "response_tokens_mean",
+        "games",
+    ),
+    "judge": ("modulated", "phi_mean", "psi_mean"),
+    "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines"),
+    "update": ("loss", "grad_norm", "kl"),
+    "time": ("time_s", "elapsed_s", "time_split_s"),
+}
 TAG_OF = {key: f"{ns}/{key}" for ns, keys in NAMESPACES.items() for key in keys}
 
 
@@ -157,23 +201,31 @@ class Reporter:
         try:  # before --out is touched: a missing package ends the run before it starts
             if kind == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
+
                 self.lib = SummaryWriter
             else:
                 import wandb
+
                 self.lib = wandb
         except ImportError:
             raise UserError(f"--report-to {kind} needs the {kind} package: pip install {kind}") from None
 
     def open(self, out: Path, args, start: int) -> None:
         if self.kind == "tensorboard":
-            # purge_step: a resumed run hides what older event files hold after its checkpoint, as metrics.jsonl drops it
+            # purge_step: a resumed run hides what older event files hold after its checkpoint,
+            # as metrics.jsonl drops it
             self.run = self.lib(log_dir=str(out / "tensorboard"), purge_step=start + 1 if start else None)
             return
         id_file = out / "wandb_run_id"  # a resumed run continues the same W&B run
         try:
-            self.run = self.lib.init(dir=str(out), name=out.name, config=dataclasses.asdict(args), resume="allow",
-                                     id=id_file.read_text().strip() if id_file.exists() else None,
-                                     settings=self.lib.Settings(save_code=False, disable_git=True))
+            self.run = self.lib.init(
+                dir=str(out),
+                name=out.name,
+                config=dataclasses.asdict(args),
+                resume="allow",
+                id=id_file.read_text().strip() if id_file.exists() else None,
+                settings=self.lib.Settings(save_code=False, disable_git=True),
+            )
         except self.lib.errors.Error as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"--report-to wandb: {first} (or run offline: WANDB_MODE=offline)") from None
@@ -199,8 +251,11 @@ def judge_alarm(judged: int, failures: dict[str, int], where: str) -> str:
     """The loud line when half or more of the judged trajectories failed (the caller decides when)."""
     failed = sum(failures.values())
     kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(failures.items()))
-    effect = ("ran unmodulated (phi = 1, psi = 0: A_mod = A_game, plain SPIRAL)" if failed == judged
-              else f"phi and psi batch means rest on {judged - failed} verdict(s) only")
+    effect = (
+        "ran unmodulated (phi = 1, psi = 0: A_mod = A_game, plain SPIRAL)"
+        if failed == judged
+        else f"phi and psi batch means rest on {judged - failed} verdict(s) only"
+    )
     return f"!!! JUDGE ALARM {where}: {failed} of {judged} judged trajectories failed ({kinds}); {effect}"
 
 
@@ -209,18 +264,23 @@ def run_alarm(judged: int, failures: dict[str, int], first: int, last: int) -> s
     if sum(failures.values()) != judged:
         return None
     where = f"over the whole run (steps {first}-{last}), no valid verdict"
-    return (judge_alarm(judged, failures, where) if judged else
-            f"!!! JUDGE ALARM {where}: no trajectory was judged (--judge-sample-rate, --judge-budget); "
-            f"the run trained as plain SPIRAL (A_mod = A_game)")
+    return (
+        judge_alarm(judged, failures, where)
+        if judged
+        else f"!!! JUDGE ALARM {where}: no trajectory was judged (--judge-sample-rate, --judge-budget); "
+        f"the run trained as plain SPIRAL (A_mod = A_game)"
+    )
 
 
 def announce_budget(cost: float, budget: float, step: int) -> None:
     """Said once, loudly, on stdout and stderr: from here on the run is unmodulated (phi = 1, psi = 0).
     A progress bar on the terminal steps aside for it."""
     bar = "!" * 100
-    line = (f"JUDGE BUDGET REACHED at step {step}: estimated cost {cost:.4f} >= --judge-budget {budget}. "
-            f"No more judge requests; every trajectory now gets phi = 1, psi = 0 (with --distill: the heads' "
-            f"levels while they are trusted).")
+    line = (
+        f"JUDGE BUDGET REACHED at step {step}: estimated cost {cost:.4f} >= --judge-budget {budget}. "
+        f"No more judge requests; every trajectory now gets phi = 1, psi = 0 (with --distill: the heads' "
+        f"levels while they are trusted)."
+    )
     with tqdm.external_write_mode(file=sys.stderr):
         for stream in (sys.stdout, sys.stderr):
             print(f"{bar}\n{line}\n{bar}", file=stream, flush=True)

@@ -19,8 +19,18 @@ from machinery.distributed import Dist, pick_device
 from machinery.flags import FriendlyParser, field_docs
 from machinery.runfiles import JudgeCache, check_writable_file, latest_checkpoint, load_state, read_config
 from stratagem import (
-    Args, HeuristicJudge, JudgeRunner, OpenAIJudge, Trajectory, collate, format_prompt, load_policy, phi, psi,
-    render_for_judge, validate,
+    Args,
+    HeuristicJudge,
+    JudgeRunner,
+    OpenAIJudge,
+    Trajectory,
+    collate,
+    format_prompt,
+    load_policy,
+    phi,
+    psi,
+    render_for_judge,
+    validate,
 )
 from tools.eval import openai_spec
 from tools.runs import read_trajectories
@@ -46,10 +56,13 @@ class DistilledJudge:
         model, tok = load_policy(str(ckpt), device)
         for t in trajs:
             for turn in t.turns:
-                turn.prompt_ids = tok(turn.prompt or format_prompt(tok, turn.observation, t.role),
-                                      add_special_tokens=False).input_ids
+                turn.prompt_ids = tok(
+                    turn.prompt or format_prompt(tok, turn.observation, t.role), add_special_tokens=False
+                ).input_ids
                 turn.response_ids = tok(turn.response, add_special_tokens=False).input_ids or [tok.eos_token_id]
-        feats = distill.features(model, trajs, collate, tok.pad_token_id, args.micro_batch_size, device, Dist(), watch.Timer())
+        feats = distill.features(
+            model, trajs, collate, tok.pad_token_id, args.micro_batch_size, device, Dist(), watch.Timer()
+        )
         heads = distill.Distiller(model.config.hidden_size, args, phi, psi)
         heads.load_state_dict(state)
         self.name, self.levels = spec, dict(zip(map(render_for_judge, trajs), heads.predict(torch.stack(feats))))
@@ -69,28 +82,46 @@ def judge_from_spec(spec: str, args: Args, trajs: list[Trajectory]) -> Heuristic
 
 
 def main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py agree", description=(
-        "Re-score a sample of a run's trajectories with two or more judges and print, per rubric dimension, "
-        "Cohen's kappa on the discrete levels and Spearman's rho for phi and psi (as in the paper's Table 1)."))
+    p = FriendlyParser(
+        prog="stratagem.py agree",
+        description=(
+            "Re-score a sample of a run's trajectories with two or more judges and print, per rubric dimension, "
+            "Cohen's kappa on the discrete levels and Spearman's rho for phi and psi (as in the paper's Table 1)."
+        ),
+    )
     p.add_argument("run", help="run directory (its trajectories.jsonl is read, its judge_cache.jsonl reused)")
-    p.add_argument("--judges", nargs="+", required=True, metavar="JUDGE",
-                   help="two or more of: heuristic, openai:MODEL, openai:MODEL@BASE_URL (key from OPENAI_API_KEY), "
-                        "distilled:RUN_DIR (a --distill run's heads, on its last checkpoint's features)")
+    p.add_argument(
+        "--judges",
+        nargs="+",
+        required=True,
+        metavar="JUDGE",
+        help="two or more of: heuristic, openai:MODEL, openai:MODEL@BASE_URL (key from OPENAI_API_KEY), "
+        "distilled:RUN_DIR (a --distill run's heads, on its last checkpoint's features)",
+    )
     p.add_argument("--sample", type=int, default=200, help="trajectories to re-score (default: 200, as in the paper)")
     p.add_argument("--seed", type=int, default=1, help="seed of the sample (default: 1)")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
     docs = field_docs(Args)
     for name in ("judge_temperature", "judge_max_tokens", "judge_concurrency", "judge_timeout", "judge_retries"):
         default = Args.__dataclass_fields__[name].default
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                       help=f"{docs[name][1]} (default: {default})")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=f"{docs[name][1]} (default: {default})",
+        )
     ns = p.parse_args(argv)
     if len(ns.judges) < 2 or ns.sample < 2:
         raise UserError("agree needs at least two --judges and --sample >= 2")
     run = Path(ns.run)
-    args = dataclasses.replace(Args(), judge_temperature=ns.judge_temperature, judge_max_tokens=ns.judge_max_tokens,
-                               judge_concurrency=ns.judge_concurrency, judge_timeout=ns.judge_timeout,
-                               judge_retries=ns.judge_retries)
+    args = dataclasses.replace(
+        Args(),
+        judge_temperature=ns.judge_temperature,
+        judge_max_tokens=ns.judge_max_tokens,
+        judge_concurrency=ns.judge_concurrency,
+        judge_timeout=ns.judge_timeout,
+        judge_retries=ns.judge_retries,
+    )
     validate(args)  # NaN or negative judge settings end here, in one line
     if ns.json:
         check_writable_file(Path(ns.json), "--json")
@@ -103,8 +134,11 @@ def main(argv: list[str]) -> int:
         judgements, usage = JudgeRunner(judge, args, cache).judge(trajs, list(judge_prompts.RUBRICS))
         verdicts.append([j.scores for j in judgements])
         ruled |= {i for i, j in enumerate(judgements) if j.rule}  # d, a, c set by the rules, not by the judge
-        print(f"{spec}: {usage.get('requests', 0)} requests, {usage.get('cache_hits', 0)} from cache, "
-              f"{sum(j.failure is not None for j in judgements)} failed", file=sys.stderr)
+        print(
+            f"{spec}: {usage.get('requests', 0)} requests, {usage.get('cache_hits', 0)} from cache, "
+            f"{sum(j.failure is not None for j in judgements)} failed",
+            file=sys.stderr,
+        )
     keep = [i for i in range(len(trajs)) if all(v[i] is not None for v in verdicts)]
     if len(keep) < 2:
         raise UserError(f"only {len(keep)} trajectories were scored by every judge; nothing to compare")
@@ -114,15 +148,20 @@ def main(argv: list[str]) -> int:
     free = [i for i in keep if i not in ruled]  # evolution agrees only where the judges decided
     for dim in ("alpha", "sigma", "rho", "d", "a", "c"):
         rows = keep if dim in ("alpha", "sigma", "rho") else free
-        table[f"kappa {dim}"] = {f"{names[x]}~{names[y]}": cohen_kappa([verdicts[x][i][dim] for i in rows],
-                                                                     [verdicts[y][i][dim] for i in rows])
-                                 for x, y in pairs}
+        table[f"kappa {dim}"] = {
+            f"{names[x]}~{names[y]}": cohen_kappa(
+                [verdicts[x][i][dim] for i in rows], [verdicts[y][i][dim] for i in rows]
+            )
+            for x, y in pairs
+        }
     for label, fn, keys, rows in (("phi", phi, ("alpha", "sigma", "rho"), keep), ("psi", psi, ("d", "a", "c"), free)):
         values = [[fn(*(v[i][k] for k in keys)) for i in rows] for v in verdicts]
         table[f"spearman {label}"] = {f"{names[x]}~{names[y]}": spearman(values[x], values[y]) for x, y in pairs}
-    print(f"agreement on {len(keep)} of {len(trajs)} sampled trajectories of {run} "
-          f"({len(trajs) - len(keep)} dropped: a judge failed); d, a, c and psi on the {len(free)} whose evolution "
-          f"no rule decided (one turn, stagnation: judge_prompts.evolution_rules)")
+    print(
+        f"agreement on {len(keep)} of {len(trajs)} sampled trajectories of {run} "
+        f"({len(trajs) - len(keep)} dropped: a judge failed); d, a, c and psi on the {len(free)} whose evolution "
+        f"no rule decided (one turn, stagnation: judge_prompts.evolution_rules)"
+    )
     for name, spec in zip(names, ns.judges):
         print(f"  {name} = {spec}")
     columns = list(next(iter(table.values())))
@@ -131,8 +170,18 @@ def main(argv: list[str]) -> int:
         print(f"{row:16}" + "".join(f"{'n/a' if math.isnan(values[c]) else f'{values[c]:.3f}':>10}" for c in columns))
     print("paper (Table 1): kappa > 0.60, Spearman > 0.70; n/a: a judge gave one level to every trajectory")
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"run": str(run), "judges": dict(zip(names, ns.judges)),
-                                             "n": len(keep), "sampled": len(trajs),
-                                             "table": {r: {c: (None if math.isnan(v) else v) for c, v in vals.items()}
-                                                       for r, vals in table.items()}}, indent=2))
+        Path(ns.json).write_text(
+            json.dumps(
+                {
+                    "run": str(run),
+                    "judges": dict(zip(names, ns.judges)),
+                    "n": len(keep),
+                    "sampled": len(trajs),
+                    "table": {
+                        r: {c: (None if math.isnan(v) else v) for c, v in vals.items()} for r, vals in table.items()
+                    },
+                },
+                indent=2,
+            )
+        )
     return 0

@@ -21,7 +21,6 @@ from machinery.runfiles import JudgeCache, check_writable_file, read_jsonl
 from stratagem import Args, JudgeRunner, OpenAIJudge, Trajectory, build_parser, make_judge, resolve_args, train
 from tools.runs import read_trajectories
 
-
 PHASES = ("generate", "game", "judge", "learn", "sync")
 
 
@@ -31,16 +30,19 @@ def bench_summary(metrics: list[dict]) -> dict:
     total = sum(m["time_s"] for m in rows)
     split = {k: sum(m["time_split_s"].get(k, 0.0) for m in rows) / total for k in PHASES}
     split["other"] = 1 - sum(split.values())
-    return {"steps_measured": len(rows), "s_per_step": total / len(rows),
-            "games_per_s": sum(m["episodes"] for m in rows) / total,
-            "rollout_games_per_s": sum(m["episodes"] for m in rows) / (total * (split["generate"] + split["game"])),
-            "transitions_per_s": sum(m["transitions"] for m in rows) / total,
-            "tokens_per_s": sum(m["response_tokens"] for m in rows) / total,
-            "live_games_per_call": sum(m["transitions"] for m in rows) / sum(m["generate_calls"] for m in rows),
-            "generate_calls_per_game": sum(m["generate_calls"] for m in rows) / sum(m["episodes"] for m in rows),
-            "time_split": split,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
+    return {
+        "steps_measured": len(rows),
+        "s_per_step": total / len(rows),
+        "games_per_s": sum(m["episodes"] for m in rows) / total,
+        "rollout_games_per_s": sum(m["episodes"] for m in rows) / (total * (split["generate"] + split["game"])),
+        "transitions_per_s": sum(m["transitions"] for m in rows) / total,
+        "tokens_per_s": sum(m["response_tokens"] for m in rows) / total,
+        "live_games_per_call": sum(m["transitions"] for m in rows) / sum(m["generate_calls"] for m in rows),
+        "generate_calls_per_game": sum(m["generate_calls"] for m in rows) / sum(m["episodes"] for m in rows),
+        "time_split": split,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+    }
 
 
 def bench_judge(args: Args, trajs: list[Trajectory], n: int) -> dict:
@@ -53,22 +55,41 @@ def bench_judge(args: Args, trajs: list[Trajectory], n: int) -> dict:
     batch = [trajs[i % len(trajs)] for i in range(n)]
     t0 = time.perf_counter()
     judgements, usage = runner.judge(batch, list(judge_prompts.RUBRICS))
-    return {"judgements": n, "requests": usage.get("requests", 0), "seconds": time.perf_counter() - t0,
-            "concurrency": args.judge_concurrency, "failed": sum(j.failure is not None for j in judgements),
-            "one_turn": sum(len(t.turns) == 1 for t in batch)}
+    return {
+        "judgements": n,
+        "requests": usage.get("requests", 0),
+        "seconds": time.perf_counter() - t0,
+        "concurrency": args.judge_concurrency,
+        "failed": sum(j.failure is not None for j in judgements),
+        "one_turn": sum(len(t.turns) == 1 for t in batch),
+    }
 
 
 def main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py bench", description=(
-        "Run a few training steps (any training flag applies; --steps defaults to 3, step 1 is warm-up) and "
-        "print games/s, transitions/s, generated tokens/s, the split of wall time and peak memory; "
-        "optionally against the sequential reference (one game at a time, one generate call per turn). "
-        "With --mode spyrl: a SpyRL run and a STRATAGEM run with the same flags, side by side."))
-    p.add_argument("--rollout", choices=("lockstep", "sequential", "both"), default="both",
-                   help="lockstep (--num-envs games per generate call), sequential (one), or both (default)")
-    p.add_argument("--judgements", type=int, default=0,
-                   help="also time this many uncached judgements with the configured judge (default: 0)")
-    p.add_argument("--json", default="bench.jsonl", help="append the results here, one JSON line (default: bench.jsonl)")
+    p = FriendlyParser(
+        prog="stratagem.py bench",
+        description=(
+            "Run a few training steps (any training flag applies; --steps defaults to 3, step 1 is warm-up) and "
+            "print games/s, transitions/s, generated tokens/s, the split of wall time and peak memory; "
+            "optionally against the sequential reference (one game at a time, one generate call per turn). "
+            "With --mode spyrl: a SpyRL run and a STRATAGEM run with the same flags, side by side."
+        ),
+    )
+    p.add_argument(
+        "--rollout",
+        choices=("lockstep", "sequential", "both"),
+        default="both",
+        help="lockstep (--num-envs games per generate call), sequential (one), or both (default)",
+    )
+    p.add_argument(
+        "--judgements",
+        type=int,
+        default=0,
+        help="also time this many uncached judgements with the configured judge (default: 0)",
+    )
+    p.add_argument(
+        "--json", default="bench.jsonl", help="append the results here, one JSON line (default: bench.jsonl)"
+    )
     ns, rest = p.parse_known_args(argv)
     explicit = vars(build_parser().parse_args(rest))
     if "out" in explicit or "resume" in explicit:
@@ -95,15 +116,22 @@ def main(argv: list[str]) -> int:
         if ns.judgements > 0:
             results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
     print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
-    rows = [("s/step", "s_per_step", 2), ("games/s", "games_per_s", 2), ("games/s in rollout", "rollout_games_per_s", 2),
-            ("transitions/s", "transitions_per_s", 1),
-            ("generated tokens/s", "tokens_per_s", 0), ("live games per call", "live_games_per_call", 1),
-            ("generate calls per game", "generate_calls_per_game", 2),
-            ("peak RSS MB", "peak_rss_mb", 0)]
+    rows = [
+        ("s/step", "s_per_step", 2),
+        ("games/s", "games_per_s", 2),
+        ("games/s in rollout", "rollout_games_per_s", 2),
+        ("transitions/s", "transitions_per_s", 1),
+        ("generated tokens/s", "tokens_per_s", 0),
+        ("live games per call", "live_games_per_call", 1),
+        ("generate calls per game", "generate_calls_per_game", 2),
+        ("peak RSS MB", "peak_rss_mb", 0),
+    ]
     for label, key, digits in rows:
         print(f"{label:24}" + "".join(f"{results[m][key]:>12.{digits}f}" for m in modes))
     for phase in (*PHASES, "other"):
-        print(f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes))
+        print(
+            f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes)
+        )
     for m in modes:
         print(f"{m}: 400 steps (the paper's run) at this rate would take {400 * results[m]['s_per_step'] / 3600:.2f} h")
     if modes == ["lockstep", "sequential"]:
@@ -113,8 +141,10 @@ def main(argv: list[str]) -> int:
         print(f"lockstep / sequential games/s: {speedup:.1f}x per step, {rollout:.1f}x in rollout")
     if "judge" in results:
         j = results["judge"]
-        print(f"judge: {j['judgements']} judgements ({j['requests']} requests, {j['failed']} failed) in "
-              f"{j['seconds']:.2f} s with {j['concurrency']} in flight")
+        print(
+            f"judge: {j['judgements']} judgements ({j['requests']} requests, {j['failed']} failed) in "
+            f"{j['seconds']:.2f} s with {j['concurrency']} in flight"
+        )
     with open(ns.json, "a", encoding="utf-8") as f:
         f.write(json.dumps({"argv": argv, "config": dataclasses.asdict(base), "results": results}) + "\n")
     return 0

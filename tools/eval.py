@@ -28,8 +28,9 @@ class LLMPlayer:
 
     def __init__(self, model: str, base_url: str, args: Args):
         self.model, self.args, self.name, self.failures = model, args, f"openai:{model}", 0
-        self.client = openai_client(base_url, args.judge_timeout, args.judge_retries, "an openai opponent",
-                                    args.max_new_tokens)
+        self.client = openai_client(
+            base_url, args.judge_timeout, args.judge_retries, "an openai opponent", args.max_new_tokens
+        )
         check_reachable(self.client, base_url, args.judge_timeout, "opponent")
 
     def _one(self, pid: int, obs: str) -> str:
@@ -37,8 +38,11 @@ class LLMPlayer:
 
         try:
             resp = self.client.chat.completions.create(
-                model=self.model, messages=[{"role": "user", "content": PROMPT.format(role=pid, observation=obs)}],
-                temperature=self.args.temperature, max_tokens=self.args.max_new_tokens)
+                model=self.model,
+                messages=[{"role": "user", "content": PROMPT.format(role=pid, observation=obs)}],
+                temperature=self.args.temperature,
+                max_tokens=self.args.max_new_tokens,
+            )
             return parse_action(resp.choices[0].message.content or "") if resp.choices else ""
         except openai.APIError:
             self.failures += 1
@@ -57,14 +61,20 @@ def openai_spec(spec: str, alternative: str) -> tuple[str, str]:
 
 
 def print_matches(summary: dict, opponent: str) -> None:
-    print(f"model vs {opponent}: {summary['n']} games, win rate {summary['win_rate']:.2f} "
-          f"[{summary['win_ci95'][0]:.2f}, {summary['win_ci95'][1]:.2f}] (95 % Wilson intervals below)")
+    print(
+        f"model vs {opponent}: {summary['n']} games, win rate {summary['win_rate']:.2f} "
+        f"[{summary['win_ci95'][0]:.2f}, {summary['win_ci95'][1]:.2f}] (95 % Wilson intervals below)"
+    )
     print(f"{'game':22}{'seat':>6}{'n':>5}" + "".join(f"{k:>19}" for k in ("win", "draw", "loss", "invalid")))
     for game, seats in summary["games"].items():
         for seat, cell in seats.items():
-            print(f"{game:22}{seat.removeprefix('seat'):>6}{cell['n']:>5}" + "".join(
-                f"{cell[k]['rate']:>7.2f} [{cell[k]['ci95'][0]:.2f},{cell[k]['ci95'][1]:.2f}]"
-                for k in ("win", "draw", "loss", "invalid")))
+            print(
+                f"{game:22}{seat.removeprefix('seat'):>6}{cell['n']:>5}"
+                + "".join(
+                    f"{cell[k]['rate']:>7.2f} [{cell[k]['ci95'][0]:.2f},{cell[k]['ci95'][1]:.2f}]"
+                    for k in ("win", "draw", "loss", "invalid")
+                )
+            )
 
 
 def resolve_model_path(path: str) -> str:
@@ -74,14 +84,22 @@ def resolve_model_path(path: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py eval", description=(
-        "Play a model against a fixed opponent (a random legal player, or any OpenAI-compatible model) on "
-        "training and out-of-distribution games, taking each seat in turn; print win/draw/loss/invalid "
-        "rates per game and seat with 95 % intervals and write them as JSON."))
-    p.add_argument("model", help="a run directory (its newest checkpoint), a checkpoint or model directory, or a hub id")
+    p = FriendlyParser(
+        prog="stratagem.py eval",
+        description=(
+            "Play a model against a fixed opponent (a random legal player, or any OpenAI-compatible model) on "
+            "training and out-of-distribution games, taking each seat in turn; print win/draw/loss/invalid "
+            "rates per game and seat with 95 % intervals and write them as JSON."
+        ),
+    )
+    p.add_argument(
+        "model", help="a run directory (its newest checkpoint), a checkpoint or model directory, or a hub id"
+    )
     p.add_argument("--games", default=Args.eval_games, help=f"comma-separated ids (default: {Args.eval_games})")
     p.add_argument("--n", type=int, default=20, help="games per id, seats alternating (default: 20)")
-    p.add_argument("--opponent", default="random", help="random, openai:MODEL or openai:MODEL@BASE_URL (default: random)")
+    p.add_argument(
+        "--opponent", default="random", help="random, openai:MODEL or openai:MODEL@BASE_URL (default: random)"
+    )
     p.add_argument("--greedy", action="store_true", help="greedy decoding for the model (default: sampled)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
     p.add_argument("--max-new-tokens", type=int, default=4096, help="longest response per turn (default: 4096)")
@@ -106,22 +124,46 @@ def main(argv: list[str]) -> int:
     games = check_ids(ns.games)
     quiet_transformers()
     rng = seed_everything(ns.seed)
-    args = dataclasses.replace(Args(), temperature=0.0 if ns.greedy else ns.temperature, seed=ns.seed,
-                               max_new_tokens=ns.max_new_tokens, backend=ns.backend,
-                               vllm_enforce_eager=ns.vllm_enforce_eager)
-    opponent = (RandomPlayer(random.Random(ns.seed + 1)) if ns.opponent == "random"
-                else LLMPlayer(*openai_spec(ns.opponent, "random"), args))
+    args = dataclasses.replace(
+        Args(),
+        temperature=0.0 if ns.greedy else ns.temperature,
+        seed=ns.seed,
+        max_new_tokens=ns.max_new_tokens,
+        backend=ns.backend,
+        vllm_enforce_eager=ns.vllm_enforce_eager,
+    )
+    opponent = (
+        RandomPlayer(random.Random(ns.seed + 1))
+        if ns.opponent == "random"
+        else LLMPlayer(*openai_spec(ns.opponent, "random"), args)
+    )
     path = resolve_model_path(ns.model)
     model, tokenizer = load_policy(path, device)
-    policy = VLLMPolicy(path, tokenizer, stop_ids(tokenizer, model), args, device) if ns.backend == "vllm" else HFPolicy(model, tokenizer, args, device)
+    policy = (
+        VLLMPolicy(path, tokenizer, stop_ids(tokenizer, model), args, device)
+        if ns.backend == "vllm"
+        else HFPolicy(model, tokenizer, args, device)
+    )
     t0 = time.perf_counter()
-    records = play_matches(policy, tokenizer, games, ns.n, opponent, rng, ns.max_turns, ns.error_allowance,
-                           ns.concurrency)
+    records = play_matches(
+        policy, tokenizer, games, ns.n, opponent, rng, ns.max_turns, ns.error_allowance, ns.concurrency
+    )
     policy.close()
     summary = summarize_matches(records)
     print_matches(summary, opponent.name)
     print(f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}")
-    out.write_text(json.dumps({"model": path, "opponent": opponent.name, "greedy": ns.greedy, "seed": ns.seed,
-                               "summary": summary, "games": records}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "model": path,
+                "opponent": opponent.name,
+                "greedy": ns.greedy,
+                "seed": ns.seed,
+                "summary": summary,
+                "games": records,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0

@@ -9,35 +9,76 @@ from machinery.flags import FriendlyParser
 from machinery.runfiles import check_writable_dir
 from tools.runs import read_metrics, run_label
 
-
 PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None)])
-    "eval_win_rate": ("Win rate against a random legal player (--eval-every)", "win rate",
-                      [("", lambda m: m.get("eval", {}).get("win_rate"))]),
-    "invalid_rate": ("Invalid-action rate in self-play", "invalid moves per seat",
-                     [("", lambda m: sum(c[p]["invalid"] for c in m["games"].values() for p in c)
-                       / max(1, sum(c[p][k] for c in m["games"].values() for p in c for k in ("win", "draw", "loss"))))]),
+    "eval_win_rate": (
+        "Win rate against a random legal player (--eval-every)",
+        "win rate",
+        [("", lambda m: m.get("eval", {}).get("win_rate"))],
+    ),
+    "invalid_rate": (
+        "Invalid-action rate in self-play",
+        "invalid moves per seat",
+        [
+            (
+                "",
+                lambda m: (
+                    sum(c[p]["invalid"] for c in m["games"].values() for p in c)
+                    / max(1, sum(c[p][k] for c in m["games"].values() for p in c for k in ("win", "draw", "loss")))
+                ),
+            )
+        ],
+    ),
     "response_length": ("Mean response length", "tokens", [("", lambda m: m["response_tokens_mean"])]),
-    "phi_psi": ("Judge scores (batch means of judged trajectories)", "value",
-                [("phi", lambda m: m["phi_mean"]), ("psi", lambda m: m["psi_mean"])]),
-    "a_mod_spread": ("Advantage spread", "std over trajectories",
-                     [("A_mod", lambda m: m["a_mod_std"]), ("A_game", lambda m: m["a_game_std"])]),
+    "phi_psi": (
+        "Judge scores (batch means of judged trajectories)",
+        "value",
+        [("phi", lambda m: m["phi_mean"]), ("psi", lambda m: m["psi_mean"])],
+    ),
+    "a_mod_spread": (
+        "Advantage spread",
+        "std over trajectories",
+        [("A_mod", lambda m: m["a_mod_std"]), ("A_game", lambda m: m["a_game_std"])],
+    ),
     "loss": ("REINFORCE loss", "loss", [("", lambda m: m["loss"])]),
-    "distill": ("Distilled heads against the judge on held-out verdicts (--distill)", "kappa",
-                [("lowest kappa of a used dimension", lambda m: min_kappa(m.get("distill"))),
-                 ("the bar (--distill-kappa)", lambda m: m.get("distill", {}).get("bar")),
-                 ("trusted (1 = yes)", lambda m: float(m["distill"]["trusted"]) if "distill" in m else None)]),
-    "judge_requests": ("Judge requests per step, and trajectories the heads scored (--distill)", "per step",
-                       [("judge requests", lambda m: m.get("judge_requests")),
-                        ("scored by the heads", lambda m: m.get("distill", {}).get("scored", {}).get("heads"))]),
-    "spy": ("SpyRL: who is the spy (--mode spyrl)", "rate",
-            [(label, lambda m, key=key: m.get("spy", {}).get(key)) for label, key in (
-                ("detection accuracy", "detection_accuracy"), ("spy caught", "caught_rate"),
-                ("invalid votes", "invalid_vote_rate"), ("ROUGE-L", "rouge_l"))]),
+    "distill": (
+        "Distilled heads against the judge on held-out verdicts (--distill)",
+        "kappa",
+        [
+            ("lowest kappa of a used dimension", lambda m: min_kappa(m.get("distill"))),
+            ("the bar (--distill-kappa)", lambda m: m.get("distill", {}).get("bar")),
+            ("trusted (1 = yes)", lambda m: float(m["distill"]["trusted"]) if "distill" in m else None),
+        ],
+    ),
+    "judge_requests": (
+        "Judge requests per step, and trajectories the heads scored (--distill)",
+        "per step",
+        [
+            ("judge requests", lambda m: m.get("judge_requests")),
+            ("scored by the heads", lambda m: m.get("distill", {}).get("scored", {}).get("heads")),
+        ],
+    ),
+    "spy": (
+        "SpyRL: who is the spy (--mode spyrl)",
+        "rate",
+        [
+            (label, lambda m, key=key: m.get("spy", {}).get(key))
+            for label, key in (
+                ("detection accuracy", "detection_accuracy"),
+                ("spy caught", "caught_rate"),
+                ("invalid votes", "invalid_vote_rate"),
+                ("ROUGE-L", "rouge_l"),
+            )
+        ],
+    ),
 }
 
 
-NEEDS = {"eval_win_rate": " (train with --eval-every N)", "distill": " (--distill)", "judge_requests": " (a judge)",
-         "spy": " (--mode spyrl)"}  # what a run needs for the figures that only some runs have data for
+NEEDS = {
+    "eval_win_rate": " (train with --eval-every N)",
+    "distill": " (--distill)",
+    "judge_requests": " (a judge)",
+    "spy": " (--mode spyrl)",
+}  # what a run needs for the figures that only some runs have data for
 
 
 def min_kappa(report: dict | None) -> float | None:
@@ -46,7 +87,12 @@ def min_kappa(report: dict | None) -> float | None:
     return min(values, default=None)
 
 
-SERIES_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]  # line style and marker of a figure's 1st, 2nd, ... series
+SERIES_STYLES = [
+    ("-", "o"),
+    ("--", "s"),
+    (":", "^"),
+    ("-.", "D"),
+]  # line style and marker of a figure's 1st, 2nd, ... series
 
 
 def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
@@ -67,10 +113,18 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
             if points:
                 style, marker = SERIES_STYLES[s % len(SERIES_STYLES)]
                 every = max(1, len(points) // 12)
-                ax.plot(*zip(*points), color=f"C{r % 10}", linestyle=style, marker=marker, fillstyle="none",
-                        markevery=(k % every, every), markersize=4 + 3 * (n - 1 - k) / max(1, n - 1),
-                        linewidth=1.2 + 2.4 * (n - 1 - k) / max(1, n - 1), zorder=2 + k,
-                        label=" ".join(x for x in (run_label(run), label) if x))
+                ax.plot(
+                    *zip(*points),
+                    color=f"C{r % 10}",
+                    linestyle=style,
+                    marker=marker,
+                    fillstyle="none",
+                    markevery=(k % every, every),
+                    markersize=4 + 3 * (n - 1 - k) / max(1, n - 1),
+                    linewidth=1.2 + 2.4 * (n - 1 - k) / max(1, n - 1),
+                    zorder=2 + k,
+                    label=" ".join(x for x in (run_label(run), label) if x),
+                )
                 drawn += 1
     if not drawn:
         plt.close(fig)
@@ -86,11 +140,15 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
 
 
 def main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py plot", description=(
-        "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
-        "spiral vs --no-psi): win rate against a random player, invalid-action rate, response length, "
-        "phi and psi, A_mod spread, loss, the distilled heads' agreement and the judge's requests, and SpyRL's "
-        "detection figures. Needs matplotlib."))
+    p = FriendlyParser(
+        prog="stratagem.py plot",
+        description=(
+            "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
+            "spiral vs --no-psi): win rate against a random player, invalid-action rate, response length, "
+            "phi and psi, A_mod spread, loss, the distilled heads' agreement and the judge's requests, and SpyRL's "
+            "detection figures. Needs matplotlib."
+        ),
+    )
     p.add_argument("runs", nargs="+", help="run directories")
     p.add_argument("--out", default="", help="folder for the PNGs (default: <first run>/plots; files are replaced)")
     ns = p.parse_args(argv)
@@ -114,6 +172,9 @@ def main(argv: list[str]) -> int:
         fig.savefig(out / f"{name}.png")
         plt.close(fig)
         written.append(f"{name}.png")
-    print(f"wrote {len(written)} figures to {out}: " + ", ".join(written)
-          + (f"; no data for {', '.join(empty)}" if empty else ""))
+    print(
+        f"wrote {len(written)} figures to {out}: "
+        + ", ".join(written)
+        + (f"; no data for {', '.join(empty)}" if empty else "")
+    )
     return 0

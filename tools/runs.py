@@ -20,9 +20,16 @@ def run_file(run: Path, name: str) -> Path:
 def read_trajectories(run: Path) -> list[Trajectory]:
     """The player-trajectories with turns (what the judge can score)."""
     path = run_file(run, "trajectories.jsonl")
-    return [Trajectory(r["game"], r["role"], [Turn(t["observation"], t["response"], t["action"], [], [], t.get("prompt", ""))
-                                              for t in r["turns"]], r["reward"])
-            for r in read_jsonl(path) if r["turns"]]  # a seat that never moved has nothing to judge
+    return [
+        Trajectory(
+            r["game"],
+            r["role"],
+            [Turn(t["observation"], t["response"], t["action"], [], [], t.get("prompt", "")) for t in r["turns"]],
+            r["reward"],
+        )
+        for r in read_jsonl(path)
+        if r["turns"]
+    ]  # a seat that never moved has nothing to judge
 
 
 def run_label(run: Path) -> str:

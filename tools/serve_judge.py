@@ -21,7 +21,16 @@ import torch
 import judge_prompts
 from machinery import UserError
 from machinery.flags import FriendlyParser
-from stratagem import TINY_DEFAULTS, Args, HeuristicJudge, HFPolicy, build_random_model, format_prompt, load_policy, make_env
+from stratagem import (
+    TINY_DEFAULTS,
+    Args,
+    HeuristicJudge,
+    HFPolicy,
+    build_random_model,
+    format_prompt,
+    load_policy,
+    make_env,
+)
 
 
 class TokenTeacher:
@@ -30,13 +39,18 @@ class TokenTeacher:
     z = (the response's mean token score, standardised) + 2 * (the game's offset), cut into levels 0, 0.5, 1 at
     its tertiles over 96 responses of the untrained tiny policy to the training games' openings (a third each at
     the start). Token scores: the tiny model of `seed` (what `--tiny --seed SEED` trains) lends its tokenizer and
-    embedding table, each token's embedding projected on a seeded direction. Offsets: OFFSETS, each dimension a different order of
+    embedding table, each token's embedding projected on a seeded direction. Offsets: OFFSETS, each dimension a
+    different order of
     SPIRAL's three games (0 for other games). Turns combine as the rubric says (the typical turn); the evolution rubric
     is the heuristic's. Why the offsets: a rule on the response's tokens alone reaches kappa <= 0.45 even with
     1,000 examples, because decoding and re-tokenising loses the sampled segmentation and a random 64-wide model
     keeps little else; the game is plain in the hidden states (docs/distill.md)."""
 
-    OFFSETS = {"TicTacToe-v0": (1, 1, 0), "KuhnPoker-v1": (0, -1, 1), "SimpleNegotiation-v1": (-1, 0, -1)}  # phi differs too
+    OFFSETS = {
+        "TicTacToe-v0": (1, 1, 0),
+        "KuhnPoker-v1": (0, -1, 1),
+        "SimpleNegotiation-v1": (-1, 0, -1),
+    }  # phi differs too
     _HEAD = re.compile(r"Game: (.+?)\. The player is Player")
 
     def __init__(self, seed: int):
@@ -45,15 +59,20 @@ class TokenTeacher:
             model, self.tokenizer = load_policy(folder, torch.device("cpu"))
         self.lock = threading.Lock()  # the server answers in threads; a fast tokenizer is not to be shared by them
         self.table = model.get_input_embeddings().weight.detach() @ torch.randn(
-            model.config.hidden_size, 3, generator=torch.Generator().manual_seed(seed))  # [V, 3]
+            model.config.hidden_size, 3, generator=torch.Generator().manual_seed(seed)
+        )  # [V, 3]
         args = dataclasses.replace(Args(), **TINY_DEFAULTS)
         state = random.getstate()  # make_env reseeds the global `random`; leave it as it was
         games = [g for g in args.games.split(",") for _ in range(32)]
-        prompts = [format_prompt(self.tokenizer, make_env(g, k, 0).get_observation()[1], 0) for k, g in enumerate(games)]
+        prompts = [
+            format_prompt(self.tokenizer, make_env(g, k, 0).get_observation()[1], 0) for k, g in enumerate(games)
+        ]
         random.setstate(state)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            texts = [text for _, _, text in HFPolicy(model, self.tokenizer, args, torch.device("cpu")).generate(prompts)]
+            texts = [
+                text for _, _, text in HFPolicy(model, self.tokenizer, args, torch.device("cpu")).generate(prompts)
+            ]
         means = torch.tensor([self.mean_scores(t) for t in texts])  # [96, 3]
         self.mean, self.std = means.mean(0), means.std(0)  # [3] each
         z = torch.tensor([self.z(t, g) for t, g in zip(texts, games)])  # [96, 3]
@@ -73,17 +92,26 @@ class TokenTeacher:
             return HeuristicJudge().scores(rubric, trajectory_text)
         game = self._HEAD.match(trajectory_text).group(1)
         turns = [self.z(t["response"], game) for t in judge_prompts.read_turns(trajectory_text)]
-        return {k: judge_prompts.typical_level([0.0 if z[dim] < low else 0.5 if z[dim] < high else 1.0 for z in turns])
-                for dim, (k, (low, high)) in enumerate(zip(("alpha", "sigma", "rho"), self.cuts))}
+        return {
+            k: judge_prompts.typical_level([0.0 if z[dim] < low else 0.5 if z[dim] < high else 1.0 for z in turns])
+            for dim, (k, (low, high)) in enumerate(zip(("alpha", "sigma", "rho"), self.cuts))
+        }
 
 
 class JudgeHTTPServer(http.server.ThreadingHTTPServer):
     request_queue_size = 256  # the default backlog of 5 drops bursts of concurrent judge connections
 
 
-def make_judge_server(host: str, port: int, noise: float, seed: int, delay: float = 0.0,
-                      judge: HeuristicJudge | TokenTeacher | None = None) -> JudgeHTTPServer:
-    """`judge` (default: the heuristic stand-in) behind an OpenAI-compatible API (GET /v1/models, POST /v1/chat/completions).
+def make_judge_server(
+    host: str,
+    port: int,
+    noise: float,
+    seed: int,
+    delay: float = 0.0,
+    judge: HeuristicJudge | TokenTeacher | None = None,
+) -> JudgeHTTPServer:
+    """`judge` (default: the heuristic stand-in) behind an OpenAI-compatible API (GET /v1/models,
+    POST /v1/chat/completions).
     With `noise`, each level is replaced by a random one with that probability (seeded by the request),
     so it can play a second, disagreeing judge; `delay` seconds before each answer imitate a slow
     model. Usage counts ~4 characters per token."""
@@ -101,7 +129,9 @@ def make_judge_server(host: str, port: int, noise: float, seed: int, delay: floa
             self.wfile.write(data)
 
         def do_GET(self):
-            self._send(200, {"object": "list", "data": [{"id": "heuristic", "object": "model", "owned_by": "stratagem"}]})
+            self._send(
+                200, {"object": "list", "data": [{"id": "heuristic", "object": "model", "owned_by": "stratagem"}]}
+            )
 
         def _chat_request(self) -> tuple[dict, str] | None:
             """The request's JSON body and its last message's text; None for anything else (not JSON, not a
@@ -121,9 +151,19 @@ def make_judge_server(host: str, port: int, noise: float, seed: int, delay: floa
             body, content = request or ({}, "")
             rubric = next((r for r, spec in judge_prompts.RUBRICS.items() if spec["text"] in content), None)
             if rubric is None or judge_prompts.TRAJECTORY_OPEN not in content:
-                return self._send(400, {"error": {"message": "not a stratagem rubric request" if request
-                                                  else "not a JSON chat completion request"}})
-            text = content.split(judge_prompts.TRAJECTORY_OPEN + "\n", 1)[1].rsplit("\n" + judge_prompts.TRAJECTORY_CLOSE, 1)[0]
+                return self._send(
+                    400,
+                    {
+                        "error": {
+                            "message": "not a stratagem rubric request"
+                            if request
+                            else "not a JSON chat completion request"
+                        }
+                    },
+                )
+            text = content.split(judge_prompts.TRAJECTORY_OPEN + "\n", 1)[1].rsplit(
+                "\n" + judge_prompts.TRAJECTORY_CLOSE, 1
+            )[0]
             scores = (judge or HeuristicJudge()).scores(rubric, text)
             draw = random.Random(hashlib.sha256(f"{seed}:{content}".encode()).digest())
             levels = judge_prompts.RUBRICS[rubric]["levels"]
@@ -131,35 +171,65 @@ def make_judge_server(host: str, port: int, noise: float, seed: int, delay: floa
             reply = json.dumps(scores)
             time.sleep(delay)
             prompt_tokens = sum(len(str(m.get("content", ""))) for m in body["messages"] if isinstance(m, dict)) // 4
-            self._send(200, {"id": "heuristic", "object": "chat.completion", "created": 0, "model": body.get("model"),
-                             "choices": [{"index": 0, "finish_reason": "stop",
-                                          "message": {"role": "assistant", "content": reply}}],
-                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(reply) // 4,
-                                       "total_tokens": prompt_tokens + len(reply) // 4}})
+            self._send(
+                200,
+                {
+                    "id": "heuristic",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body.get("model"),
+                    "choices": [
+                        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": reply}}
+                    ],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": len(reply) // 4,
+                        "total_tokens": prompt_tokens + len(reply) // 4,
+                    },
+                },
+            )
 
     return JudgeHTTPServer((host, port), Handler)
 
 
 def main(argv: list[str]) -> int:
-    p = FriendlyParser(prog="stratagem.py serve-judge", description=(
-        "Serve the heuristic stand-in judge as an OpenAI-compatible endpoint, for offline dry runs of the "
-        "--judge openai path (cost, cache, agreement); or a synthetic teacher for --distill. Neither is the paper's judge."))
+    p = FriendlyParser(
+        prog="stratagem.py serve-judge",
+        description=(
+            "Serve the heuristic stand-in judge as an OpenAI-compatible endpoint, for offline dry runs of the "
+            "--judge openai path (cost, cache, agreement); or a synthetic teacher for --distill. "
+            "Neither is the paper's judge."
+        ),
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
     p.add_argument("--noise", type=float, default=0.0, help="probability of replacing each level by a random one")
     p.add_argument("--seed", type=int, default=0, help="seed of the noise (default: 0)")
     p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each answer (default: 0)")
-    p.add_argument("--teacher", choices=("heuristic", "tokens"), default="heuristic", help="heuristic: the stand-in "
-                   "judge (default); tokens: the synthetic teacher of the --distill demonstration (docs/distill.md)")
-    p.add_argument("--teacher-seed", type=int, default=1, help="tokens: the --seed of the --tiny run it teaches (default: 1)")
+    p.add_argument(
+        "--teacher",
+        choices=("heuristic", "tokens"),
+        default="heuristic",
+        help="heuristic: the stand-in "
+        "judge (default); tokens: the synthetic teacher of the --distill demonstration (docs/distill.md)",
+    )
+    p.add_argument(
+        "--teacher-seed", type=int, default=1, help="tokens: the --seed of the --tiny run it teaches (default: 1)"
+    )
     ns = p.parse_args(argv)
     if not (0 <= ns.noise <= 1 and 0 <= ns.delay < math.inf):
         raise UserError("--noise must be in [0, 1] and --delay >= 0")
     if not 0 <= ns.port <= 65535:
         raise UserError(f"--port must be in [0, 65535] (0: any free port), got {ns.port}")
     try:
-        server = make_judge_server(ns.host, ns.port, ns.noise, ns.seed, ns.delay,
-                                   TokenTeacher(ns.teacher_seed) if ns.teacher == "tokens" else None)
+        server = make_judge_server(
+            ns.host,
+            ns.port,
+            ns.noise,
+            ns.seed,
+            ns.delay,
+            TokenTeacher(ns.teacher_seed) if ns.teacher == "tokens" else None,
+        )
     except OSError as e:
         raise UserError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}") from None
     try:  # the line inside: a Ctrl-C right after it is a stop too, not a traceback

