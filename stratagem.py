@@ -7,15 +7,16 @@ get the batch mean, and REINFORCE is run on
 
     A_mod(tau) = A_game(tau) * phi(tau) + beta * psi(tau)          (STRATAGEM, Feng et al. 2026)
 
---mode spiral is SPIRAL itself (A_mod = A_game); --mode spyrl trains the judge-free SpyRL ("who is the spy",
-games/spy.py) with the same loop.
+--mode spiral is SPIRAL itself (A_mod = A_game); --no-psi the paper's "w/o psi" ablation. The judge-free SpyRL
+("who is the spy") is its own script, spyrl.py, which imports what it shares from here.
 
 The file reads top to bottom in the order of the paper's Algorithm 1: the arguments, then
 games & self-play (step 1) -> RAE (step 2) -> judge & modulation (step 3) -> REINFORCE (step 4),
 the reference HF generation path, the periodic evaluation, train() and main(). What a reader of the
-algorithm can skip (the vLLM engine, torchrun/FSDP, run files, watching aids) is in machinery/; the
-commands around the trainer (eval, plot, show, agree, serve-judge, bench, random-model, sync-check)
-are in tools/, one module each, and run as `python stratagem.py COMMAND`.
+algorithm can skip (the judge's transport, cache and ledger, the vLLM engine, torchrun/FSDP, a run's life
+cycle and files, watching aids) is in machinery/; the commands around the trainer (eval, plot, show, agree,
+serve-judge, bench, random-model, sync-check) are in tools/, one module each, run as `python stratagem.py
+COMMAND`. docs/hacking.md shows where to change what: a game, a rubric dimension, an advantage estimator.
 
     python stratagem.py --tiny --steps 3                  # offline, CPU, random tiny Qwen3
     python stratagem.py --dry-run                         # the paper's run: its plan and judge cost, nothing run
@@ -31,7 +32,6 @@ import dataclasses
 import errno
 import importlib
 import itertools
-import json
 import math
 import os
 import random
@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,20 +49,12 @@ import torch
 from safetensors import SafetensorError
 
 import judge_prompts
-from games import check_ids, spy  # importing games/ registers SPIRAL's own ids (games/spiral.py) and WhoIsTheSpy-v0
-from machinery import UserError, costs, distill, runfiles, watch
-from machinery.distributed import (
-    Dist,
-    full_weights,
-    load_optimizer_state,
-    pick_backend,
-    pick_device,
-    shard,
-    stop_within,
-)
+from games import spiral  # noqa: F401  (importing it registers SPIRAL's own game ids with TextArena)
+from machinery import UserError, costs, distill, lifecycle, runfiles, watch
+from machinery.distributed import Dist, full_weights, pick_device, shard, stop_within
 from machinery.flags import dataclass_parser, number_pair
+from machinery.judge import Judgement
 from machinery.matches import RandomPlayer, accepts, summarize_matches
-from machinery.openai_api import JudgeFailure, chat, check_reachable, concurrently, openai_client
 from machinery.vllm_engine import VLLMPolicy
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in this process; no fork warnings
@@ -143,8 +134,8 @@ class Args:
     """turn cap of an evaluation game (a capped game is a draw)"""
     # --- RAE and modulation ---
     mode: str = "stratagem"
-    """stratagem (A_mod = A_game*phi + beta*psi), spiral (A_mod = A_game, no judge at all) or spyrl (who is the spy:
-    rule-checked rewards, no judge)"""
+    """stratagem (A_mod = A_game*phi + beta*psi) or spiral (A_mod = A_game, no judge at all); SpyRL (who is the spy) is
+    its own script, spyrl.py"""
     beta: float = 0.2
     """weight of the evolution reward psi in A_mod (paper: 0.2)"""
     no_psi: bool = False
@@ -197,22 +188,6 @@ class Args:
     others"""
     distill_lr: float = 1e-3
     """Adam learning rate of the heads"""
-    # --- SpyRL (--mode spyrl) ---
-    spy_data: str = ""
-    """task data, JSONL: one {"text": ..., "reference": ... (optional, for ROUGE-L)} a line (--tiny: Python's pydoc
-    topics)"""
-    spy_task: str = "summarize"
-    """what the players do with a text: summarize, write (a story for a prompt) or math (solve it)"""
-    spy_players: int = 5
-    """players n of a game, all the same policy, one of them the spy (seed: 5)"""
-    spy_mask: float = 0.2
-    """fraction of the text removed for the spy: sentences when it has enough, else words (seed: 0.2; maths 0.4)"""
-    spy_beta: float = 1.0
-    """beta of the performance reward r_spy = beta*(civilians' mean vote share - spy's share) (seed: named, no value)"""
-    spy_lambda: float = 0.5
-    """lambda: a civilian also pays lambda*(its vote share - the civilians' mean) (seed: named, no value)"""
-    spy_alternate: int = 1
-    """K steps train only the outputs, then K only the votes, and so on; both are played every step (0: train both)"""
     # --- optimisation ---
     batch_size: int = 128
     """transitions (turns) per policy update; games still running finish first (paper: 128)"""
@@ -251,10 +226,9 @@ CHOICES = {
     "judge": ("openai", "heuristic"),
     "judge_aggregate": ("majority", "mean"),
     "report_to": ("none", "tensorboard", "wandb"),
-    "spy_task": tuple(spy.TASKS),
 }
 # --tiny changes these defaults (small, fast, offline), and FLAG_DEFAULTS those that follow another flag's value
-# (SpyRL's KL, DeepSeekMath's; the seed's maths mask). An explicit flag still wins.
+# ({(flag, value): {flag: default}}, none here; spyrl.py has one). An explicit flag still wins.
 TINY_DEFAULTS = dict(
     judge="heuristic",
     batch_size=32,
@@ -266,42 +240,25 @@ TINY_DEFAULTS = dict(
     eval_n=4,
     eval_max_turns=60,
 )
-FLAG_DEFAULTS = {("mode", "spyrl"): dict(kl_coef=0.04), ("spy_task", "math"): dict(spy_mask=spy.MASKS["math"])}
+FLAG_DEFAULTS: dict[tuple[str, object], dict] = {}
 # Flags that may change when a run is resumed; everything else is read back from config.json.
-RESUMABLE = {
-    "out",
-    "resume",
-    "steps",
-    "save_every",
-    "judge_base_url",
-    "judge_concurrency",
-    "judge_budget",
-    "judge_timeout",
-    "judge_retries",
-    "device",
-    "backend",
-    "vllm_gpu_memory_utilization",
-    "report_to",
-    "vllm_enforce_eager",
-    "dry_run",
-    "dist_timeout",
-}
+RESUMABLE = set(
+    "out resume steps save_every judge_base_url judge_concurrency judge_budget judge_timeout judge_retries device "
+    "backend vllm_gpu_memory_utilization report_to vllm_enforce_eager dry_run dist_timeout".split()
+)
 
 
-def build_parser():
-    presets = {"--tiny": TINY_DEFAULTS, **{f"--{k.replace('_', '-')} {v}": p for (k, v), p in FLAG_DEFAULTS.items()}}
-    return dataclass_parser(
-        Args,
-        CHOICES,
-        presets,
-        prog="stratagem.py",
-        description=__doc__.split("\n\n")[0],
-        epilog="other commands: " + ", ".join(f"stratagem.py {c} --help" for c in COMMANDS),
-    )
+def build_parser(cls=Args, choices=CHOICES, flag_defaults=FLAG_DEFAULTS, hidden=(), **kwargs):
+    """The command line of `cls` (spyrl.py's Args too): a flag per field but `hidden`, its docstring the help."""
+    presets = {"--tiny": TINY_DEFAULTS, **{f"--{k.replace('_', '-')} {v}": p for (k, v), p in flag_defaults.items()}}
+    commands = ", ".join(f"stratagem.py {c} --help" for c in COMMANDS)
+    kwargs = {"prog": "stratagem.py", "description": __doc__.split("\n\n")[0], **kwargs}
+    return dataclass_parser(cls, choices, presets, hidden, epilog=f"other commands: {commands}", **kwargs)
 
 
-def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
-    """Defaults <- (--tiny preset) <- saved config on resume <- explicit flags; then derive and validate."""
+def resolve_args(explicit: dict, saved: dict | None = None, cls=Args, flag_defaults=FLAG_DEFAULTS, check=None) -> Args:
+    """Defaults <- (--tiny preset) <- saved config on resume <- explicit flags; then derive and validate (`check`,
+    default validate). spyrl.py passes its own Args class, flag defaults and check."""
     if saved is not None:
         changed = sorted(k for k, v in explicit.items() if k not in RESUMABLE and saved.get(k) != v)
         if changed:
@@ -316,65 +273,44 @@ def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
             if "model" in values:
                 raise UserError("--tiny builds its own model; drop --model")
             values = {**TINY_DEFAULTS, **values, "model": "tiny"}
-        for (name, value), preset in FLAG_DEFAULTS.items():
+        for (name, value), preset in flag_defaults.items():
             values = {**preset, **values} if values.get(name) == value else values
-    args = Args(**values)
+    args = cls(**values)
     if not args.out:
         args.out = os.path.join(
             "runs",
             f"{args.mode}{'-nopsi' if args.no_psi else ''}"
             f"{'-tiny' if args.tiny else ''}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}",
         )
-    validate(args)
+    (check or validate)(args)
     return args
 
 
-def validate(args: Args) -> None:
-    bounds = [  # (fields, test, wording)
-        (
-            (
-                "steps",
-                "save_every",
-                "ppo_epochs",
-                "batch_size",
-                "micro_batch_size",
-                "num_envs",
-                "max_new_tokens",
-                "max_turns",
-                "eval_n",
-                "eval_max_turns",
-                "judge_max_tokens",
-                "judge_concurrency",
-                "judge_samples",
-                "distill_window",
-            ),
-            lambda v: v >= 1,
-            ">= 1",
-        ),
-        (
-            (
-                "error_allowance",
-                "eval_every",
-                "beta",
-                "judge_temperature",
-                "judge_retries",
-                "judge_budget",
-                "spy_beta",
-                "spy_lambda",
-                "spy_alternate",
-                "kl_coef",
-                "dist_timeout",
-            ),
-            lambda v: v >= 0,
-            ">= 0",
-        ),
-        (("judge_price_in", "judge_price_out"), lambda v: v >= 0, ">= 0 (or -1: the price table's)"),
-        (("spy_players",), lambda v: v >= 3, ">= 3"),
-        (("lr", "temperature", "max_grad_norm", "judge_timeout", "distill_lr"), lambda v: v > 0, "> 0"),
-        (("ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
-        (("judge_sample_rate", "distill_kappa", "distill_audit_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
-        (("vllm_gpu_memory_utilization", "clip_range", "spy_mask"), lambda v: 0 < v < 1, "in (0, 1)"),
-    ]
+# (fields, test, wording) of every number flag; spyrl.py adds its own
+BOUNDS = [
+    (
+        "steps save_every ppo_epochs batch_size micro_batch_size num_envs max_new_tokens max_turns eval_n "
+        "eval_max_turns judge_max_tokens judge_concurrency judge_samples distill_window".split(),
+        lambda v: v >= 1,
+        ">= 1",
+    ),
+    (
+        "error_allowance eval_every beta judge_temperature judge_retries judge_budget kl_coef dist_timeout".split(),
+        lambda v: v >= 0,
+        ">= 0",
+    ),
+    (("judge_price_in", "judge_price_out"), lambda v: v >= 0, ">= 0 (or -1: the price table's)"),
+    (("lr", "temperature", "max_grad_norm", "judge_timeout", "distill_lr"), lambda v: v > 0, "> 0"),
+    (("ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("judge_sample_rate", "distill_kappa", "distill_audit_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+    (("vllm_gpu_memory_utilization", "clip_range"), lambda v: 0 < v < 1, "in (0, 1)"),
+]
+
+
+def validate(args: Args, bounds=BOUNDS, modes=("stratagem", "spiral")) -> None:
+    """Every flag in its range and consistent with the others, else one line naming it (UserError)."""
+    if args.mode not in modes:
+        raise UserError(f"--mode {args.mode}: SpyRL has its own script, spyrl.py (python spyrl.py --help)")
     for names, ok, wording in bounds:
         for name in names:
             value = getattr(args, name)
@@ -550,14 +486,6 @@ class Episode:
         return len(self.turns[0]) + len(self.turns[1])
 
 
-def merge_counts(parts: list[dict]) -> dict:
-    """Sum outcome counts of several ranks."""
-    return {
-        g: {p: {k: sum(part[g][p][k] for part in parts) for k in c} for p, c in seats.items()}
-        for g, seats in parts[0].items()
-    }
-
-
 def self_play(
     policy,
     tokenizer,
@@ -618,38 +546,6 @@ def play_move(env, pid: int, action: str) -> tuple[bool, int | None]:
     return (True, pid) if not action else (env.step(action)[0], None)
 
 
-def spy_play(
-    policy,
-    tokenizer,
-    args: Args,
-    texts: list[dict],
-    rng: random.Random,
-    timer: watch.Timer,
-    target: int,
-    phases: tuple[str, ...],
-):
-    """SpyRL's self-play: games enough for the turns of `phases` to reach `target`, --num-envs at a time, TWO generate
-    calls a wave (spy.play: every seat's output, then every vote). One trajectory per seat and paid phase."""
-    games = [
-        spy.new_game(texts, args, rng.randrange(2**31))
-        for _ in range(spy.games_needed(target, args.spy_players, phases))
-    ]
-    moves, calls = spy.play(
-        games,
-        lambda observations: policy.generate(
-            [format_prompt(tokenizer, obs, 0, "{observation}") for obs in observations]
-        ),
-        args.num_envs,
-        timer,
-    )
-    trajs = [
-        Trajectory(spy.GAME, p, [Turn(*moves[g][p, k])], r, info=info)
-        for g, env in enumerate(games)
-        for p, k, r, info in env.results()
-    ]
-    return trajs, spy.outcomes(trajs), calls
-
-
 def game_result(env, done: bool, forfeit: int | None = None) -> tuple[dict[int, float], dict[int, bool]]:
     """Terminal outcomes in {-1, 0, 1} and which seat lost by an invalid move; a game stopped by the
     turn cap (not done) is a draw; `forfeit` is a seat whose move was refused before the game saw it."""
@@ -697,21 +593,46 @@ def rae_step(baseline: float, reward: float, ema: float) -> tuple[float, float]:
     return reward - baseline, ema * baseline + (1 - ema) * reward
 
 
+def rae_advantages(trajs: list[Trajectory], baselines: dict[str, float], ema: float, key=None) -> None:
+    """Step 2 over a batch, in trajectories.jsonl order: A_game and the baseline it was measured against on each
+    trajectory, b[G, p] (keyed "game/playerP", or by `key(t)`) updated after each. A seat that never moved still
+    folds its return into its role's baseline, as SPIRAL's code does (prepare_trajectories updates both roles)."""
+    for t in trajs:
+        k = key(t) if key else f"{t.game}/player{t.role}"
+        t.baseline = baselines.get(k, 0.0)
+        t.a_game, baselines[k] = rae_step(t.baseline, t.reward, ema)
+
+
+def group_advantages(groups: list[list[Trajectory]], eps: float = 1e-6) -> None:
+    """A_game without a critic or a baseline table: GRPO's group-relative advantage (DeepSeekMath,
+    https://arxiv.org/abs/2402.03300), (R - mean) / (std + eps) over each group of trajectories that answered the
+    same situation (population std; all-equal rewards give 0). A seat that never moved is in no group: it has no
+    tokens to learn from, and its reward would move the others' mean. spyrl.py groups the votes of a game."""
+    for group in groups:
+        moved = [t for t in group if t.turns]
+        rewards = [t.reward for t in moved]
+        mean = sum(rewards) / max(len(rewards), 1)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1))
+        for t in moved:
+            t.a_game = (t.reward - mean) / (std + eps)
+
+
 # =====================================================================================
 # Algorithm 1, step 3: STRATAGEM modulation.
 #   phi(tau) = 0.35*alpha + 0.35*sigma + 0.30*rho     alpha, sigma, rho in {0, 0.5, 1}
 #   psi(tau) = 0.35*d + 0.25*a + 0.40*c               d, a, c in {-1, 0, 1}
 #   A_mod(tau) = A_game(tau)*phi(tau) + beta*psi(tau)
-# Only a sample is judged; the rest (and failed judgements) get the mean over judged ones.
+# Only a sample is judged; the rest (and failed judgements) get the mean over judged ones. The weights, keys and
+# levels are judge_prompts.RUBRICS' table; the judge's transport, cache, budget and ledger machinery/judge.py's.
 # =====================================================================================
-def phi(alpha: float, sigma: float, rho: float) -> float:
-    """Reasoning Transferability Coefficient, in [0, 1]."""
-    return 0.35 * alpha + 0.35 * sigma + 0.30 * rho
+def phi(levels: dict[str, float]) -> float:
+    """Reasoning Transferability Coefficient, in [0, 1]: 0.35*alpha + 0.35*sigma + 0.30*rho (the table's weights)."""
+    return judge_prompts.weighted("transferability", levels)
 
 
-def psi(d: float, a: float, c: float) -> float:
-    """Reasoning Evolution Reward, in [-1, 1], zero-centred."""
-    return 0.35 * d + 0.25 * a + 0.40 * c
+def psi(levels: dict[str, float]) -> float:
+    """Reasoning Evolution Reward, in [-1, 1], zero-centred: 0.35*d + 0.25*a + 0.40*c (the table's weights)."""
+    return judge_prompts.weighted("evolution", levels)
 
 
 def a_mod(a_game: float, phi_: float, psi_: float, beta: float) -> float:
@@ -732,244 +653,19 @@ def sample_for_judging(n: int, rate: float, rng: random.Random) -> list[int]:
     return sorted(rng.sample(range(n), math.ceil(rate * n)))
 
 
-# Numbers as models write them but JSON forbids: a leading "+" ("d": +1, the rubric's own spelling)
-# and a bare decimal point ("alpha": .5, -.5). Rewritten to JSON before decoding; only a number right
-# after ":", "," or "[" is touched, so keys and quoted strings keep their text.
-_LOOSE_NUMBER = re.compile(r"([:,\[]\s*)\+?(-?)(\.?)(?=\d)")
-
-
-def loosen_numbers(text: str) -> str:
-    """'{"d": +1, "a": .5, "c": -.5}' -> '{"d": 1, "a": 0.5, "c": -0.5}' (other text unchanged)."""
-    return _LOOSE_NUMBER.sub(lambda m: m.group(1) + m.group(2) + ("0." if m.group(3) else ""), text)
-
-
-def parse_scores(reply: str, rubric: str) -> dict[str, float]:
-    """The last JSON object in `reply` that holds all of the rubric's keys. Thinking, prose and
-    ```json fences around it are fine; other keys are ignored; "+1", ".5" and numbers given as
-    strings ("0.5", "+1") are read. Failure kinds: no_json (no JSON object at all), missing_keys
-    (objects, but none with every key), bad_value (booleans, NaN, or a level outside the rubric's set).
-    It raises nothing else, whatever the reply (huge numbers, deep nesting: see the tests' fuzzing)."""
-    spec = judge_prompts.RUBRICS[rubric]
-    tail = loosen_numbers(reply[-65536:])  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
-    decoder, partial = json.JSONDecoder(), False
-    for pos in reversed([m.start() for m in re.finditer(r"\{", tail)][-256:]):
-        try:
-            obj, _ = decoder.raw_decode(tail, pos)
-        except (ValueError, RecursionError):  # RecursionError: "{" and a thousand "["
-            continue
-        if not isinstance(obj, dict):
-            continue
-        if not all(k in obj for k in spec["keys"]):
-            partial = partial or any(k in obj for k in spec["keys"])
-            continue
-        try:
-            return {k: judge_prompts.level(rubric, k, obj[k]) for k in spec["keys"]}
-        except ValueError as e:
-            raise JudgeFailure("bad_value", str(e)) from None
-    raise JudgeFailure("missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(spec["keys"]))
-
-
-def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
-    """Several valid verdicts on one rubric -> one (--judge-samples > 1): per key, the mean, or the
-    most frequent level with ties going to the lower level (an unsure judge does not pay more)."""
-    if how == "mean":
-        return {k: sum(v[k] for v in verdicts) / len(verdicts) for k in verdicts[0]}
-    return {k: min({v[k] for v in verdicts}, key=lambda x: (-sum(v[k] == x for v in verdicts), x)) for k in verdicts[0]}
-
-
-class HeuristicJudge:
-    """An offline, deterministic STAND-IN for CPU runs and tests, NOT the paper's judge: it counts surface
-    features (general vocabulary, structure, stated reasons, change across turns, actions given) per turn and
-    answers in the rubrics' JSON, keeping their rules (judge_prompts: typical_level, evolution_rules; c = 0
-    for a repaired lapse), so it exercises the rendering, caching and parsing path of a real judge."""
-
-    name = "heuristic"
-    cacheable = False  # free and deterministic: caching it would only grow the file
-    _ABSTRACT = re.compile(
-        r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
-        r"outcome\w*|if|then|compare\w*)\b",
-        re.IGNORECASE,
-    )
-    _STRUCTURE = re.compile(
-        r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)", re.IGNORECASE | re.MULTILINE
-    )
-    _REASON = re.compile(r"\b(because|since|so that|therefore|thus|in general|always|never|principle)\b", re.IGNORECASE)
-
-    @staticmethod
-    def _level(count: int) -> float:
-        return 0.0 if count == 0 else 0.5 if count < 3 else 1.0
-
-    def scores(self, rubric: str, trajectory_text: str) -> dict[str, float]:
-        turns = judge_prompts.read_turns(trajectory_text)  # the renderer's turns; quoted text cannot add one
-        texts, actions = [t["response"] for t in turns], [t["action"] for t in turns]
-        if rubric == "transferability":
-            levels = [
-                (
-                    self._level(len({m.lower() for m in self._ABSTRACT.findall(x)})),
-                    self._level(len(self._STRUCTURE.findall(x))),
-                    self._level(len(self._REASON.findall(x))),
-                )
-                for x in texts
-            ]  # per turn: (alpha, sigma, rho)
-            return {
-                k: judge_prompts.typical_level([lv[i] for lv in levels])
-                for i, k in enumerate(("alpha", "sigma", "rho"))
-            }
-        repeated = any(judge_prompts.same_reasoning(x, y) for k, x in enumerate(texts) for y in texts[:k])
-        verdict = {
-            "d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
-            "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
-            "c": 1.0 if all(actions) else (-1.0 if not actions[-1] else 0.0),
-        }
-        return judge_prompts.evolution_rules([t["observation"] for t in turns], texts, verdict)[0]
-
-    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
-        return json.dumps(self.scores(rubric, trajectory_text)), 0, 0
-
-
-class OpenAIJudge:
-    """Any OpenAI-compatible chat endpoint (OpenAI, `vllm serve`, llama.cpp, SGLang, ...), through the
-    `openai` client (machinery/openai_api.py: retries with backoff, failures as named kinds). The key
-    comes from OPENAI_API_KEY only; it is never logged or saved."""
-
-    cacheable = True
-
-    def __init__(self, model: str, base_url: str, args: Args):
-        self.name, self.base_url, self.args = model, base_url, args
-        self.client = openai_client(
-            base_url, args.judge_timeout, args.judge_retries, "--judge openai", args.judge_max_tokens
-        )
-
-    def check_reachable(self) -> None:
-        check_reachable(self.client, self.base_url, self.args.judge_timeout, "judge")
-
-    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
-        return chat(
-            self.client,
-            model=self.name,
-            messages=judge_prompts.build_messages(rubric, trajectory_text),
-            temperature=self.args.judge_temperature,
-            max_tokens=self.args.judge_max_tokens,
-        )
-
-
-def make_judge(args: Args) -> HeuristicJudge | OpenAIJudge:
-    return HeuristicJudge() if args.judge == "heuristic" else OpenAIJudge(args.judge_model, args.judge_base_url, args)
-
-
-def render_for_judge(traj: Trajectory) -> str:
-    return judge_prompts.render_trajectory(traj.game, traj.role, [dataclasses.asdict(t) for t in traj.turns])
-
-
-@dataclass
-class Judgement:
-    """The judge's word on one trajectory: all requested keys, or a failure kind, or skipped
-    (the budget ran out before it was asked: treated as not sampled, not as a failure)."""
-
-    scores: dict | None
-    failure: str | None = None
-    skipped: bool = False
-    rule: str | None = None  # the evolution rule that set d, a, c (judge_prompts.evolution_rules), if one did
-
-
-class JudgeRunner:
-    """Everything between trajectories and their scores: rendering, cache, budget, concurrency, n-sample
-    aggregation, parsing. Failures are returned and counted, never raised. `totals` rides in checkpoints;
-    the `ledger` gets one line per paid request as it is paid: a money record a crash cannot shorten, so
-    a resumed run's money totals are read back from it (`totals` restores the checkpoint's others)."""
-
-    def __init__(
-        self, client, args: Args, cache: runfiles.JudgeCache, ledger: Path | None = None, totals: dict | None = None
-    ):
-        self.client, self.args, self.cache, self.ledger = client, args, cache, ledger
-        self.lock = threading.Lock()
-        self.totals = dict.fromkeys(("requests", "cache_hits", "prompt_tokens", "completion_tokens", "cost"), 0)
-        self.totals.update(totals or {})
-        if ledger is not None and ledger.exists():  # what was really spent, a crashed step's requests included
-            self.totals.update(runfiles.ledger_totals(ledger))
-
-    def budget_exhausted(self) -> bool:
-        return 0 < self.args.judge_budget <= self.totals["cost"]
-
-    def _request(self, rubric: str, sample: int, text: str, step: dict) -> tuple[dict | None, str | None]:
-        key = runfiles.JudgeCache.key(self.client.name, rubric, self.args.judge_temperature, sample, text)
-        if self.client.cacheable and (hit := self.cache.entries.get(key)) is not None:
-            self._count(step, cache_hits=1)
-            return hit, None
-        if self.budget_exhausted():  # checked per request: at most judge_concurrency requests overshoot
-            return None, "budget"
-        reply, kind, scores = None, None, None
-        try:
-            reply, p_tok, c_tok = self.client.complete(rubric, text)
-        except JudgeFailure as e:
-            kind, (p_tok, c_tok) = e.kind, e.tokens
-        cost = p_tok * self.args.judge_price_in / 1e6 + c_tok * self.args.judge_price_out / 1e6
-        self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
-        if self.ledger is not None:  # on record as paid before its reply is read at all
-            with self.lock:
-                runfiles.append_jsonl(
-                    self.ledger,
-                    {
-                        "rubric": rubric,
-                        "key": key,
-                        "failure": kind,
-                        "prompt_tokens": p_tok,
-                        "completion_tokens": c_tok,
-                        "cost": cost,
-                    },
-                )
-        if reply is not None:
-            try:
-                scores = parse_scores(reply, rubric)
-            except JudgeFailure as e:
-                kind = e.kind
-        if scores is not None and self.client.cacheable:
-            self.cache.put(key, rubric, scores)
-        return scores, kind
-
-    def _count(self, step: dict, **amounts) -> None:
-        with self.lock:
-            for k, v in amounts.items():
-                self.totals[k] += v
-                step[k] = step.get(k, 0) + v
-
-    def judge(
-        self, trajs: list[Trajectory], rubrics: list[str], progress: watch.Progress | None = None
-    ) -> tuple[list[Judgement], dict]:
-        """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits).
-        `progress` hears of every request answered (cache hits and failures included). A one-turn
-        trajectory is not asked the evolution rubric; the evolution rules apply to every verdict."""
-        texts = [render_for_judge(t) for t in trajs]
-        asked = [[r for r in rubrics if r != "evolution" or len(t.turns) > 1] for t in trajs]
-        jobs = [(i, r, s) for i in range(len(trajs)) for r in asked[i] for s in range(self.args.judge_samples)]
-        step: dict = {}
-        done = itertools.count(1)  # next() on a count is atomic under the GIL: a thread-safe tally
-
-        def request(job):
-            result = self._request(job[1], job[2], texts[job[0]], step)
-            if progress is not None:
-                progress.phase(f"judge {next(done)}/{len(jobs)} requests")
-            return result
-
-        results = concurrently(request, jobs, self.args.judge_concurrency)  # a stop signal does not wait for them
-        judgements = []
-        for i, t in enumerate(trajs):
-            scores, kinds, rule = {}, [], None
-            for rubric in asked[i]:
-                mine = [res for (j, r, _), res in zip(jobs, results) if j == i and r == rubric]
-                valid = [s for s, _ in mine if s is not None]
-                if valid:
-                    scores.update(aggregate(valid, self.args.judge_aggregate))
-                else:
-                    kinds.append(next(k for _, k in mine if k))
-            if "evolution" in rubrics and not kinds:
-                scores, rule = judge_prompts.evolution_rules(
-                    [x.observation for x in t.turns], [x.response for x in t.turns], scores
-                )
-            failure = next((k for k in kinds if k != "budget"), None)
-            skipped = bool(kinds) and failure is None
-            judgements.append(Judgement(None if kinds else scores, failure, skipped, rule))
-        return judgements, step
+def judge_sample(run: lifecycle.Run, trajs: list[Trajectory], progress: watch.Progress) -> tuple[dict, dict]:
+    """The judge call: a sample of the batch's played trajectories (a seat that never moved has nothing to judge) at
+    --judge-sample-rate (--distill's audit rate while its heads are trusted), asked every rubric in use (not the
+    evolution one with --no-psi). Returns {index: Judgement} and the call's usage (requests, tokens, money).
+    Nothing is asked without a judge (--mode spiral) or once --judge-budget is spent."""
+    if run.runner is None or run.runner.budget_exhausted():
+        return {}, {}
+    played = [i for i, t in enumerate(trajs) if t.turns]
+    rate = run.distiller.sample_rate() if run.distiller else run.args.judge_sample_rate
+    picked = [played[k] for k in sample_for_judging(len(played), rate, run.rng)]
+    rubrics = [r for r in judge_prompts.RUBRICS if r != "evolution" or not run.args.no_psi]
+    results, usage = run.runner.judge([trajs[i] for i in picked], rubrics, progress)
+    return dict(zip(picked, results)), usage
 
 
 def modulate(
@@ -982,13 +678,13 @@ def modulate(
     for i, j in judgements.items():
         trajs[i].judged = not j.skipped
         if j.scores is not None:
-            trajs[i].scores = {k: j.scores.get(k) for k in ("alpha", "sigma", "rho", "d", "a", "c")}
-            phis[i] = phi(j.scores["alpha"], j.scores["sigma"], j.scores["rho"])
-            psis[i] = 0.0 if args.no_psi else psi(j.scores["d"], j.scores["a"], j.scores["c"])
+            trajs[i].scores = {k: j.scores.get(k) for k in judge_prompts.ALL_KEYS}
+            phis[i] = phi(j.scores)
+            psis[i] = 0.0 if args.no_psi else psi(j.scores)
     phis, phi_mean = impute(phis, 1.0)
     psis, psi_mean = impute(psis, 0.0)
     for i, s in (estimates or {}).items():  # trusted heads (machinery/distill.py): levels of their own, not the mean
-        phis[i], psis[i] = phi(s["alpha"], s["sigma"], s["rho"]), 0.0 if args.no_psi else psi(s["d"], s["a"], s["c"])
+        phis[i], psis[i] = phi(s), 0.0 if args.no_psi else psi(s)
     for t, f, s in zip(trajs, phis, psis):
         t.phi, t.psi = f, s
         t.a_mod = a_mod(t.a_game, f, s, args.beta)
@@ -1040,18 +736,6 @@ def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref) as in DeepSeekMath's GRPO, exp(d) - d - 1 with d = log pi_ref - log
     pi: >= 0, unbiased (http://joschu.net/blog/kl-approx.html). [B, T] -> [B, T]"""
     return torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # [B, T]
-
-
-def ppo_summary(epochs_by_rank: list[list[dict]], world: int) -> dict:
-    """Per epoch, over every rank: the loss (summed like the REINFORCE loss), the mean ratio and the
-    fraction of response tokens whose loss the clip bounded. Epoch 1 is always ratio 1, fraction 0."""
-    out = {"loss": [], "ratio_mean": [], "clip_frac": []}
-    for epoch in zip(*epochs_by_rank):
-        tokens = sum(e["tokens"] for e in epoch)
-        out["loss"].append(sum(e["loss"] for e in epoch) / world)
-        out["ratio_mean"].append(sum(e["ratio_sum"] for e in epoch) / max(tokens, 1))
-        out["clip_frac"].append(sum(e["clipped"] for e in epoch) / max(tokens, 1))
-    return out
 
 
 def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -1144,6 +828,32 @@ def policy_update(
         "grad_norm": sum(e["grad_norm"] for e in epochs) / len(epochs),
         "epochs": epochs,
     }
+
+
+def reinforce(run: lifecycle.Run, mine: list[Trajectory], transitions: int, timer: watch.Timer, progress) -> dict:
+    """Step 4 on this rank: policy_update on its own trajectories, with the constant normaliser (see
+    reinforce_loss) of the whole batch's `transitions`, times world because FSDP averages gradients over ranks;
+    the engine set aside for the update and given the new weights after it."""
+    normaliser = transitions * run.args.max_new_tokens / run.dist.world
+    progress.phase("learning")
+    with timer("sync"):
+        run.policy.before_learn()  # colocated vLLM sleeps: its weights go to CPU, its KV cache is freed
+    with timer("learn"):
+        update = policy_update(
+            run.model,
+            run.optimizer,
+            mine,
+            run.args,
+            run.device,
+            run.tokenizer.pad_token_id,
+            normaliser,
+            run.dist,
+            run.reference,
+        )
+    with timer("sync"):
+        run.policy.sync(run.model)  # the engine plays the next step with the new weights
+    progress.close()
+    return update
 
 
 # =====================================================================================
@@ -1366,243 +1076,46 @@ def play_matches(
 # train(): Algorithm 1. Setting a run up (fresh or resumed), the step's metrics and the checkpoint
 # are the named helpers below it, so the loop body reads like the paper.
 # =====================================================================================
-@dataclass
-class Run:
-    """What a training run carries from step to step. Rank 0 alone judges, writes and prints."""
-
-    args: Args
-    dist: Dist
-    out: Path
-    device: torch.device
-    games: list[str]
-    eval_games: list[str]
-    rng: random.Random  # our own draws (games, judge sampling); checkpointed with the global streams
-    model: torch.nn.Module
-    tokenizer: object
-    policy: HFPolicy | VLLMPolicy
-    optimizer: torch.optim.Optimizer
-    texts: list[dict]  # SpyRL's task data (spy.load_texts); empty in the other modes
-    reference: torch.nn.Module | None  # the initial policy, frozen: the KL penalty's (--kl-coef > 0), else None
-    distiller: distill.Distiller | None = None  # --distill: the heads, their holdout and trust (rank 0)
-    baselines: dict[str, float] = field(default_factory=dict)  # RAE: b[G, p], keyed "game/playerP"; SpyRL "task/role"
-    lengths: dict[str, float] = field(default_factory=dict)  # transitions per game id, to size the batch
-    start: int = 0  # steps already done (a resumed run)
-    elapsed: float = 0.0
-    runner: JudgeRunner | None = None
-    reporter: watch.Reporter | None = None
-    announced: bool = False  # the judge budget's banner is shown once
-    judged: int = 0  # trajectories judged and failures, over this process's steps: the end-of-run alarm
-    failures: Counter = field(default_factory=Counter)
-
-
 def train(args: Args) -> Path:
-    """Run (or resume) a training run; returns the run directory. Under torchrun every rank calls it;
-    only rank 0 judges, writes and prints."""
-    run = start_run(args)
-    if run is None:  # a resumed run that had already finished
+    """Algorithm 1: run (or resume) a training run; returns its directory. Under torchrun every rank calls it and
+    plays its share of the batch; rank 0 alone judges, writes and prints. Setting up, the step's metrics and the
+    checkpoint are machinery/lifecycle.py's."""
+    run = lifecycle.start_run(args, load_learner_and_engine, make_env, seed_everything)
+    if run is None:  # --dry-run, or a resumed run that had already finished
         return Path(args.out)
-    dist, rubrics = run.dist, ["transferability"] + ([] if args.no_psi else ["evolution"])
     for step in range(run.start + 1, args.steps + 1):
-        t0, timer = time.perf_counter(), watch.Timer()
-        target = math.ceil(args.batch_size / dist.world)  # each rank plays its share of the batch
-        progress = watch.Progress(step, args.steps, target, show=dist.main)
-        phases = spy.trained_phases(step, args.spy_alternate)  # SpyRL trains outputs or votes (--spy-alternate)
+        timer, target = watch.Timer(), math.ceil(args.batch_size / run.dist.world)  # each rank plays its share
+        progress = watch.Progress(step, args.steps, target, show=run.dist.main)
 
-        # ---- Algorithm 1, step 1: self-play trajectory generation (one policy, both seats; SpyRL: n seats) ----
-        if args.mode == "spyrl":
-            mine, outcomes, calls = spy_play(run.policy, run.tokenizer, args, run.texts, run.rng, timer, target, phases)
-        else:
-            mine, outcomes, calls = self_play(
-                run.policy, run.tokenizer, args, run.games, run.rng, timer, run.lengths, target, progress
-            )
-        parts = dist.gather(mine)
-        trajs = [t for part in parts for t in part]  # the whole batch, rank by rank
+        # ---- Algorithm 1, step 1: self-play trajectory generation (one policy plays both seats) ----
+        mine, outcomes, calls = self_play(
+            run.policy, run.tokenizer, args, run.games, run.rng, timer, run.lengths, target, progress
+        )
+        trajs, parts = lifecycle.whole_batch(run.dist, mine)  # rank by rank, as trajectories.jsonl has them
         feats = (
-            distill.features(
-                run.model, mine, collate, run.tokenizer.pad_token_id, args.micro_batch_size, run.device, dist, timer
+            None
+            if not args.distill
+            else distill.features(  # --distill's heads read every rank's own turns
+                run.model, mine, collate, run.tokenizer.pad_token_id, args.micro_batch_size, run.device, run.dist, timer
             )
-            if args.distill
-            else None
-        )  # --distill: every rank passes its own turns
+        )
         judged, usage, mod = {}, {}, {}
-        if dist.main:
-            # ---- Algorithm 1, step 2: game-based advantage, RAE: A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
-            for t in trajs:  # in trajectories.jsonl order
-                if "group" in t.info:  # SpyRL's votes: group-relative (GRPO), over the civilian votes of their game
-                    t.a_game = spy.group_advantage(t.reward, t.info["group"])
-                else:  # RAE; SpyRL's outputs keyed by (task, role)
-                    key = t.info.get("key", f"{t.game}/player{t.role}")
-                    t.baseline = run.baselines.get(key, 0.0)
-                    t.a_game, run.baselines[key] = rae_step(t.baseline, t.reward, args.ema)
+        if run.dist.main:
+            # ---- Algorithm 1, step 2: game-based advantage (RAE), A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
+            rae_advantages(trajs, run.baselines, args.ema)
 
             # ---- Algorithm 1, step 3: STRATAGEM modulation, A_mod = A_game * phi + beta * psi ----
             with timer("judge"):
-                if run.runner is not None and not run.runner.budget_exhausted():
-                    played = [i for i, t in enumerate(trajs) if t.turns]  # a seat that never moved has nothing to judge
-                    rate = (
-                        run.distiller.sample_rate() if run.distiller else args.judge_sample_rate
-                    )  # trusted heads: audit rate
-                    picked = [played[k] for k in sample_for_judging(len(played), rate, run.rng)]
-                    results, usage = run.runner.judge([trajs[i] for i in picked], rubrics, progress)
-                    judged = dict(zip(picked, results))
-            estimates = run.distiller.step(trajs, feats, judged) if run.distiller else {}  # holdout, trust, training
-            mod = modulate(
-                trajs, judged, args, estimates
-            )  # imputes the batch mean for the unjudged (trusted: the heads')
-            if run.runner is not None and run.runner.budget_exhausted() and not run.announced:
-                watch.announce_budget(run.runner.totals["cost"], args.judge_budget, step)
-                run.announced = True
-        a_mods = dist.broadcast([t.a_mod for t in trajs])  # each rank learns from its own trajectories
-        offset = sum(len(part) for part in parts[: dist.rank])
-        for t, a in zip(mine, a_mods[offset:]):
-            t.a_mod = a
+                judged, usage = judge_sample(run, trajs, progress)
+            estimates = run.distiller.step(trajs, feats, judged) if run.distiller else {}  # trusted heads' levels
+            mod = modulate(trajs, judged, args, estimates)  # the unjudged get the batch mean (trusted: the heads')
+        lifecycle.share_advantages(run.dist, parts, mine)  # each rank learns from its own trajectories
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t | s_t) ] ----
-        learn = [t for t in mine if not t.info or t.info["phase"] in phases]  # SpyRL: this step's phase only
-        transitions = sum(len(t.turns) for t in trajs if not t.info or t.info["phase"] in phases)
-        # constant normaliser (see reinforce_loss); times world because FSDP averages gradients over ranks
-        normaliser = transitions * args.max_new_tokens / dist.world
-        progress.phase("learning")
-        with timer("sync"):
-            run.policy.before_learn()  # colocated vLLM sleeps: its weights go to CPU, its KV cache is freed
-        with timer("learn"):
-            upd = policy_update(
-                run.model,
-                run.optimizer,
-                learn,
-                args,
-                run.device,
-                run.tokenizer.pad_token_id,
-                normaliser,
-                dist,
-                run.reference,
-            )
-        with timer("sync"):
-            run.policy.sync(run.model)  # the engine plays the next step with the new weights
-        progress.close()
+        update = reinforce(run, mine, sum(len(t.turns) for t in trajs), timer, progress)
         evaluation = periodic_eval(run, step, timer)
-
-        # ---- bookkeeping: rank 0 logs the step; every rank takes part in the checkpoint ----
-        ranks = dist.gather((outcomes, calls, upd["loss"], upd["epochs"]))
-        step_time = time.perf_counter() - t0
-        run.elapsed += step_time
-        if dist.main:
-            metrics = step_metrics(
-                run, step, trajs, ranks, judged, usage, mod, upd["grad_norm"], evaluation, timer, step_time
-            )
-            log_step(run, metrics, trajs)
-        if step % args.save_every == 0 or step == args.steps:
-            save(run, step)
-    return finish_run(run)
-
-
-def start_run(args: Args) -> Run | None:
-    """Everything before the first step: every check that can fail (flags, games, devices, outputs, the
-    checkpoint to resume) before --out is claimed, then the policy and the judge (a fresh --out whose run
-    fails to start is removed again), then the run's files. Returns None, touching nothing, for --dry-run (the
-    plan printed) and for a resumed run that has already done --steps."""
-    watch.quiet_transformers()
-    dist, out = Dist(args), Path(args.out)
-    games = check_ids(args.games)
-    texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny) if args.mode == "spyrl" else []
-    eval_games = check_ids(args.eval_games, "--eval-games") if args.eval_every else []
-    device = pick_device(args.device, dist.local_rank)
-    args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
-    if args.resume and dist.main:  # another job on the run may be in the middle of a save: refused before a read
-        runfiles.check_not_in_use(out)
-    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world) if args.resume else None  # None: no save yet
-    steps_left = args.steps - (runfiles.checkpoint_step(ckpt) if ckpt is not None else 0)
-    projection = (
-        costs.judge_projection(args, games, make_env, steps_left)
-        if args.mode == "stratagem" and dist.main and (args.dry_run or args.judge == "openai")
-        else None
-    )  # before any money is spent
-    if args.dry_run:
-        if dist.main:
-            print(costs.plan(args, out, games, device, engine, projection))
-        dist.close()
-        return None
-    rng = seed_everything(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
-    judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
-    if ckpt is not None and steps_left == 0:  # a re-queued job ends cleanly
-        if dist.main:
-            print(
-                f"{out} is already finished ({args.steps} of {args.steps} steps); nothing to do "
-                f"(pass --resume --steps N with N > {args.steps} to train it further)"
-            )
-        dist.close()
-        return None
-    if dist.main:
-        if not args.resume and out.exists():
-            raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
-        runfiles.check_writable_dir(out, "--out")
-        if judge is not None and args.judge_cache:
-            runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
-    reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None
-    if dist.main:
-        runfiles.claim_run(out, fresh=not args.resume)  # one job per run folder; released by main() or finish_run()
-        print(watch.start_line(args, out, device, engine), flush=True)
-        if projection is not None:
-            print("\n".join(costs.projection_lines(args, projection)), flush=True)
-        print(
-            f"loading the policy: {ckpt or ('a random tiny Qwen3, built offline' if args.tiny else args.model)} ...",
-            flush=True,
-        )
-    t_load = time.perf_counter()
-    model, tokenizer, policy, reference = load_learner_and_engine(args, ckpt, dist, device)
-    if isinstance(judge, OpenAIJudge):
-        judge.check_reachable()
-    if dist.main:
-        print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=args.betas)
-    run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer, texts, reference)
-    run.distiller = distill.Distiller(model.config.hidden_size, args, phi, psi) if args.distill and dist.main else None
-    judge_totals = None
-    if ckpt is not None:
-        state = runfiles.load_state(ckpt / "trainer_state.pt")
-        own = runfiles.load_state(ckpt / f"rank{dist.rank}.pt")
-        load_optimizer_state(model, optimizer, state["optimizer"])
-        run.baselines, run.start, run.elapsed, judge_totals = (
-            state["baselines"],
-            state["step"],
-            state["elapsed"],
-            state["judge_totals"],
-        )
-        run.lengths = own["lengths"]
-        if run.distiller is not None:
-            run.distiller.load_state_dict(state["distill"])
-        runfiles.set_rng_states(rng, own["rng"])
-        policy.sync(model)
-    elif dist.main:
-        (out / "checkpoints").mkdir(exist_ok=True)
-    if not dist.main:
-        return run
-    if args.resume:  # lines logged after the checkpoint are replayed; without one, from step 0 with the saved config
-        for name in ("metrics.jsonl", "trajectories.jsonl"):
-            runfiles.truncate_jsonl(out / name, run.start)
-        print(
-            f"resuming {out} from step {run.start}"
-            if ckpt
-            else f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config"
-        )
-    if reporter is not None:
-        reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it (release_runs)
-    run.reporter = reporter
-    if changes := runfiles.write_config(out, dataclasses.asdict(args), run.start):
-        print(changes, flush=True)
-    if judge is not None:
-        cache = runfiles.JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
-        if cache.skipped:
-            print(
-                f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
-                "their requests are made again",
-                file=sys.stderr,
-            )
-        run.runner = JudgeRunner(judge, args, cache, out / "judge_ledger.jsonl", judge_totals)
-        if run.runner.budget_exhausted():
-            watch.announce_budget(run.runner.totals["cost"], args.judge_budget, run.start)
-            run.announced = True
-    return run
+        lifecycle.end_step(run, step, timer, trajs, (outcomes, calls), judged, usage, mod, update, evaluation)
+    return lifecycle.finish_run(run)
 
 
 def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: torch.device):
@@ -1633,7 +1146,7 @@ def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: t
     return model, tokenizer, policy, reference
 
 
-def periodic_eval(run: Run, step: int, timer: watch.Timer) -> dict | None:
+def periodic_eval(run: lifecycle.Run, step: int, timer: watch.Timer) -> dict | None:
     """--eval-every: the model against a random legal player (rank 0), on its own RNG streams."""
     if not run.eval_games or step % run.args.eval_every or not run.dist.main:
         return None
@@ -1650,137 +1163,6 @@ def periodic_eval(run: Run, step: int, timer: watch.Timer) -> dict | None:
             run.args.num_envs,
         )
     return summarize_matches(records)
-
-
-def summarize(values: list[float]) -> tuple[float, float]:
-    """Mean and (population) standard deviation; (0, 0) for nothing."""
-    if not values:
-        return 0.0, 0.0
-    mean = sum(values) / len(values)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-
-
-def step_metrics(
-    run: Run,
-    step: int,
-    trajs: list[Trajectory],
-    ranks: list[tuple],
-    judged: dict[int, Judgement],
-    usage: dict,
-    mod: dict,
-    grad_norm: float,
-    evaluation: dict | None,
-    timer: watch.Timer,
-    step_time: float,
-) -> dict:
-    """The step's metrics.jsonl line; `ranks` holds every rank's (outcomes, generate calls, loss, PPO epochs)."""
-    outcomes = merge_counts([r[0] for r in ranks])
-    played = [t for t in trajs if t.turns]  # the others: seats that never moved (RAE only)
-    a_game_mean, a_game_std = summarize([t.a_game for t in played])
-    a_mod_mean, a_mod_std = summarize([t.a_mod for t in played])
-    resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
-    failures = Counter(j.failure for j in judged.values() if j.failure)
-    runner = run.runner
-    return {
-        "step": step,
-        "time_s": round(step_time, 3),
-        "elapsed_s": round(run.elapsed, 3),
-        "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()},
-        "games": outcomes,
-        "episodes": sum(
-            c[next(iter(c))][k] for c in outcomes.values() for k in ("win", "draw", "loss")
-        ),  # 1st seat: 1 a game
-        "trajectories": len(played),
-        "idle_seats": len(trajs) - len(played),
-        "transitions": len(resp_tokens),
-        "generate_calls": sum(r[1] for r in ranks),
-        "response_tokens": sum(resp_tokens),
-        "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
-        "judge_judged": sum(not j.skipped for j in judged.values()),
-        "judge_failed": sum(failures.values()),
-        "judge_failures": failures,
-        "judge_skipped_budget": sum(j.skipped for j in judged.values()),
-        "judge_evolution_rules": Counter(j.rule for j in judged.values() if j.rule),
-        **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
-        "judge_cost": usage.get("cost", 0.0),
-        "judge_cost_total": runner.totals["cost"] if runner else 0.0,
-        "judge_budget_exhausted": bool(runner and runner.budget_exhausted()),
-        **mod,
-        "a_game_mean": a_game_mean,
-        "a_game_std": a_game_std,
-        "a_mod_mean": a_mod_mean,
-        "a_mod_std": a_mod_std,
-        "loss": sum(r[2] for r in ranks) / run.dist.world,
-        "grad_norm": grad_norm,
-        **({"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)} if run.args.ppo_epochs > 1 else {}),
-        **(
-            {"kl": sum(e["kl"] for r in ranks for e in r[3]) / (len(ranks[0][3]) * run.dist.world)}
-            if run.reference is not None
-            else {}
-        ),
-        "baselines": dict(run.baselines),
-        **({"eval": evaluation} if evaluation else {}),
-        **({"distill": run.distiller.report} if run.distiller else {}),
-        **(
-            {"spy": spy.step_metrics(trajs, spy.trained_phases(step, run.args.spy_alternate))}
-            if run.args.mode == "spyrl"
-            else {}
-        ),
-    }
-
-
-def log_step(run: Run, metrics: dict, trajs: list[Trajectory]) -> None:
-    """trajectories.jsonl, metrics.jsonl, --report-to and the step line; a judge alarm when half or more
-    of the judged trajectories failed."""
-    for t in trajs:
-        runfiles.append_jsonl(run.out / "trajectories.jsonl", t.record(metrics["step"]))
-    runfiles.append_jsonl(run.out / "metrics.jsonl", metrics)
-    if run.reporter is not None:
-        run.reporter.log(metrics)
-    print(watch.step_line(metrics, run.args), flush=True)
-    run.judged += metrics["judge_judged"]
-    run.failures.update(metrics["judge_failures"])
-    if metrics["judge_judged"] and 2 * metrics["judge_failed"] >= metrics["judge_judged"]:
-        print(
-            watch.judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {metrics['step']}"),
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def save(run: Run, step: int) -> None:
-    """The checkpoint: weights, optimizer, RAE baselines, judge totals (rank 0) and every rank's RNG states
-    and game lengths, so that --resume replays exactly what an uninterrupted run does."""
-    runfiles.save_checkpoint(
-        run.out,
-        step,
-        run.model,
-        run.tokenizer,
-        run.optimizer,
-        dist=run.dist,
-        shared={
-            "baselines": run.baselines,
-            "elapsed": run.elapsed,
-            "judge_totals": run.runner.totals if run.runner else None,
-            "distill": run.distiller.state_dict() if run.distiller else None,
-        },
-        own={"rng": runfiles.rng_states(run.rng), "lengths": run.lengths},
-    )
-
-
-def finish_run(run: Run) -> Path:
-    """The end-of-run judge alarm, the engines and process group closed, and the closing line."""
-    if run.runner is not None and (line := watch.run_alarm(run.judged, run.failures, run.start + 1, run.args.steps)):
-        print(line, file=sys.stderr, flush=True)
-    if run.reporter is not None:
-        run.reporter.close()
-    run.dist.gather(None)  # every rank is done with the group before vLLM's teardown may destroy it
-    run.policy.close()
-    run.dist.close()
-    runfiles.release_runs()
-    if run.dist.main:
-        print(watch.closing_line(run.out, run.args.steps, run.args.mode), flush=True)
-    return run.out
 
 
 # =====================================================================================
@@ -1808,33 +1190,44 @@ def on_sigterm(signum, frame):
     raise Terminated()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`stratagem.py [flags]` trains; `stratagem.py COMMAND ...` runs one of COMMANDS."""
+def parse_args(argv: list[str], cls=Args, parser=None, resolve=resolve_args) -> Args:
+    """The run's Args from a command line: the flags given, on top of the saved config.json with --resume.
+    spyrl.py passes its own Args class, parser and resolve."""
+    explicit = vars((parser or build_parser()).parse_args(argv))
+    saved = None
+    if explicit.get("resume"):
+        if not explicit.get("out"):
+            raise UserError("--resume needs --out (the run directory to continue)")
+        config = Path(explicit["out"]) / "config.json"
+        if not config.exists():
+            raise UserError(f"--resume: {config} not found")
+        mode = runfiles.read_config(config.parent).get("mode")
+        if (mode == "spyrl") != (cls.mode == "spyrl"):  # a SpyRL run is resumed by spyrl.py, and only SpyRL's
+            script = "spyrl.py" if mode == "spyrl" else "stratagem.py"
+            raise UserError(f"{config.parent} is a --mode {mode} run: continue it with python {script} --resume")
+        saved = runfiles.read_config(config.parent, cls.__dataclass_fields__)
+    return resolve(explicit, saved)
+
+
+def main(argv: list[str] | None = None, parse=parse_args, run=None, commands=COMMANDS, prog="stratagem") -> int:
+    """`stratagem.py [flags]` trains; `stratagem.py COMMAND ...` runs one of COMMANDS. spyrl.py runs its own
+    `parse` and `run` (its train) through here, for the same one-line errors and stop signals."""
     argv = sys.argv[1:] if argv is None else argv
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     run_dir = None  # set once a training run is resolved: the resume advice names it
     try:
-        if argv and argv[0] in COMMANDS:
+        if argv and argv[0] in commands:
             # Run as a script this file is __main__: the tools must share it, not import a second copy
             # (whose UserError this `except` would not catch).
             sys.modules.setdefault("stratagem", sys.modules[__name__])
             return importlib.import_module(f"tools.{COMMANDS[argv[0]]}").main(argv[1:])
-        explicit = vars(build_parser().parse_args(argv))
-        saved = None
-        if explicit.get("resume"):
-            if not explicit.get("out"):
-                raise UserError("--resume needs --out (the run directory to continue)")
-            config = Path(explicit["out"]) / "config.json"
-            if not config.exists():
-                raise UserError(f"--resume: {config} not found")
-            saved = runfiles.read_config(config.parent, Args.__dataclass_fields__)
-        args = resolve_args(explicit, saved)
+        args = parse(argv)
         run_dir = Path(args.out)
         with stop_within(5.0) if in_main_thread else contextlib.nullcontext():  # see stop_within: a stuck collective
-            train(args)
+            (run or train)(args)
     except UserError as e:
-        print(f"stratagem: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `stratagem.py show RUN | head` closed the pipe: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint at exit
@@ -1843,14 +1236,14 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(
-            f"stratagem: error: no space left on the device writing {e.filename or 'a file'}"
+            f"{prog}: error: no space left on the device writing {e.filename or 'a file'}"
             + (f"; make room, then continue with --resume --out {run_dir}" if run_dir else ""),
             file=sys.stderr,
         )
         return 2
     except KeyboardInterrupt as e:
         print(
-            f"stratagem: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}"
+            f"{prog}: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}"
             f"{runfiles.resume_advice(run_dir)}",
             file=sys.stderr,
         )

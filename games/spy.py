@@ -1,5 +1,5 @@
 """WhoIsTheSpy-v0: SpyRL's "who is the spy" game (RLSVR, seed 003 in ../shared/seeds/), as a TextArena
-environment that any TextArena agent can play, and what `stratagem.py --mode spyrl` needs of it.
+environment that any TextArena agent can play, and what spyrl.py needs of it.
 
 A game takes one task input x (a document to summarise, a writing prompt, a maths problem). n players,
 all played by the same policy, do the task; the environment draws the spy u uniformly from the seats.
@@ -109,7 +109,7 @@ def load_texts(path: str, mask: float, tiny: bool) -> list[dict]:
     if not path:
         if not tiny:
             raise UserError(
-                "--mode spyrl needs --spy-data FILE.jsonl (docs/spyrl.md turns a hub dataset into one); "
+                "spyrl.py needs --spy-data FILE.jsonl (docs/spyrl.md turns a hub dataset into one); "
                 "only --tiny has an offline default"
             )
         return default_texts()
@@ -403,14 +403,6 @@ def trained_phases(step: int, alternate: int) -> tuple[str, ...]:
 def games_needed(target: int, n: int, phases: tuple[str, ...]) -> int:
     """Games whose turns of `phases` (n outputs, n - 1 civilian votes a game) reach `target`."""
     return math.ceil(target / ((n if "performance" in phases else 0) + (n - 1 if "detection" in phases else 0)))
-
-
-def group_advantage(reward: float, group: list[float], eps: float = 1e-6) -> float:
-    """GRPO's advantage (DeepSeekMath, https://arxiv.org/abs/2402.03300): (r - mean) / (std + eps) over the
-    group (population std); all-equal rewards give 0."""
-    mean = sum(group) / len(group)
-    std = math.sqrt(sum((g - mean) ** 2 for g in group) / len(group))
-    return (reward - mean) / (std + eps)
 
 
 def outcomes(trajs: list) -> dict:

@@ -1,5 +1,9 @@
 """The machinery around stratagem.py's algorithm: what a reader of Algorithm 1 can skip.
 
+    lifecycle.py     a run's life cycle around Algorithm 1's loop: set-up and resume, the step's metrics line and
+                     checkpoint, the end of the run (train() in stratagem.py and spyrl.py calls each in one line)
+    judge.py         the judge's machinery: the stand-in and OpenAI-compatible judges, verdict parsing, and
+                     JudgeRunner (cache, budget, money ledger, concurrency)
     flags.py         the Args dataclass as a command line: field docstrings become --help text
     distributed.py   torchrun / FSDP2 data parallelism and the choice of device
     vllm_engine.py   the vLLM generation engine and the weight sync into it
@@ -15,7 +19,7 @@
     distill.py       --distill: heads on the policy's hidden states that learn the judge, their holdout and trust;
                      Cohen's kappa and Spearman's rho (also `agree`'s)
 
-Imports walk one way, tools/ -> stratagem.py -> machinery/: nothing here imports stratagem.py, and
+Imports walk one way, tools/ and spyrl.py -> stratagem.py -> machinery/: nothing here imports stratagem.py, and
 what a module needs of the trainer (its arguments, a validator) is passed in.
 """
 

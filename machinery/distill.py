@@ -33,8 +33,8 @@ import torch
 
 import judge_prompts
 
-RUBRIC_OF = {k: r for r, spec in judge_prompts.RUBRICS.items() for k in spec["keys"]}  # "alpha" -> "transferability"
-KEYS = tuple(RUBRIC_OF)  # alpha, sigma, rho, d, a, c: the heads' order
+RUBRIC_OF = judge_prompts.RUBRIC_OF  # "alpha" -> "transferability"
+KEYS = judge_prompts.ALL_KEYS  # alpha, sigma, rho, d, a, c (the rubric table's): the heads' order
 HOLDOUT = 0.25  # the share of each step's valid verdicts held out: compared with the heads, never trained on
 EPOCHS = 20  # full-batch Adam steps on the training window per training step
 WEIGHT_DECAY = 1e-3  # L2 on the heads' weights: a few hundred examples, up to thousands of features
@@ -177,8 +177,8 @@ class Distiller:
     """Rank 0's heads and their bookkeeping. `step` is called once per training step, after the judge and
     before A_mod; `state_dict` rides in the checkpoint."""
 
-    def __init__(self, dim: int, args, phi, psi):
-        self.args, self.phi, self.psi = args, phi, psi
+    def __init__(self, dim: int, args):
+        self.args = args
         self.used = [k for k in KEYS if RUBRIC_OF[k] == "transferability" or not args.no_psi]
         self.heads = OrdinalHeads(dim)
         self.optimizer = torch.optim.Adam(self.heads.parameters(), lr=args.distill_lr)
@@ -244,9 +244,10 @@ class Distiller:
         for k in KEYS:
             if verdict[k] is not None:
                 self.pairs[k].append((predicted[k], verdict[k]))
-        for name, fn, keys in (("phi", self.phi, ("alpha", "sigma", "rho")), ("psi", self.psi, ("d", "a", "c"))):
-            if all(verdict[k] is not None for k in keys):
-                self.pairs[name].append((fn(*(predicted[k] for k in keys)), fn(*(verdict[k] for k in keys))))
+        for name, rubric in (("phi", "transferability"), ("psi", "evolution")):  # weighted: phi, psi of the table
+            if all(verdict[k] is not None for k in judge_prompts.keys(rubric)):
+                pair = (judge_prompts.weighted(rubric, predicted), judge_prompts.weighted(rubric, verdict))
+                self.pairs[name].append(pair)
         return False
 
     def step(self, trajs: list, feats: list, judged: dict) -> dict[int, dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import inspect
 import math
 import re
@@ -13,19 +14,21 @@ from machinery import UserError
 
 
 def field_docs(cls) -> dict[str, tuple[str, str]]:
-    """{field: (group, help)} of a dataclass, read from its source."""
-    source = inspect.getsource(cls)
-    body = ast.parse(source).body[0].body
-    lines, groups, group = source.splitlines(), {}, "options"
-    for number, line in enumerate(lines, 1):
-        if m := re.fullmatch(r"\s*# --- (.+) ---", line):
-            group = m.group(1)
-        groups[number] = group
-    return {
-        node.target.id: (groups[node.lineno], " ".join(nxt.value.value.split()))
-        for node, nxt in zip(body, body[1:])
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-    }
+    """{field: (group, help)} of a dataclass, read from its source; a subclass (spyrl.py's Args) adds its own
+    fields and may re-document its parents' (their order is kept)."""
+    docs: dict[str, tuple[str, str]] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        source = inspect.getsource(klass)
+        body = ast.parse(source).body[0].body
+        groups, group = {}, "options"
+        for number, line in enumerate(source.splitlines(), 1):
+            if m := re.fullmatch(r"\s*# --- (.+) ---", line):
+                group = m.group(1)
+            groups[number] = group
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = (groups[node.lineno], " ".join(nxt.value.value.split()))
+    return docs
 
 
 class FriendlyParser(argparse.ArgumentParser):
@@ -39,13 +42,15 @@ class FriendlyParser(argparse.ArgumentParser):
         raise UserError(message)
 
 
-def dataclass_parser(cls, choices: dict, presets: dict[str, dict], **kwargs) -> argparse.ArgumentParser:
+def dataclass_parser(cls, choices: dict, presets: dict[str, dict], hidden=(), **kwargs) -> argparse.ArgumentParser:
     """One flag per field of `cls`, grouped by section, each with its docstring, its default and the defaults
     that `presets` ({"--tiny": {field: default}, "--mode spyrl": ...}) give it. The parsed namespace holds
     only the flags actually given (argparse.SUPPRESS), so that defaults, presets and a saved config can be layered."""
     p = FriendlyParser(argument_default=argparse.SUPPRESS, **kwargs)
     sections: dict[str, argparse._ArgumentGroup] = {}
     for name, (group, doc) in field_docs(cls).items():
+        if name in hidden:
+            continue
         section = sections.setdefault(group, p.add_argument_group(group))
         flag, default = "--" + name.replace("_", "-"), cls.__dataclass_fields__[name].default
         kind = type(default)

@@ -382,7 +382,7 @@ class JudgeCache:
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
                 try:
                     record = json.loads(line)
-                    keys = judge_prompts.RUBRICS[record["rubric"]]["keys"]
+                    keys = judge_prompts.keys(record["rubric"])
                     if set(record["scores"]) != set(keys) or not isinstance(record["key"], str):
                         raise ValueError("not the rubric's keys")
                     self.entries[record["key"]] = {

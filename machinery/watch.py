@@ -20,10 +20,11 @@ from machinery import UserError
 
 
 class Timer:
-    """Accumulates wall time per named phase: `with timer("generate"): ...`."""
+    """Accumulates wall time per named phase: `with timer("generate"): ...`; `start` is when it was made."""
 
     def __init__(self):
         self.totals: dict[str, float] = {}
+        self.start = time.perf_counter()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -48,10 +49,10 @@ def fmt(x: float | None) -> str:
 
 def start_line(args, out: Path, device, engine: str) -> str:
     """The first line of a run: where it writes and what it will do."""
-    detail = {
-        "spiral": "",
-        "spyrl": f", {args.spy_players} players, {args.spy_task}, mask {args.spy_mask}, alternate {args.spy_alternate}",
-    }.get(args.mode, " w/o psi" if args.no_psi else f", beta {args.beta}")
+    if args.mode == "spyrl":
+        detail = f", {args.spy_players} players, {args.spy_task}, mask {args.spy_mask}, alternate {args.spy_alternate}"
+    else:
+        detail = "" if args.mode == "spiral" else " w/o psi" if args.no_psi else f", beta {args.beta}"
     detail += f", KL {args.kl_coef}" if args.kl_coef else ""
     model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
     judge = (

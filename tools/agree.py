@@ -17,21 +17,9 @@ from machinery import UserError, distill, watch
 from machinery.distill import cohen_kappa, spearman
 from machinery.distributed import Dist, pick_device
 from machinery.flags import FriendlyParser, field_docs
+from machinery.judge import HeuristicJudge, JudgeRunner, OpenAIJudge, render_for_judge
 from machinery.runfiles import JudgeCache, check_writable_file, latest_checkpoint, load_state, read_config
-from stratagem import (
-    Args,
-    HeuristicJudge,
-    JudgeRunner,
-    OpenAIJudge,
-    Trajectory,
-    collate,
-    format_prompt,
-    load_policy,
-    phi,
-    psi,
-    render_for_judge,
-    validate,
-)
+from stratagem import Args, Trajectory, collate, format_prompt, load_policy, phi, psi, validate
 from tools.eval import openai_spec
 from tools.runs import read_trajectories
 
@@ -63,12 +51,12 @@ class DistilledJudge:
         feats = distill.features(
             model, trajs, collate, tok.pad_token_id, args.micro_batch_size, device, Dist(), watch.Timer()
         )
-        heads = distill.Distiller(model.config.hidden_size, args, phi, psi)
+        heads = distill.Distiller(model.config.hidden_size, args)
         heads.load_state_dict(state)
         self.name, self.levels = spec, dict(zip(map(render_for_judge, trajs), heads.predict(torch.stack(feats))))
 
     def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
-        return json.dumps({k: self.levels[trajectory_text][k] for k in judge_prompts.RUBRICS[rubric]["keys"]}), 0, 0
+        return json.dumps({k: self.levels[trajectory_text][k] for k in judge_prompts.keys(rubric)}), 0, 0
 
 
 def judge_from_spec(spec: str, args: Args, trajs: list[Trajectory]) -> HeuristicJudge | OpenAIJudge | DistilledJudge:
@@ -146,16 +134,16 @@ def main(argv: list[str]) -> int:
     pairs = [(x, y) for x in range(len(names)) for y in range(x + 1, len(names))]
     table: dict[str, dict[str, float]] = {}
     free = [i for i in keep if i not in ruled]  # evolution agrees only where the judges decided
-    for dim in ("alpha", "sigma", "rho", "d", "a", "c"):
-        rows = keep if dim in ("alpha", "sigma", "rho") else free
+    for dim in judge_prompts.ALL_KEYS:
+        rows = keep if judge_prompts.RUBRIC_OF[dim] == "transferability" else free
         table[f"kappa {dim}"] = {
             f"{names[x]}~{names[y]}": cohen_kappa(
                 [verdicts[x][i][dim] for i in rows], [verdicts[y][i][dim] for i in rows]
             )
             for x, y in pairs
         }
-    for label, fn, keys, rows in (("phi", phi, ("alpha", "sigma", "rho"), keep), ("psi", psi, ("d", "a", "c"), free)):
-        values = [[fn(*(v[i][k] for k in keys)) for i in rows] for v in verdicts]
+    for label, fn, rows in (("phi", phi, keep), ("psi", psi, free)):
+        values = [[fn(v[i]) for i in rows] for v in verdicts]
         table[f"spearman {label}"] = {f"{names[x]}~{names[y]}": spearman(values[x], values[y]) for x, y in pairs}
     print(
         f"agreement on {len(keep)} of {len(trajs)} sampled trajectories of {run} "

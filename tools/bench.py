@@ -1,10 +1,12 @@
 """`stratagem.py bench`: a few training steps, measured: games/s, tokens/s, where the wall time goes,
-lockstep against one-game-at-a-time rollouts (with --mode spyrl: SpyRL against STRATAGEM, the same flags
-otherwise), and optionally the judge's latency."""
+lockstep against one-game-at-a-time rollouts (with --mode spyrl: spyrl.py's SpyRL against STRATAGEM, the same
+flags otherwise), and optionally the judge's latency."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib
 import json
 import os
 import resource
@@ -17,8 +19,9 @@ import torch
 import judge_prompts
 from machinery import UserError
 from machinery.flags import FriendlyParser
+from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
 from machinery.runfiles import JudgeCache, check_writable_file, read_jsonl
-from stratagem import Args, JudgeRunner, OpenAIJudge, Trajectory, build_parser, make_judge, resolve_args, train
+from stratagem import Args, Trajectory, build_parser, resolve_args, train
 from tools.runs import read_trajectories
 
 PHASES = ("generate", "game", "judge", "learn", "sync")
@@ -91,19 +94,25 @@ def main(argv: list[str]) -> int:
         "--json", default="bench.jsonl", help="append the results here, one JSON line (default: bench.jsonl)"
     )
     ns, rest = p.parse_known_args(argv)
-    explicit = vars(build_parser().parse_args(rest))
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--mode")
+    chosen, others = mode.parse_known_args(rest)
+    spyrl = importlib.import_module("spyrl") if chosen.mode == "spyrl" else None  # spyrl.py's flags, its mode implied
+    explicit = vars(spyrl.build_parser().parse_args(others) if spyrl else build_parser().parse_args(rest))
     if "out" in explicit or "resume" in explicit:
         raise UserError("bench runs in a temporary directory; drop --out and --resume")
     if ns.judgements < 0:
         raise UserError(f"--judgements must be >= 0, got {ns.judgements}")
     check_writable_file(Path(ns.json), "--json")  # now, not after the benchmark has run
     explicit.setdefault("steps", 3)
-    base = resolve_args(explicit)
+    base = (spyrl.resolve_args if spyrl else resolve_args)(explicit)
     modes = ["lockstep", "sequential"] if ns.rollout == "both" else [ns.rollout]
     configs = {mode: dataclasses.replace(base, num_envs=base.num_envs if mode == "lockstep" else 1) for mode in modes}
-    if base.mode == "spyrl":  # SpyRL's figures beside STRATAGEM's, lockstep, measured in the same invocation
-        modes = ["spyrl", "stratagem"]
-        configs = {"spyrl": base, "stratagem": resolve_args({**explicit, "mode": "stratagem"})}
+    trainers = dict.fromkeys(modes, train)
+    if spyrl:  # SpyRL's figures beside STRATAGEM's, lockstep, measured in the same invocation
+        modes, trainers = ["spyrl", "stratagem"], {"spyrl": spyrl.train, "stratagem": train}
+        shared = {k: v for k, v in explicit.items() if k in Args.__dataclass_fields__}
+        configs = {"spyrl": base, "stratagem": resolve_args({**shared, "mode": "stratagem"})}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
@@ -111,7 +120,7 @@ def main(argv: list[str]) -> int:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             print(f"--- bench: {mode} ({args.mode}), {args.num_envs} game(s) in flight ---", flush=True)
-            train(args)
+            trainers[mode](args)
             results[mode] = bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl"))
         if ns.judgements > 0:
             results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)

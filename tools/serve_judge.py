@@ -21,16 +21,8 @@ import torch
 import judge_prompts
 from machinery import UserError
 from machinery.flags import FriendlyParser
-from stratagem import (
-    TINY_DEFAULTS,
-    Args,
-    HeuristicJudge,
-    HFPolicy,
-    build_random_model,
-    format_prompt,
-    load_policy,
-    make_env,
-)
+from machinery.judge import HeuristicJudge
+from stratagem import TINY_DEFAULTS, Args, HFPolicy, build_random_model, format_prompt, load_policy, make_env
 
 
 class TokenTeacher:
@@ -92,10 +84,12 @@ class TokenTeacher:
             return HeuristicJudge().scores(rubric, trajectory_text)
         game = self._HEAD.match(trajectory_text).group(1)
         turns = [self.z(t["response"], game) for t in judge_prompts.read_turns(trajectory_text)]
-        return {
+        keys = judge_prompts.keys(rubric)  # the first three are taught; any other gets the middle level
+        levels = {
             k: judge_prompts.typical_level([0.0 if z[dim] < low else 0.5 if z[dim] < high else 1.0 for z in turns])
-            for dim, (k, (low, high)) in enumerate(zip(("alpha", "sigma", "rho"), self.cuts))
+            for dim, (k, (low, high)) in enumerate(zip(keys, self.cuts))
         }
+        return {k: levels.get(k, 0.5) for k in keys}
 
 
 class JudgeHTTPServer(http.server.ThreadingHTTPServer):
@@ -149,7 +143,7 @@ def make_judge_server(
         def do_POST(self):
             request = self._chat_request()
             body, content = request or ({}, "")
-            rubric = next((r for r, spec in judge_prompts.RUBRICS.items() if spec["text"] in content), None)
+            rubric = next((r for r in judge_prompts.RUBRICS if judge_prompts.rubric_text(r) in content), None)
             if rubric is None or judge_prompts.TRAJECTORY_OPEN not in content:
                 return self._send(
                     400,

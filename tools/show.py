@@ -32,6 +32,11 @@ def say(text: str) -> None:
     print(visible(text))
 
 
+def levels(scores: dict, rubric: str) -> str:
+    """One rubric's levels, in the table's order: "alpha 1  sigma 0.5  rho 0"."""
+    return "  ".join(f"{k} {scores[k]:g}" for k in judge_prompts.keys(rubric))
+
+
 def main(argv: list[str]) -> int:
     p = FriendlyParser(
         prog="stratagem.py show",
@@ -72,9 +77,9 @@ def main(argv: list[str]) -> int:
     say(f"reward R = {r['reward']:+g}   baseline b = {r['baseline']:+.4f}   A_game = R - b = {r['a_game']:+.4f}")
     s = r["scores"]
     if s:
-        say(f"judge: alpha {s['alpha']:g}  sigma {s['sigma']:g}  rho {s['rho']:g}  -> phi = {r['phi']:.4f}")
-        if s.get("d") is not None:
-            say(f"       d {s['d']:g}  a {s['a']:g}  c {s['c']:g}  -> psi = {r['psi']:+.4f}")
+        say(f"judge: {levels(s, 'transferability')}  -> phi = {r['phi']:.4f}")
+        if any(s.get(k) is not None for k in judge_prompts.keys("evolution")):
+            say(f"       {levels(s, 'evolution')}  -> psi = {r['psi']:+.4f}")
     elif (r.get("predicted") or {}).get("used"):
         say(f"judge: {'failed' if r['judged'] else 'not sampled'}; the trusted heads' levels used (below)")
     else:
@@ -93,12 +98,9 @@ def main(argv: list[str]) -> int:
                 else "not trusted: the batch mean stands"
             ),
         )
-        say(
-            f"heads: alpha {h['alpha']:g}  sigma {h['sigma']:g}  rho {h['rho']:g}  -> phi = "
-            f"{phi(h['alpha'], h['sigma'], h['rho']):.4f}  ({role})"
-        )
+        say(f"heads: {levels(h, 'transferability')}  -> phi = {phi(h):.4f}  ({role})")
         if not config.get("no_psi"):
-            say(f"       d {h['d']:g}  a {h['a']:g}  c {h['c']:g}  -> psi = {psi(h['d'], h['a'], h['c']):+.4f}")
+            say(f"       {levels(h, 'evolution')}  -> psi = {psi(h):+.4f}")
     say(
         f"A_mod = A_game*phi + beta*psi = {r['a_game']:+.4f}*{r['phi']:.4f} + {beta}*{r['psi']:+.4f} "
         f"= {r['a_mod']:+.4f}"

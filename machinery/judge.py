@@ -1,0 +1,271 @@
+"""The judge's machinery: everything between a trajectory and its verdict that a reader of Algorithm 1 can skip.
+stratagem.py's step 3 samples the trajectories, calls JudgeRunner.judge and turns the verdicts into phi and psi;
+this module renders, asks, caches, budgets, records the money and validates.
+
+    parse_scores    the verdict in a judge's reply (the last JSON object with every key of the rubric)
+    aggregate       several verdicts on one rubric (--judge-samples) combined into one
+    HeuristicJudge  the offline stand-in (NOT the paper's judge), for CPU runs and tests
+    OpenAIJudge     any OpenAI-compatible chat endpoint (the paper: GPT-4)
+    JudgeRunner     the cache, the budget, the money ledger, concurrency; failures counted, never raised
+
+The rubrics themselves (keys, levels, weights, wording, the rules code decides) are judge_prompts.py's table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import judge_prompts
+from machinery import runfiles, watch
+from machinery.openai_api import JudgeFailure, chat, check_reachable, concurrently, openai_client
+
+# Numbers as models write them but JSON forbids: a leading "+" ("d": +1, the rubric's own spelling)
+# and a bare decimal point ("alpha": .5, -.5). Rewritten to JSON before decoding; only a number right
+# after ":", "," or "[" is touched, so keys and quoted strings keep their text.
+_LOOSE_NUMBER = re.compile(r"([:,\[]\s*)\+?(-?)(\.?)(?=\d)")
+
+
+def loosen_numbers(text: str) -> str:
+    """'{"d": +1, "a": .5, "c": -.5}' -> '{"d": 1, "a": 0.5, "c": -0.5}' (other text unchanged)."""
+    return _LOOSE_NUMBER.sub(lambda m: m.group(1) + m.group(2) + ("0." if m.group(3) else ""), text)
+
+
+def parse_scores(reply: str, rubric: str) -> dict[str, float]:
+    """The last JSON object in `reply` that holds all of the rubric's keys. Thinking, prose and
+    ```json fences around it are fine; other keys are ignored; "+1", ".5" and numbers given as
+    strings ("0.5", "+1") are read. Failure kinds: no_json (no JSON object at all), missing_keys
+    (objects, but none with every key), bad_value (booleans, NaN, or a level outside the rubric's set).
+    It raises nothing else, whatever the reply (huge numbers, deep nesting: see the tests' fuzzing)."""
+    keys = judge_prompts.keys(rubric)
+    tail = loosen_numbers(reply[-65536:])  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
+    decoder, partial = json.JSONDecoder(), False
+    for pos in reversed([m.start() for m in re.finditer(r"\{", tail)][-256:]):
+        try:
+            obj, _ = decoder.raw_decode(tail, pos)
+        except (ValueError, RecursionError):  # RecursionError: "{" and a thousand "["
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if not all(k in obj for k in keys):
+            partial = partial or any(k in obj for k in keys)
+            continue
+        try:
+            return {k: judge_prompts.level(rubric, k, obj[k]) for k in keys}
+        except ValueError as e:
+            raise JudgeFailure("bad_value", str(e)) from None
+    raise JudgeFailure("missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(keys))
+
+
+def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
+    """Several valid verdicts on one rubric -> one (--judge-samples > 1): per key, the mean, or the
+    most frequent level with ties going to the lower level (an unsure judge does not pay more)."""
+    if how == "mean":
+        return {k: sum(v[k] for v in verdicts) / len(verdicts) for k in verdicts[0]}
+    return {k: min({v[k] for v in verdicts}, key=lambda x: (-sum(v[k] == x for v in verdicts), x)) for k in verdicts[0]}
+
+
+class HeuristicJudge:
+    """An offline, deterministic STAND-IN for CPU runs and tests, NOT the paper's judge: it counts surface
+    features (general vocabulary, structure, stated reasons, change across turns, actions given) per turn and
+    answers in the rubrics' JSON, keeping their rules (judge_prompts: typical_level, evolution_rules; c = 0
+    for a repaired lapse), so it exercises the rendering, caching and parsing path of a real judge. Its keys
+    are the table's: a dimension it has no feature for gets the rubric's middle level."""
+
+    name = "heuristic"
+    cacheable = False  # free and deterministic: caching it would only grow the file
+    _ABSTRACT = re.compile(
+        r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
+        r"outcome\w*|if|then|compare\w*)\b",
+        re.IGNORECASE,
+    )
+    _STRUCTURE = re.compile(
+        r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)", re.IGNORECASE | re.MULTILINE
+    )
+    _REASON = re.compile(r"\b(because|since|so that|therefore|thus|in general|always|never|principle)\b", re.IGNORECASE)
+    _COUNTS = {  # transferability: per turn, the count that sets each dimension's level
+        "alpha": lambda x: len({m.lower() for m in HeuristicJudge._ABSTRACT.findall(x)}),
+        "sigma": lambda x: len(HeuristicJudge._STRUCTURE.findall(x)),
+        "rho": lambda x: len(HeuristicJudge._REASON.findall(x)),
+    }
+
+    @staticmethod
+    def _level(count: int) -> float:
+        return 0.0 if count == 0 else 0.5 if count < 3 else 1.0
+
+    @staticmethod
+    def _middle(rubric: str) -> float:
+        levels = judge_prompts.RUBRICS[rubric]["levels"]
+        return levels[len(levels) // 2]
+
+    def scores(self, rubric: str, trajectory_text: str) -> dict[str, float]:
+        turns = judge_prompts.read_turns(trajectory_text)  # the renderer's turns; quoted text cannot add one
+        texts, actions = [t["response"] for t in turns], [t["action"] for t in turns]
+        if rubric == "transferability":  # each level is the typical turn's
+            return {
+                k: judge_prompts.typical_level([self._level(self._COUNTS[k](x)) for x in texts])
+                if k in self._COUNTS
+                else self._middle(rubric)
+                for k in judge_prompts.keys(rubric)
+            }
+        repeated = any(judge_prompts.same_reasoning(x, y) for k, x in enumerate(texts) for y in texts[:k])
+        verdict = {
+            "d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
+            "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
+            "c": 1.0 if all(actions) else (-1.0 if not actions[-1] else 0.0),
+        }
+        verdict = {k: verdict.get(k, self._middle(rubric)) for k in judge_prompts.keys(rubric)}
+        return judge_prompts.evolution_rules([t["observation"] for t in turns], texts, verdict)[0]
+
+    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
+        return json.dumps(self.scores(rubric, trajectory_text)), 0, 0
+
+
+class OpenAIJudge:
+    """Any OpenAI-compatible chat endpoint (OpenAI, `vllm serve`, llama.cpp, SGLang, ...), through the
+    `openai` client (machinery/openai_api.py: retries with backoff, failures as named kinds). The key
+    comes from OPENAI_API_KEY only; it is never logged or saved."""
+
+    cacheable = True
+
+    def __init__(self, model: str, base_url: str, args):
+        self.name, self.base_url, self.args = model, base_url, args
+        self.client = openai_client(
+            base_url, args.judge_timeout, args.judge_retries, "--judge openai", args.judge_max_tokens
+        )
+
+    def check_reachable(self) -> None:
+        check_reachable(self.client, self.base_url, self.args.judge_timeout, "judge")
+
+    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
+        return chat(
+            self.client,
+            model=self.name,
+            messages=judge_prompts.build_messages(rubric, trajectory_text),
+            temperature=self.args.judge_temperature,
+            max_tokens=self.args.judge_max_tokens,
+        )
+
+
+def make_judge(args) -> HeuristicJudge | OpenAIJudge:
+    return HeuristicJudge() if args.judge == "heuristic" else OpenAIJudge(args.judge_model, args.judge_base_url, args)
+
+
+def render_for_judge(traj) -> str:
+    return judge_prompts.render_trajectory(traj.game, traj.role, [dataclasses.asdict(t) for t in traj.turns])
+
+
+@dataclass
+class Judgement:
+    """The judge's word on one trajectory: all requested keys, or a failure kind, or skipped
+    (the budget ran out before it was asked: treated as not sampled, not as a failure)."""
+
+    scores: dict | None
+    failure: str | None = None
+    skipped: bool = False
+    rule: str | None = None  # the evolution rule that set d, a, c (judge_prompts.evolution_rules), if one did
+
+
+class JudgeRunner:
+    """Everything between trajectories and their scores: rendering, cache, budget, concurrency, n-sample
+    aggregation, parsing. Failures are returned and counted, never raised. `totals` rides in checkpoints;
+    the `ledger` gets one line per paid request as it is paid: a money record a crash cannot shorten, so
+    a resumed run's money totals are read back from it (`totals` restores the checkpoint's others)."""
+
+    def __init__(
+        self, client, args, cache: runfiles.JudgeCache, ledger: Path | None = None, totals: dict | None = None
+    ):
+        self.client, self.args, self.cache, self.ledger = client, args, cache, ledger
+        self.lock = threading.Lock()
+        self.totals = dict.fromkeys(("requests", "cache_hits", "prompt_tokens", "completion_tokens", "cost"), 0)
+        self.totals.update(totals or {})
+        if ledger is not None and ledger.exists():  # what was really spent, a crashed step's requests included
+            self.totals.update(runfiles.ledger_totals(ledger))
+
+    def budget_exhausted(self) -> bool:
+        return 0 < self.args.judge_budget <= self.totals["cost"]
+
+    def _request(self, rubric: str, sample: int, text: str, step: dict) -> tuple[dict | None, str | None]:
+        key = runfiles.JudgeCache.key(self.client.name, rubric, self.args.judge_temperature, sample, text)
+        if self.client.cacheable and (hit := self.cache.entries.get(key)) is not None:
+            self._count(step, cache_hits=1)
+            return hit, None
+        if self.budget_exhausted():  # checked per request: at most judge_concurrency requests overshoot
+            return None, "budget"
+        reply, kind, scores = None, None, None
+        try:
+            reply, p_tok, c_tok = self.client.complete(rubric, text)
+        except JudgeFailure as e:
+            kind, (p_tok, c_tok) = e.kind, e.tokens
+        cost = p_tok * self.args.judge_price_in / 1e6 + c_tok * self.args.judge_price_out / 1e6
+        self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
+        if self.ledger is not None:  # on record as paid before its reply is read at all
+            with self.lock:
+                runfiles.append_jsonl(
+                    self.ledger,
+                    {
+                        "rubric": rubric,
+                        "key": key,
+                        "failure": kind,
+                        "prompt_tokens": p_tok,
+                        "completion_tokens": c_tok,
+                        "cost": cost,
+                    },
+                )
+        if reply is not None:
+            try:
+                scores = parse_scores(reply, rubric)
+            except JudgeFailure as e:
+                kind = e.kind
+        if scores is not None and self.client.cacheable:
+            self.cache.put(key, rubric, scores)
+        return scores, kind
+
+    def _count(self, step: dict, **amounts) -> None:
+        with self.lock:
+            for k, v in amounts.items():
+                self.totals[k] += v
+                step[k] = step.get(k, 0) + v
+
+    def judge(
+        self, trajs: list, rubrics: list[str], progress: watch.Progress | None = None
+    ) -> tuple[list[Judgement], dict]:
+        """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits).
+        `progress` hears of every request answered (cache hits and failures included). A one-turn
+        trajectory is not asked the evolution rubric; the evolution rules apply to every verdict."""
+        texts = [render_for_judge(t) for t in trajs]
+        asked = [[r for r in rubrics if r != "evolution" or len(t.turns) > 1] for t in trajs]
+        jobs = [(i, r, s) for i in range(len(trajs)) for r in asked[i] for s in range(self.args.judge_samples)]
+        step: dict = {}
+        done = itertools.count(1)  # next() on a count is atomic under the GIL: a thread-safe tally
+
+        def request(job):
+            result = self._request(job[1], job[2], texts[job[0]], step)
+            if progress is not None:
+                progress.phase(f"judge {next(done)}/{len(jobs)} requests")
+            return result
+
+        results = concurrently(request, jobs, self.args.judge_concurrency)  # a stop signal does not wait for them
+        judgements = []
+        for i, t in enumerate(trajs):
+            scores, kinds, rule = {}, [], None
+            for rubric in asked[i]:
+                mine = [res for (j, r, _), res in zip(jobs, results) if j == i and r == rubric]
+                valid = [s for s, _ in mine if s is not None]
+                if valid:
+                    scores.update(aggregate(valid, self.args.judge_aggregate))
+                else:
+                    kinds.append(next(k for _, k in mine if k))
+            if "evolution" in rubrics and not kinds:
+                scores, rule = judge_prompts.evolution_rules(
+                    [x.observation for x in t.turns], [x.response for x in t.turns], scores
+                )
+            failure = next((k for k in kinds if k != "budget"), None)
+            skipped = bool(kinds) and failure is None
+            judgements.append(Judgement(None if kinds else scores, failure, skipped, rule))
+        return judgements, step

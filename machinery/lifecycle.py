@@ -1,0 +1,363 @@
+"""A training run's life cycle, around Algorithm 1's loop: what a reader of the algorithm can skip.
+
+    start_run       every check that can fail, before --out is claimed; the policy, the judge, the run's files;
+                    a resumed run's state read back from its checkpoint
+    whole_batch     every rank's trajectories in one batch (rank 0 computes A_game and A_mod over it), and
+    share_advantages    A_mod handed back to the rank that played each trajectory
+    end_step        the step's metrics.jsonl line, trajectories.jsonl, the step line, the checkpoint
+    finish_run      the end-of-run alarm, the engines and the process group closed, the closing line
+
+stratagem.py's train() (and spyrl.py's) call each of these in one line. What they need of the trainer (how the
+policy is loaded, how an env is made, how everything is seeded) is passed in: nothing here imports stratagem.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from games import check_ids
+from machinery import UserError, costs, distill, runfiles, watch
+from machinery.distributed import Dist, load_optimizer_state, pick_backend, pick_device
+from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
+
+
+@dataclass
+class Run:
+    """What a training run carries from step to step. Rank 0 alone judges, writes and prints."""
+
+    args: object  # stratagem.Args (or spyrl.py's)
+    dist: Dist
+    out: Path
+    device: torch.device
+    games: list[str]
+    eval_games: list[str]
+    rng: random.Random  # our own draws (games, judge sampling); checkpointed with the global streams
+    model: torch.nn.Module
+    tokenizer: object
+    policy: object  # stratagem.HFPolicy or machinery/vllm_engine.VLLMPolicy
+    optimizer: torch.optim.Optimizer
+    reference: torch.nn.Module | None  # the initial policy, frozen: the KL penalty's (--kl-coef > 0), else None
+    distiller: distill.Distiller | None = None  # --distill: the heads, their holdout and trust (rank 0)
+    baselines: dict[str, float] = field(default_factory=dict)  # RAE: b[G, p], keyed "game/playerP"; SpyRL "task/role"
+    lengths: dict[str, float] = field(default_factory=dict)  # transitions per game id, to size the batch
+    start: int = 0  # steps already done (a resumed run)
+    elapsed: float = 0.0
+    runner: JudgeRunner | None = None
+    reporter: watch.Reporter | None = None
+    announced: bool = False  # the judge budget's banner is shown once
+    judged: int = 0  # trajectories judged and failures, over this process's steps: the end-of-run alarm
+    failures: Counter = field(default_factory=Counter)
+
+
+def start_run(args, load, make_env, seed) -> Run | None:
+    """Everything before the first step: every check that can fail (flags, games, devices, outputs, the
+    checkpoint to resume) before --out is claimed, then the policy and the judge (a fresh --out whose run
+    fails to start is removed again), then the run's files. Returns None, touching nothing, for --dry-run (the
+    plan printed) and for a resumed run that has already done --steps. From the trainer: `load(args, checkpoint,
+    dist, device)` -> (model, tokenizer, generation engine, KL reference or None), `make_env` (the judge's cost
+    projection plays a few games) and `seed(seed)` -> the run's own Random (its seeding block)."""
+    watch.quiet_transformers()
+    dist, out = Dist(args), Path(args.out)
+    games = check_ids(args.games)
+    eval_games = check_ids(args.eval_games, "--eval-games") if args.eval_every else []
+    device = pick_device(args.device, dist.local_rank)
+    args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
+    if args.resume and dist.main:  # another job on the run may be in the middle of a save: refused before a read
+        runfiles.check_not_in_use(out)
+    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world) if args.resume else None  # None: no save yet
+    steps_left = args.steps - (runfiles.checkpoint_step(ckpt) if ckpt is not None else 0)
+    projection = (
+        costs.judge_projection(args, games, make_env, steps_left)
+        if args.mode == "stratagem" and dist.main and (args.dry_run or args.judge == "openai")
+        else None
+    )  # before any money is spent
+    if args.dry_run:
+        if dist.main:
+            print(costs.plan(args, out, games, device, engine, projection))
+        dist.close()
+        return None
+    rng = seed(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
+    judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
+    if ckpt is not None and steps_left == 0:  # a re-queued job ends cleanly
+        if dist.main:
+            print(
+                f"{out} is already finished ({args.steps} of {args.steps} steps); nothing to do "
+                f"(pass --resume --steps N with N > {args.steps} to train it further)"
+            )
+        dist.close()
+        return None
+    if dist.main:
+        if not args.resume and out.exists():
+            raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
+        runfiles.check_writable_dir(out, "--out")
+        if judge is not None and args.judge_cache:
+            runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
+    reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None
+    if dist.main:
+        runfiles.claim_run(out, fresh=not args.resume)  # one job per run folder; released by main() or finish_run()
+        print(watch.start_line(args, out, device, engine), flush=True)
+        if projection is not None:
+            print("\n".join(costs.projection_lines(args, projection)), flush=True)
+        print(
+            f"loading the policy: {ckpt or ('a random tiny Qwen3, built offline' if args.tiny else args.model)} ...",
+            flush=True,
+        )
+    t_load = time.perf_counter()
+    model, tokenizer, policy, reference = load(args, ckpt, dist, device)
+    if isinstance(judge, OpenAIJudge):
+        judge.check_reachable()
+    if dist.main:
+        print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=args.betas)
+    run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer, reference)
+    run.distiller = distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
+    judge_totals = None
+    if ckpt is not None:
+        state = runfiles.load_state(ckpt / "trainer_state.pt")
+        own = runfiles.load_state(ckpt / f"rank{dist.rank}.pt")
+        load_optimizer_state(model, optimizer, state["optimizer"])
+        run.baselines, run.start, run.elapsed, judge_totals = (
+            state["baselines"],
+            state["step"],
+            state["elapsed"],
+            state["judge_totals"],
+        )
+        run.lengths = own["lengths"]
+        if run.distiller is not None:
+            run.distiller.load_state_dict(state["distill"])
+        runfiles.set_rng_states(rng, own["rng"])
+        policy.sync(model)
+    elif dist.main:
+        (out / "checkpoints").mkdir(exist_ok=True)
+    if not dist.main:
+        return run
+    if args.resume:  # lines logged after the checkpoint are replayed; without one, from step 0 with the saved config
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            runfiles.truncate_jsonl(out / name, run.start)
+        print(
+            f"resuming {out} from step {run.start}"
+            if ckpt
+            else f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config"
+        )
+    if reporter is not None:
+        reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it (release_runs)
+    run.reporter = reporter
+    if changes := runfiles.write_config(out, dataclasses.asdict(args), run.start):
+        print(changes, flush=True)
+    if judge is not None:
+        cache = runfiles.JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
+        if cache.skipped:
+            print(
+                f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
+                "their requests are made again",
+                file=sys.stderr,
+            )
+        run.runner = JudgeRunner(judge, args, cache, out / "judge_ledger.jsonl", judge_totals)
+        if run.runner.budget_exhausted():
+            watch.announce_budget(run.runner.totals["cost"], args.judge_budget, run.start)
+            run.announced = True
+    return run
+
+
+def whole_batch(dist: Dist, mine: list) -> tuple[list, list[list]]:
+    """Every rank's trajectories, rank by rank (trajectories.jsonl's order), and the parts they came in."""
+    parts = dist.gather(mine)
+    return [t for part in parts for t in part], parts
+
+
+def share_advantages(dist: Dist, parts: list[list], mine: list) -> None:
+    """Rank 0's A_mod onto this rank's own trajectories `mine` (its part of the batch): each rank learns from
+    what it played."""
+    a_mods = dist.broadcast([t.a_mod for part in parts for t in part])
+    offset = sum(len(part) for part in parts[: dist.rank])
+    for t, a in zip(mine, a_mods[offset:]):
+        t.a_mod = a
+
+
+def merge_counts(parts: list[dict]) -> dict:
+    """Sum outcome counts of several ranks."""
+    return {
+        g: {p: {k: sum(part[g][p][k] for part in parts) for k in c} for p, c in seats.items()}
+        for g, seats in parts[0].items()
+    }
+
+
+def summarize(values: list[float]) -> tuple[float, float]:
+    """Mean and (population) standard deviation; (0, 0) for nothing."""
+    if not values:
+        return 0.0, 0.0
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def ppo_summary(epochs_by_rank: list[list[dict]], world: int) -> dict:
+    """Per epoch, over every rank: the loss (summed like the REINFORCE loss), the mean ratio and the
+    fraction of response tokens whose loss the clip bounded. Epoch 1 is always ratio 1, fraction 0."""
+    out = {"loss": [], "ratio_mean": [], "clip_frac": []}
+    for epoch in zip(*epochs_by_rank):
+        tokens = sum(e["tokens"] for e in epoch)
+        out["loss"].append(sum(e["loss"] for e in epoch) / world)
+        out["ratio_mean"].append(sum(e["ratio_sum"] for e in epoch) / max(tokens, 1))
+        out["clip_frac"].append(sum(e["clipped"] for e in epoch) / max(tokens, 1))
+    return out
+
+
+def step_metrics(
+    run: Run,
+    step: int,
+    trajs: list,
+    ranks: list[tuple],
+    judged: dict,
+    usage: dict,
+    mod: dict,
+    grad_norm: float,
+    evaluation: dict | None,
+    timer: watch.Timer,
+    step_time: float,
+    extra: dict | None = None,
+) -> dict:
+    """The step's metrics.jsonl line; `ranks` holds every rank's (outcomes, generate calls, loss, PPO epochs),
+    `extra` what a trainer adds of its own."""
+    outcomes = merge_counts([r[0] for r in ranks])
+    played = [t for t in trajs if t.turns]  # the others: seats that never moved (RAE only)
+    a_game_mean, a_game_std = summarize([t.a_game for t in played])
+    a_mod_mean, a_mod_std = summarize([t.a_mod for t in played])
+    resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
+    failures = Counter(j.failure for j in judged.values() if j.failure)
+    runner = run.runner
+    return {
+        "step": step,
+        "time_s": round(step_time, 3),
+        "elapsed_s": round(run.elapsed, 3),
+        "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()},
+        "games": outcomes,
+        "episodes": sum(
+            c[next(iter(c))][k] for c in outcomes.values() for k in ("win", "draw", "loss")
+        ),  # 1st seat: 1 a game
+        "trajectories": len(played),
+        "idle_seats": len(trajs) - len(played),
+        "transitions": len(resp_tokens),
+        "generate_calls": sum(r[1] for r in ranks),
+        "response_tokens": sum(resp_tokens),
+        "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
+        "judge_judged": sum(not j.skipped for j in judged.values()),
+        "judge_failed": sum(failures.values()),
+        "judge_failures": failures,
+        "judge_skipped_budget": sum(j.skipped for j in judged.values()),
+        "judge_evolution_rules": Counter(j.rule for j in judged.values() if j.rule),
+        **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
+        "judge_cost": usage.get("cost", 0.0),
+        "judge_cost_total": runner.totals["cost"] if runner else 0.0,
+        "judge_budget_exhausted": bool(runner and runner.budget_exhausted()),
+        **mod,
+        "a_game_mean": a_game_mean,
+        "a_game_std": a_game_std,
+        "a_mod_mean": a_mod_mean,
+        "a_mod_std": a_mod_std,
+        "loss": sum(r[2] for r in ranks) / run.dist.world,
+        "grad_norm": grad_norm,
+        **({"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)} if run.args.ppo_epochs > 1 else {}),
+        **(
+            {"kl": sum(e["kl"] for r in ranks for e in r[3]) / (len(ranks[0][3]) * run.dist.world)}
+            if run.reference is not None
+            else {}
+        ),
+        "baselines": dict(run.baselines),
+        **({"eval": evaluation} if evaluation else {}),
+        **({"distill": run.distiller.report} if run.distiller else {}),
+        **(extra or {}),  # spyrl.py: its "spy" metrics
+    }
+
+
+def end_step(
+    run: Run,
+    step: int,
+    timer: watch.Timer,
+    trajs: list,
+    played: tuple[dict, int],
+    judged: dict,
+    usage: dict,
+    mod: dict,
+    update: dict,
+    evaluation: dict | None,
+    extra: dict | None = None,
+) -> None:
+    """The step's bookkeeping: rank 0 logs it (metrics.jsonl, trajectories.jsonl, the step line, the judge's
+    budget banner once it is spent); every rank takes part in the checkpoint. `played`: this rank's (outcome
+    counts, generate calls); `update`: its policy_update() result."""
+    ranks = run.dist.gather((*played, update["loss"], update["epochs"]))
+    step_time = time.perf_counter() - timer.start
+    run.elapsed += step_time
+    if run.dist.main:
+        metrics = step_metrics(
+            run, step, trajs, ranks, judged, usage, mod, update["grad_norm"], evaluation, timer, step_time, extra
+        )
+        if run.runner is not None and run.runner.budget_exhausted() and not run.announced:
+            watch.announce_budget(run.runner.totals["cost"], run.args.judge_budget, step)
+            run.announced = True
+        log_step(run, metrics, trajs)
+    if step % run.args.save_every == 0 or step == run.args.steps:
+        save(run, step)
+
+
+def log_step(run: Run, metrics: dict, trajs: list) -> None:
+    """trajectories.jsonl, metrics.jsonl, --report-to and the step line; a judge alarm when half or more
+    of the judged trajectories failed."""
+    for t in trajs:
+        runfiles.append_jsonl(run.out / "trajectories.jsonl", t.record(metrics["step"]))
+    runfiles.append_jsonl(run.out / "metrics.jsonl", metrics)
+    if run.reporter is not None:
+        run.reporter.log(metrics)
+    print(watch.step_line(metrics, run.args), flush=True)
+    run.judged += metrics["judge_judged"]
+    run.failures.update(metrics["judge_failures"])
+    if metrics["judge_judged"] and 2 * metrics["judge_failed"] >= metrics["judge_judged"]:
+        print(
+            watch.judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {metrics['step']}"),
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def save(run: Run, step: int) -> None:
+    """The checkpoint: weights, optimizer, RAE baselines, judge totals (rank 0) and every rank's RNG states
+    and game lengths, so that --resume replays exactly what an uninterrupted run does."""
+    runfiles.save_checkpoint(
+        run.out,
+        step,
+        run.model,
+        run.tokenizer,
+        run.optimizer,
+        dist=run.dist,
+        shared={
+            "baselines": run.baselines,
+            "elapsed": run.elapsed,
+            "judge_totals": run.runner.totals if run.runner else None,
+            "distill": run.distiller.state_dict() if run.distiller else None,
+        },
+        own={"rng": runfiles.rng_states(run.rng), "lengths": run.lengths},
+    )
+
+
+def finish_run(run: Run) -> Path:
+    """The end-of-run judge alarm, the engines and process group closed, and the closing line."""
+    if run.runner is not None and (line := watch.run_alarm(run.judged, run.failures, run.start + 1, run.args.steps)):
+        print(line, file=sys.stderr, flush=True)
+    if run.reporter is not None:
+        run.reporter.close()
+    run.dist.gather(None)  # every rank is done with the group before vLLM's teardown may destroy it
+    run.policy.close()
+    run.dist.close()
+    runfiles.release_runs()
+    if run.dist.main:
+        print(watch.closing_line(run.out, run.args.steps, run.args.mode), flush=True)
+    return run.out
