@@ -5123,8 +5123,8 @@ DISTILL = SMALL + [
     "0.25",
     "--distill-lr",
     "0.05",
-    "--seed",  # a run whose heads earn trust by step 3 and lose it once (the random tiny model's features decide when)
-    "6",
+    "--seed",  # a run whose heads earn trust at step 3, lose it at step 7, and end agreeing with the teacher (the
+    "24",  # random tiny model's features decide when; with seed 1 they first earn it at step 7)
 ]
 
 
@@ -5166,9 +5166,7 @@ def test_a_distilled_run_earns_trust_and_then_asks_the_judge_less(distilled_runs
         assert d["trusted"] == all(
             d["holdout"][k] == 6 and (d["kappa"][k] is None or d["kappa"][k] >= 0.6) for k in d["used"]
         )
-    assert [True, False] in [
-        trusted[k : k + 2] for k in range(len(trusted))
-    ]  # this run also loses trust (and wins it back)
+    assert [True, False] in [trusted[k : k + 2] for k in range(len(trusted))]  # this run also loses trust
     assert min(m["judge_requests"] for m in metrics) <= max(m["judge_requests"] for m in metrics) / 4
 
 
