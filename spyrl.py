@@ -66,7 +66,7 @@ class Args(S.Args):
 # stratagem.py's flags that mean nothing here: the judge, the modulation, the two-player games' rules
 HIDDEN = {
     *(name for name in Args.__dataclass_fields__ if name.startswith(("judge", "distill"))),
-    *"mode beta no_psi games max_turns error_allowance invalid_rewards strict_actions".split(),
+    *"mode beta no_psi games max_turns error_allowance invalid_rewards rejected_rewards action_rule".split(),
 }
 CHOICES = {**S.CHOICES, "spy_task": tuple(spy.TASKS)}
 FLAG_DEFAULTS = {("spy_task", "math"): dict(spy_mask=spy.MASKS["math"])}  # RLSVR's maths mask

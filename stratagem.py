@@ -49,12 +49,13 @@ import torch
 from safetensors import SafetensorError
 
 import judge_prompts
-from games import spiral  # noqa: F401  (importing it registers SPIRAL's own game ids with TextArena)
+from games import first_last_ids, spiral  # noqa: F401  (importing it registers SPIRAL's own ids with TextArena)
+from games.actions import INVALID_ACTION, spiral_action, spiral_moves
 from machinery import UserError, costs, distill, lifecycle, runfiles, watch
 from machinery.distributed import Dist, full_weights, pick_device, shard, stop_within
 from machinery.flags import dataclass_parser, number_pair
 from machinery.judge import Judgement
-from machinery.matches import RandomPlayer, accepts, summarize_matches
+from machinery.matches import RandomPlayer, summarize_matches
 from machinery.vllm_engine import VLLMPolicy
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in this process; no fork warnings
@@ -115,12 +116,16 @@ class Args:
     error_allowance: int = 0
     """invalid moves a player may retry before it loses (SPIRAL: 0, an invalid move loses); a response with no action
     at all loses at once"""
+    action_rule: str = "lenient"
+    """how a move is read from a response: lenient (the last \\boxed{}, else the last [...]; the game reads it as it
+    can) or spiral (SPIRAL's extract_action: the last \\boxed{}, else the whole response, kept only if it is exactly
+    one of the mover's legal moves)"""
     invalid_rewards: str = "-1,1"
-    """OFFENDER,OPPONENT: rewards when a game ends on an invalid move (TextArena: -1,1; SPIRAL's code: -1.5,0.5; write
-    --invalid-rewards=-1.5,0.5)"""
-    strict_actions: bool = False
-    """SPIRAL's action rule: only the last \\boxed{} counts and it must be one legal action, else the move is invalid
-    and the game ends (default: last \\boxed{}, else the last [...], read by TextArena)"""
+    """OFFENDER,OPPONENT: rewards when a response gives no move, so the game ends before it sees one (SPIRAL's
+    INVALID_ACTION: -1.5,0.5; write --invalid-rewards=-1.5,0.5)"""
+    rejected_rewards: str = "-1,1"
+    """OFFENDER,OPPONENT: rewards when the game rejects a move and no retry is left (TextArena 0.7.4: -1,1; SPIRAL's
+    TextArena 0.6.4: -1,0)"""
     # --- evaluation ---
     eval_every: int = 0
     """every N steps, play --eval-n games of each --eval-games id against a random legal player (0: off)"""
@@ -132,6 +137,9 @@ class Args:
     """games per id and evaluation, the model taking each seat in turn"""
     eval_max_turns: int = 200
     """turn cap of an evaluation game (a capped game is a draw)"""
+    eval_first_last: str = ""
+    """comma-separated --eval-games ids shown in SPIRAL's evaluation format, the first message and the latest one
+    (SPIRAL evaluates TicTacToe-v0 so); the others, and every training game, show the whole history"""
     # --- RAE and modulation ---
     mode: str = "stratagem"
     """stratagem (A_mod = A_game*phi + beta*psi) or spiral (A_mod = A_game, no judge at all); SpyRL (who is the spy) is
@@ -216,12 +224,17 @@ class Args:
         return number_pair(self.invalid_rewards, "--invalid-rewards")
 
     @property
+    def rejected_reward_pair(self) -> tuple[float, float]:
+        return number_pair(self.rejected_rewards, "--rejected-rewards")
+
+    @property
     def betas(self) -> tuple[float, float]:
         return number_pair(self.adam_betas, "--adam-betas")
 
 
 CHOICES = {
     "mode": ("stratagem", "spiral", "spyrl"),
+    "action_rule": ("lenient", "spiral"),
     "backend": ("auto", "hf", "vllm"),
     "judge": ("openai", "heuristic"),
     "judge_aggregate": ("majority", "mean"),
@@ -317,6 +330,8 @@ def validate(args: Args, bounds=BOUNDS, modes=("stratagem", "spiral")) -> None:
             if not (ok(value) and math.isfinite(value)):
                 raise UserError(f"--{name.replace('_', '-')} must be {wording}, got {value}")
     number_pair(args.invalid_rewards, "--invalid-rewards")  # a UserError when it is not two numbers
+    number_pair(args.rejected_rewards, "--rejected-rewards")
+    first_last_ids(args.eval_first_last, args.eval_games, "--eval-first-last")
     if not all(0 <= b < 1 for b in args.betas):
         raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
     if args.distill and args.mode != "stratagem":
@@ -347,21 +362,12 @@ PROMPT = (
 )
 
 
-# SPIRAL's observations (spiral/envs/__init__.py): TicTacToe the current board only, the others the whole
-# exchange, opponent's words included. SPIRAL's own ids (games/spiral.py) are registered with theirs; for
-# these TextArena ids 0.7.4's defaults differ, so they are built from the bare "-raw" game and its wrappers.
-SPIRAL_OBSERVATIONS = {"TicTacToe-v0": "FirstLastObservationWrapper", "SimpleNegotiation-v0": "LLMObservationWrapper"}
-
-
-def make_env(game_id: str, seed: int, error_allowance: int):
-    import textarena as ta
-    from textarena.wrappers.ObservationWrappers import llm_observation_wrapper
-
-    if game_id in SPIRAL_OBSERVATIONS:
-        observe = getattr(llm_observation_wrapper, SPIRAL_OBSERVATIONS[game_id])
-        env = ta.wrappers.ActionFormattingWrapper(observe(ta.make(game_id + "-raw")))
-    else:
-        env = ta.make(game_id)
+def make_env(game_id: str, seed: int, error_allowance: int, first_last: bool = False):
+    """A game as SPIRAL's make_env builds it (games/spiral.make): the whole history, SPIRAL's training default, or
+    the first message and the latest one. Python's `random` is seeded first: two of SPIRAL's games draw before
+    reset seeds it, and the seed decides those draws too."""
+    random.seed(seed)
+    env = spiral.make(game_id, first_last)
     env.reset(num_players=2, seed=seed)
     env.state.error_allowance = error_allowance  # TextArena's default is 1 retry; SPIRAL uses 0
     return env
@@ -415,15 +421,12 @@ def parse_action(response: str) -> str:
     return response[open_ : close + 1] if open_ >= 0 else ""
 
 
-_ONE_ACTION = re.compile(r"\[[^\[\]]+\]")
-
-
-def strict_action(response: str, env, pid: int) -> str:
-    """--strict-actions, SPIRAL's rule: the last \\boxed{} only (whitespace collapsed), and it must be one
-    legal action: a single [...] that the game accepts. Else "": the move is invalid. This refuses what
-    TextArena's lenient parsers would take, e.g. "\\boxed{[I play [4]]}" or a bracket outside the box."""
-    action = re.sub(r"\s+", " ", boxed_action(response))
-    return action if _ONE_ACTION.fullmatch(action) and accepts(env, pid, action) else ""
+def read_action(rule: str, game: str, env, pid: int, observation: str, response: str) -> str:
+    """The move --action-rule reads from a response, or INVALID_ACTION when there is none: lenient, parse_action;
+    spiral, SPIRAL's extract_action against the mover's legal moves (games/actions.py)."""
+    if rule == "spiral":
+        return spiral_action(response, spiral_moves(game, env, pid, observation))
+    return parse_action(response) or INVALID_ACTION
 
 
 @dataclass
@@ -525,12 +528,16 @@ def self_play(
             still_live = []
             for ep, prompt, (prompt_ids, response_ids, text) in zip(live, prompts, outputs):
                 pid, obs = ep.pending
-                action = strict_action(text, ep.env, pid) if args.strict_actions else parse_action(text)
-                ep.turns[pid].append(Turn(obs, text, action, prompt_ids, response_ids, prompt))
+                action = read_action(args.action_rule, ep.game, ep.env, pid, obs, text)
+                ep.turns[pid].append(
+                    Turn(obs, text, "" if action == INVALID_ACTION else action, prompt_ids, response_ids, prompt)
+                )
                 collected += 1
                 done, ep.forfeit = play_move(ep.env, pid, action)
                 if done or ep.n_turns >= args.max_turns:
-                    finished.extend(finish_episode(ep, done, counts, args.invalid_reward_pair))
+                    finished.extend(
+                        finish_episode(ep, done, counts, args.invalid_reward_pair, args.rejected_reward_pair)
+                    )
                     lengths[ep.game] = 0.9 * lengths.get(ep.game, ep.n_turns) + 0.1 * ep.n_turns
                 else:
                     still_live.append(ep)
@@ -541,9 +548,9 @@ def self_play(
 
 
 def play_move(env, pid: int, action: str) -> tuple[bool, int | None]:
-    """(done, the seat that forfeits): a response with no action at all, or one --strict-actions refused, loses
-    at once, retries or not (SPIRAL's INVALID_ACTION); any other action goes to the game."""
-    return (True, pid) if not action else (env.step(action)[0], None)
+    """(done, the seat that forfeits): INVALID_ACTION, a response with no move, loses at once, retries or not, as in
+    SPIRAL's code; any other action goes to the game."""
+    return (True, pid) if action == INVALID_ACTION else (env.step(action)[0], None)
 
 
 def game_result(env, done: bool, forfeit: int | None = None) -> tuple[dict[int, float], dict[int, bool]]:
@@ -563,19 +570,22 @@ def game_result(env, done: bool, forfeit: int | None = None) -> tuple[dict[int, 
 def training_rewards(
     outcomes: dict[int, float], invalid: dict[int, bool], invalid_rewards: tuple[float, float]
 ) -> dict[int, float]:
-    """R_p: the outcome (-1, 0, 1), except that a game lost by an invalid move pays (offender, opponent)
-    = --invalid-rewards (TextArena: -1, 1; SPIRAL's code: -1.5, 0.5, so that an invalid move costs more
-    than a lost game and the opponent gains less than a won one)."""
+    """R_p: the outcome (-1, 0, 1), except that a game lost by an invalid move pays (offender, opponent) =
+    `invalid_rewards`: --invalid-rewards for a response with no move (SPIRAL's code: -1.5, 0.5, so that it costs more
+    than a lost game and the opponent gains less than a won one), --rejected-rewards for a move the game rejected
+    (SPIRAL's TextArena 0.6.4: -1, 0)."""
     if not any(invalid.values()):
         return outcomes
     return {p: invalid_rewards[0] if invalid[p] else invalid_rewards[1] for p in outcomes}
 
 
-def finish_episode(ep: Episode, done: bool, counts: dict, invalid_rewards: tuple[float, float]) -> list[Trajectory]:
+def finish_episode(
+    ep: Episode, done: bool, counts: dict, invalid_rewards: tuple[float, float], rejected_rewards: tuple[float, float]
+) -> list[Trajectory]:
     """Both seats' trajectories. A seat that never moved has no turns: nothing to judge or learn, but RAE
     folds its return into its baseline, as SPIRAL's code does (prepare_trajectories updates both roles)."""
     outcomes, invalid = game_result(ep.env, done, ep.forfeit)
-    rewards = training_rewards(outcomes, invalid, invalid_rewards)
+    rewards = training_rewards(outcomes, invalid, invalid_rewards if ep.forfeit is not None else rejected_rewards)
     for p in (0, 1):
         c = counts[ep.game][f"player{p}"]
         c[{1.0: "win", 0.0: "draw", -1.0: "loss"}[outcomes[p]]] += 1
@@ -1025,28 +1035,34 @@ def play_matches(
     max_turns: int,
     error_allowance: int,
     concurrency: int,
+    action_rule: str = "lenient",
+    first_last: list[str] | tuple = (),
+    invalid_rewards: tuple[float, float] = (-1.0, 1.0),
+    rejected_rewards: tuple[float, float] = (-1.0, 1.0),
 ) -> list[dict]:
     """n games of each id, the model on seat 0 in even games and seat 1 in odd ones, played in lockstep:
-    one batched generation call per turn for every game where it is the model's move. Returns one
-    record per game, from the model's seat."""
+    one batched generation call per turn for every game where it is the model's move. The model's moves are read
+    by `action_rule`, the games in `first_last` show the first message and the latest one, and a game lost by an
+    invalid move pays as in training. Returns one record per game, from the model's seat."""
     queue = [(i, g, k % 2, rng.randrange(2**31)) for i, (g, k) in enumerate(itertools.product(games, range(n)))]
     live: list[dict] = []
     records = []
     while queue or live:
         while queue and len(live) < concurrency:
             index, game, seat, seed = queue.pop(0)
-            live.append(
-                {"index": index, "game": game, "seat": seat, "env": make_env(game, seed, error_allowance), "turns": 0}
-            )
+            env = make_env(game, seed, error_allowance, game in first_last)
+            live.append({"index": index, "game": game, "seat": seat, "env": env, "turns": 0})
         seen = [m["env"].get_observation() for m in live]
         mine = [i for i, (pid, _) in enumerate(seen) if pid == live[i]["seat"]]
         theirs = [i for i, (pid, _) in enumerate(seen) if pid != live[i]["seat"]]
         actions = {}
         if mine:
             outputs = policy.generate([format_prompt(tokenizer, seen[i][1], seen[i][0]) for i in mine])
-            actions.update({i: parse_action(text) for i, (_, _, text) in zip(mine, outputs)})
+            for i, (_, _, text) in zip(mine, outputs):
+                actions[i] = read_action(action_rule, live[i]["game"], live[i]["env"], *seen[i], text)
         if theirs:
-            actions.update(zip(theirs, opponent.act([(live[i]["env"], seen[i][0], seen[i][1]) for i in theirs])))
+            moves = opponent.act([(live[i]["env"], seen[i][0], seen[i][1]) for i in theirs])
+            actions.update((i, move or INVALID_ACTION) for i, move in zip(theirs, moves))  # "": it found no move
         still = []
         for i, m in enumerate(live):
             done, forfeit = play_move(m["env"], seen[i][0], actions[i])
@@ -1056,6 +1072,7 @@ def play_matches(
                 continue
             rewards, invalid = game_result(m["env"], done, forfeit)
             seat = m["seat"]
+            paid = training_rewards(rewards, invalid, invalid_rewards if forfeit is not None else rejected_rewards)
             records.append(
                 {
                     "index": m["index"],
@@ -1066,6 +1083,7 @@ def play_matches(
                     "outcome": {1.0: "win", 0.0: "draw", -1.0: "loss"}[rewards[seat]],
                     "invalid": invalid[seat],
                     "opponent_invalid": invalid[1 - seat],
+                    "reward": paid[seat],
                 }
             )
         live = still
@@ -1161,6 +1179,10 @@ def periodic_eval(run: lifecycle.Run, step: int, timer: watch.Timer) -> dict | N
             run.args.eval_max_turns,
             run.args.error_allowance,
             run.args.num_envs,
+            run.args.action_rule,
+            first_last_ids(run.args.eval_first_last, run.args.eval_games),
+            run.args.invalid_reward_pair,
+            run.args.rejected_reward_pair,
         )
     return summarize_matches(records)
 

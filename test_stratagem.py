@@ -1564,9 +1564,9 @@ def test_games_are_set_up_as_spiral_sets_them_up():
     assert check_ids("KuhnPoker-v0-short,PigDice-v1,LiarsDice-v1,TruthAndDeception-v1")  # TextArena's stay
     assert ENV_REGISTRY["KuhnPoker-v1"].kwargs == {"ante": 1, "max_rounds": 5}
     assert ENV_REGISTRY["SimpleNegotiation-v1"].kwargs == {"max_turns": 10}
-    for gid in ("KuhnPoker-v1", "SimpleNegotiation-v1"):
-        assert isinstance(S.make_env(gid, 3, 0), LLMObservationWrapper)  # the whole exchange
-    ttt = S.make_env("TicTacToe-v0", 3, 0)  # the current board only, not the history
+    for gid in ("TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1"):
+        assert isinstance(S.make_env(gid, 3, 0), LLMObservationWrapper)  # the whole exchange (SPIRAL's training)
+    ttt = S.make_env("TicTacToe-v0", 3, 0, first_last=True)  # SPIRAL's evaluation format: the current board only
     for move in ("[4]", "[0]"):
         ttt.step(move)
     pid, obs = ttt.get_observation()
@@ -1598,35 +1598,18 @@ def test_judge_still_sees_each_turns_board_with_current_state_observations(tiny)
     text = J.render_for_judge(trajs[0])  # player 0 played 0, 2, 4, 6 against 1, 3, 5
     turns = text.split("--- Turn ")[1:]
     assert len(turns) == 4
-    assert all(turn.count("Current Board") == 1 for turn in turns)  # each turn: the state as it is then
+    # each turn: what is new since the last one (SPIRAL's whole history): the board after its own move and after
+    # the opponent's, the latest being the state as it is then
+    assert [turn.count("Current Board") for turn in turns] == [1, 2, 2, 2]
     assert " O | X | 2 " in turns[1] and " O | X | O " in turns[2] and " X | 4 | 5 " in turns[2]
     assert " X | O | X " in turns[3] and " O | X | O " not in turns[1]
 
 
-def test_strict_actions_take_the_last_box_and_only_a_legal_action():
-    env = S.make_env("TicTacToe-v0", 1, 0)
-    pid, _ = env.get_observation()
-    assert S.strict_action("I think \\boxed{[4]}", env, pid) == "[4]"
-    assert S.strict_action("\\boxed{ 4 }", env, pid) == "[4]"
-    lenient = "\\boxed{[I play [4]]}"
-    assert S.parse_action(lenient) == "[I play [4]]" and matches.accepts(env, pid, "[I play [4]]")  # TextArena takes it
-    assert S.strict_action(lenient, env, pid) == ""
-    assert S.strict_action("I play [4]", env, pid) == ""  # a bracket outside any box
-    assert S.strict_action("\\boxed{9}", env, pid) == "" and S.strict_action("\\boxed{4} then [5]", env, pid) == "[4]"
-    env.step("[4]")
-    pid, _ = env.get_observation()
-    assert S.strict_action("\\boxed{4}", env, pid) == "" and S.strict_action("\\boxed{5}", env, pid) == "[5]"
-    kuhn = S.make_env("KuhnPoker-v0-short", 1, 0)
-    pid, _ = kuhn.get_observation()
-    assert (
-        S.strict_action("\\boxed{raise}", kuhn, pid) == "" and S.strict_action("\\boxed{check}", kuhn, pid) == "[check]"
-    )
-
-
 @pytest.mark.parametrize("strict", [False, True])
-def test_strict_actions_end_the_game_on_a_bracket_the_game_would_take(tiny, strict):
+def test_spirals_rule_ends_the_game_on_a_bracket_the_game_would_take(tiny, strict):
     _, tok = fresh(tiny)
-    args = S.Args(tiny=True, batch_size=2, num_envs=2, strict_actions=strict, invalid_rewards="-1.5,0.5")
+    rule = "spiral" if strict else "lenient"
+    args = S.Args(tiny=True, batch_size=2, num_envs=2, action_rule=rule, invalid_rewards="-1.5,0.5")
     policy = ScriptedPolicy(
         lambda p: "\\boxed{[I play [" + p.rsplit("Available Moves:", 1)[1].split("'[")[1][0] + "]]}"
     )
@@ -1644,11 +1627,11 @@ def test_strict_actions_end_the_game_on_a_bracket_the_game_would_take(tiny, stri
 
 def test_invalid_move_rewards_through_a_real_game(tiny):
     _, tok = fresh(tiny)
-    args = S.Args(tiny=True, batch_size=1, num_envs=1, invalid_rewards="-1.5,0.5")
+    args = S.Args(tiny=True, batch_size=1, num_envs=1, invalid_rewards="-1.5,0.5", rejected_rewards="-1,0")
     trajs, counts, _ = S.self_play(
         ScriptedPolicy(lambda p: "\\boxed{4}"), tok, args, ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, 1
-    )  # seat 1 repeats the taken centre
-    assert [(t.role, t.reward) for t in trajs] == [(0, 0.5), (1, -1.5)]
+    )  # seat 1 repeats the taken centre: the game rejects it, and pays as SPIRAL's TextArena 0.6.4 does
+    assert [(t.role, t.reward) for t in trajs] == [(0, 0.0), (1, -1.0)]
     assert counts["TicTacToe-v0"]["player1"] == {"win": 0, "draw": 0, "loss": 1, "invalid": 1}
     assert S.training_rewards({0: 1.0, 1: -1.0}, {0: False, 1: False}, (-1.5, 0.5)) == {0: 1.0, 1: -1.0}
 
@@ -1680,6 +1663,8 @@ def test_invalid_rewards_are_logged_by_a_tiny_run(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["invalid_rewards"] == "-1.5,0.5"
     for bad, flag in (
         (["--invalid-rewards", "1,x"], "--invalid-rewards"),
+        (["--rejected-rewards", "-1"], "--rejected-rewards"),
+        (["--eval-first-last", "KuhnPoker-v0"], "--eval-first-last"),
         (["--adam-betas", "0.9"], "--adam-betas"),
         (["--adam-betas", "0.9,1.0"], "--adam-betas"),
         (["--clip-range", "0"], "--clip-range"),
@@ -1839,9 +1824,8 @@ def test_readme_fidelity_table_matches_the_code():
             want = "off" if default is False else str(default)
             assert first and (first[0] == want or first[0] in want.split(",")), (choice, first, want)
             checked += 1
-        elif flag == "`SPIRAL_OBSERVATIONS`":
-            game = "TicTacToe-v0" if "TicTacToe" in choice else "SimpleNegotiation-v0"
-            assert first[0] == S.SPIRAL_OBSERVATIONS[game], choice
+        elif flag == "`make_env()`":  # the observation wrapper every game gets in training
+            assert {type(S.make_env(g, 0, 0)).__name__ for g in S.Args().games.split(",")} == {first[0]}, choice
             checked += 1
         elif flag.strip("`") in games_checked:  # a game's rules as they run, with the source file of each side
             gid = flag.strip("`")
@@ -3537,7 +3521,7 @@ def test_kl_penalty_in_the_update_matches_a_hand_written_loss(tiny):
         distributed.Dist(),
         same,
     )
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh(tiny)[0].parameters()))
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), fresh(tiny)[0].parameters()))
 
 
 def test_games_import_neither_the_trainer_nor_the_tools():
@@ -4747,6 +4731,8 @@ DISTILL = SMALL + [
     "0.25",
     "--distill-lr",
     "0.05",
+    "--seed",  # a run whose heads earn trust at step 3, lose it at step 7, and end agreeing with the teacher (the
+    "24",  # random tiny model's features decide when; with seed 1 they first earn it at step 7)
 ]
 
 
@@ -4788,9 +4774,7 @@ def test_a_distilled_run_earns_trust_and_then_asks_the_judge_less(distilled_runs
         assert d["trusted"] == all(
             d["holdout"][k] == 6 and (d["kappa"][k] is None or d["kappa"][k] >= 0.6) for k in d["used"]
         )
-    assert [True, False] in [
-        trusted[k : k + 2] for k in range(len(trusted))
-    ]  # this run also loses trust (and wins it back)
+    assert [True, False] in [trusted[k : k + 2] for k in range(len(trusted))]  # this run also loses trust
     assert min(m["judge_requests"] for m in metrics) <= max(m["judge_requests"] for m in metrics) / 4
 
 
@@ -5013,3 +4997,346 @@ def test_hacking_a_new_advantage_estimator_replaces_step_2(tmp_path, monkeypatch
         assert [r["a_game"] for r in g] == pytest.approx([(x - mean) / (std + 1e-6) for x in rewards])
         assert all(r["a_mod"] == r["a_game"] for r in g)  # SPIRAL: A_mod = A_game
     assert all(m["baselines"] == {} for m in read_jsonl(out / "metrics.jsonl"))  # no table carried across steps
+
+
+# ==== issue 24: SPIRAL's games and action rule, transcript-exact ====
+def spiral_vectors() -> tuple[Path | None, str]:
+    """The games recorded from SPIRAL's own environments: the folder $STRATAGEM_SPIRAL_VECTORS names, else
+    ../shared/spiral-vectors beside the repository, else the copy committed in testdata/spiral-vectors (a clean
+    clone has no ../shared). Returns the folder (None: none there) and a line that says which it is."""
+    if os.environ.get("STRATAGEM_SPIRAL_VECTORS"):
+        folder = Path(os.environ["STRATAGEM_SPIRAL_VECTORS"])
+        return (folder, "") if folder.is_dir() else (None, f"$STRATAGEM_SPIRAL_VECTORS={folder} is not a folder")
+    shared = HERE.parent / "shared" / "spiral-vectors"
+    if shared.is_dir():
+        return shared, ""
+    copy = HERE / "testdata" / "spiral-vectors"
+    if copy.is_dir():
+        return copy, f"{shared} is absent: replaying the copy committed in testdata/spiral-vectors"
+    return None, f"no recorded SPIRAL games: {shared} and testdata/spiral-vectors are both absent"
+
+
+SPIRAL_VECTORS, SPIRAL_VECTORS_NOTE = spiral_vectors()
+VECTOR_FILES = sorted(SPIRAL_VECTORS.glob("*.jsonl*")) if SPIRAL_VECTORS else []
+
+
+def read_vectors(path: Path) -> list[dict]:
+    import gzip
+
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def vector_game_id(path: Path) -> str:
+    """The game id a file of recorded games is for: the longest registered id its name starts with
+    ("TicTacToe-v0.jsonl", "KuhnPoker-v1-seed7.jsonl.gz")."""
+    from textarena.envs.registration import ENV_REGISTRY
+
+    known = [gid for gid in ENV_REGISTRY if path.name.startswith(gid)]
+    assert known, f"{path.name}: no game id of this project starts its name"
+    return max(known, key=len)
+
+
+def replay_vector(game_id: str, game: dict) -> str:
+    """Plays a recorded game through make_env as training builds it (error allowance 0, as the recording's README
+    says) and returns the first difference ("" when there is none): per turn the player to move, the observation
+    with whitespace collapsed and the done flag; per game the number of moves, the ending and the env's rewards."""
+    env = S.make_env(game_id, game["seed"], 0)
+    done = False
+    for k, turn in enumerate(game["turns"]):
+        pid, obs = env.get_observation()
+        if pid != turn["pid"]:
+            return f"move {k}: Player {pid} to move, SPIRAL's Player {turn['pid']}"
+        ours, theirs = " ".join(obs.split()), turn["obs"]
+        if ours != theirs:
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            lo = max(0, at - 60)
+            return (
+                f"move {k}: observation differs at {at}: ours {ours[lo : at + 60]!r}, SPIRAL's {theirs[lo : at + 60]!r}"
+            )
+        done, _ = env.step(turn["act"])
+        if done != turn["done"]:
+            return f"move {k} ({turn['act']!r}): done {done}, SPIRAL's {turn['done']}"
+    moves = game.get("t", len(game["turns"]))  # a hand-written script that ran out records no count
+    if len(game["turns"]) != moves or done != (game["end"] == "done"):
+        return f"{len(game['turns'])} moves ending {'done' if done else 'open'}; SPIRAL's {moves} ending {game['end']}"
+    if done:
+        rewards, info = env.close()
+        if {str(p): r for p, r in rewards.items()} != game["rewards"]:
+            return f"rewards {rewards}, SPIRAL's {game['rewards']}"
+        if "invalid" in game and any(info[p]["invalid_move"] for p in (0, 1)) != game["invalid"]:
+            return f"ended on an invalid move: {not game['invalid']}, SPIRAL's {game['invalid']}"
+    return ""
+
+
+@pytest.mark.parametrize("path", VECTOR_FILES or [None], ids=lambda p: p.name if p else "absent")
+def test_spirals_recorded_games_replay_word_for_word(path):
+    """Every game recorded from SPIRAL's own environments (spiral/envs under TextArena 0.6.4, the whole history,
+    no retry) plays the same here: the same player to move, the same observation, the same done flag at every
+    move, the same ending and env rewards. Every file of the folder is replayed, whatever seeds it holds."""
+    if path is None:
+        pytest.skip(SPIRAL_VECTORS_NOTE)
+    if SPIRAL_VECTORS_NOTE:
+        import warnings
+
+        warnings.warn(SPIRAL_VECTORS_NOTE, stacklevel=1)
+    game_id = vector_game_id(path)
+    games = read_vectors(path)
+    differences = [
+        f"game {g['g']} (seed {g['seed']}, {g['mode']}): {d}" for g in games if (d := replay_vector(game_id, g))
+    ]
+    assert games and not differences, f"{len(differences)} of {len(games)} differ:\n" + "\n".join(differences[:5])
+
+
+def test_the_recorded_games_copy_is_the_shared_one():
+    """testdata/spiral-vectors is a copy of ../shared/spiral-vectors for clean clones, game for game."""
+    shared = HERE.parent / "shared" / "spiral-vectors"
+    if not shared.is_dir():
+        pytest.skip(f"{shared} is absent: nothing to compare the committed copy with")
+    for path in sorted(shared.glob("*.jsonl")):
+        assert read_vectors(HERE / "testdata" / "spiral-vectors" / f"{path.name}.gz") == read_vectors(path), path.name
+
+
+CHECK_BET = ["[check]", "[bet]"]
+NEGOTIATION = [
+    "[Offer: 3 Wood -> 2 Gold]",
+    "Let me think about what would be a fair trade.",
+    "I'm open to negotiation.",
+]
+
+
+@pytest.mark.parametrize(
+    "response, legal, move",
+    [
+        ("\\boxed{check}", CHECK_BET, "[check]"),
+        ("[check]", CHECK_BET, "[check]"),  # no box: the whole response
+        ("check", CHECK_BET, "[check]"),  # no bracket, at most five words: bracketed
+        ("  [check]\n", CHECK_BET, "[check]"),  # the whole response, stripped
+        ("\\boxed{Bet}", CHECK_BET, "INVALID"),  # case counts
+        ("\\boxed{ check }", CHECK_BET, "INVALID"),  # spaces inside the box count
+        ("I will check now", CHECK_BET, "INVALID"),  # bracketed whole: "[I will check now]"
+        ("I think so. Final answer: [check]", CHECK_BET, "INVALID"),  # a bracket outside a box: the whole text
+        ("\\boxed{[check]}", CHECK_BET, "[check]"),
+        ("\\boxed{\\text{check}}", CHECK_BET, "[check]"),  # \text{} filling the box is unwrapped
+        ("\\boxed{ \\text{check}}", CHECK_BET, "INVALID"),  # ... only when it fills it
+        ("\\boxed{bet} on second thought \\boxed{check}", CHECK_BET, "[check]"),  # the last box
+        ("\\boxed{\\boxed{check}}", CHECK_BET, "[check]"),  # the last "\boxed" is the inner one
+        ("\\boxed{check", CHECK_BET, "INVALID"),  # unclosed: the whole text, bracketed
+        ("\\boxed {check}", CHECK_BET, "INVALID"),  # not "\boxed{": no box
+        ("\\fbox{check}", CHECK_BET, "INVALID"),
+        ("\\boxed{check} and \\boxed", CHECK_BET, "INVALID"),  # the last \boxed opens nothing: the whole text
+        ("\\boxed{}", CHECK_BET, "INVALID"),  # "[]"
+        ("", CHECK_BET, ""),  # an empty response goes to the game as it is
+        ("\\boxed{4}", ["[0]", "[4]"], "[4]"),
+        ("\\boxed{4} then [5]", ["[4]", "[5]"], "[4]"),
+        ("\\boxed{[I play [4]]}", ["[4]"], "INVALID"),
+        ("\\boxed{[Offer: 3 Wood ->\n 2 Gold]}", NEGOTIATION, "[Offer: 3 Wood -> 2 Gold]"),  # whitespace collapsed
+        (
+            "Let me think about what would be a fair trade.",
+            NEGOTIATION,
+            "Let me think about what would be a fair trade.",
+        ),
+        ("I'm open to negotiation.", NEGOTIATION, "INVALID"),  # four words: bracketed, so never listed
+    ],
+)
+def test_spirals_action_rule_is_extract_action(response, legal, move):
+    """SPIRAL's extract_action (train_spiral.py, its Qwen3 template): the last \\boxed{} content, else the whole
+    response; a bracketless one of at most five words bracketed; whitespace collapsed; kept only on an exact,
+    case-sensitive match with a legal move, else INVALID_ACTION."""
+    from games import actions
+
+    want = actions.INVALID_ACTION if move == "INVALID" else move
+    assert actions.spiral_action(response, legal) == want
+
+
+def test_the_trainer_reads_moves_by_the_rule_it_is_given():
+    """--action-rule spiral reads the trainer's move exactly as SPIRAL's code does, against the mover's legal moves;
+    --action-rule lenient (the default) reads the last box, else the last bracket, and lets the game judge."""
+    from games import actions
+
+    kuhn = S.make_env("KuhnPoker-v1", 1, 0)
+    pid, obs = kuhn.get_observation()
+    read = {
+        r: (lambda text, r=r: S.read_action(r, "KuhnPoker-v1", kuhn, pid, obs, text)) for r in ("spiral", "lenient")
+    }
+    assert [read["spiral"](t) for t in ("[check]", "check", "\\boxed{Bet}", "\\boxed{ check }")] == [
+        "[check]",
+        "[check]",
+        actions.INVALID_ACTION,
+        actions.INVALID_ACTION,
+    ]
+    assert [read["lenient"](t) for t in ("[check]", "check", "\\boxed{Bet}")] == [
+        "[check]",
+        actions.INVALID_ACTION,
+        "[Bet]",
+    ]
+    assert S.Args().action_rule == "lenient" and S.CHOICES["action_rule"] == ("lenient", "spiral")
+
+
+def test_spirals_move_lists_are_read_as_its_code_reads_them():
+    """Kuhn Poker: the brackets of the observation's last line but [GAME]; TicTacToe: the latest board's free cells;
+    Simple Negotiation: the replies while an offer to the mover is open, the offers SPIRAL's list draws from, its
+    fixed sentences; any other game: the bracketed moves it shows and accepts."""
+    from games import actions
+
+    kuhn = S.make_env("KuhnPoker-v1", 1, 0)
+    pid, obs = kuhn.get_observation()
+    assert actions.spiral_moves("KuhnPoker-v1", kuhn, pid, obs) == ["[check]", "[bet]"]
+    kuhn.step("[bet]")
+    pid, obs = kuhn.get_observation()
+    assert actions.spiral_moves("KuhnPoker-v1", kuhn, pid, obs) == ["[fold]", "[call]"]
+    ttt = S.make_env("TicTacToe-v0", 1, 0)
+    ttt.step("[4]")
+    pid, obs = ttt.get_observation()
+    assert obs.count("Available Moves:") == 2  # the whole history: both boards
+    assert actions.spiral_moves("TicTacToe-v0", ttt, pid, obs) == [f"[{i}]" for i in range(9) if i != 4]
+    neg = S.make_env("SimpleNegotiation-v1", 1, 0)
+    pid, obs = neg.get_observation()
+    opening = actions.spiral_moves("SimpleNegotiation-v1", neg, pid, obs)
+    assert (
+        "[Accept]" not in opening
+        and "[Offer: 3 Wood -> 2 Gold]" in opening
+        and "[Offer: 4 Wood -> 1 Gold]" not in opening
+    )
+    assert len(opening) == 2 * 3 * 3 + 3 and "What are you looking to trade?" in opening
+    neg.step("[Offer: 1 Wood -> 1 Gold]")
+    pid, obs = neg.get_observation()
+    assert actions.spiral_moves("SimpleNegotiation-v1", neg, pid, obs)[:4] == actions.NEGOTIATION_REPLIES
+    pig = S.make_env("PigDice-v1", 1, 0)
+    pid, obs = pig.get_observation()
+    legal = actions.spiral_moves("PigDice-v1", pig, pid, obs)
+    assert "[roll]" in legal and "[hold]" in legal and "[jump]" not in legal and "[Roll]" not in legal
+
+
+def spiral_recipe(**kw) -> S.Args:
+    return S.Args(
+        tiny=True, action_rule="spiral", invalid_rewards="-1.5,0.5", rejected_rewards="-1,0", **{"num_envs": 1, **kw}
+    )
+
+
+def test_spirals_payouts_in_training_no_legal_move_and_a_move_the_game_rejects(tiny):
+    """SPIRAL's recipe: a response with no legal move (INVALID_ACTION) ends the game at -1.5 / +0.5; a listed move
+    the game itself rejects is paid as SPIRAL's env pays it, -1 / 0. The defaults pay both -1 / +1."""
+    _, tok = fresh(tiny)
+
+    def play(policy, args, game):
+        return S.self_play(ScriptedPolicy(policy), tok, args, [game], random.Random(0), watch.Timer(), {}, 1)
+
+    trajs, counts, _ = play(lambda p: "\\boxed{Bet}", spiral_recipe(batch_size=1), "KuhnPoker-v1")
+    assert [(t.role, t.reward) for t in trajs] == [(0, 0.5), (1, -1.5)] and trajs[1].turns[0].action == ""
+    assert counts["KuhnPoker-v1"]["player1"]["invalid"] == 1
+
+    def trader(prompt):  # Player 0 asks 3 Gold for 1 Wood four times; Player 1 accepts, and the fourth time cannot pay
+        return "\\boxed{[Offer: 1 Wood -> 3 Gold]}" if "You are Player 0" in prompt else "\\boxed{[Accept]}"
+
+    trajs, counts, _ = play(trader, spiral_recipe(batch_size=8), "SimpleNegotiation-v1")
+    assert [(t.role, len(t.turns), t.reward) for t in trajs] == [(0, 4, 0.0), (1, 4, -1.0)]
+    assert counts["SimpleNegotiation-v1"]["player1"]["invalid"] == 1
+    trajs, _, _ = play(trader, S.Args(tiny=True, num_envs=1, batch_size=8), "SimpleNegotiation-v1")
+    assert [t.reward for t in trajs] == [1.0, -1.0]  # the default: -1 / +1
+    trajs, _, _ = play(lambda p: "\\boxed{Bet}", S.Args(tiny=True, num_envs=1, batch_size=2), "KuhnPoker-v1")
+    assert [(t.role, len(t.turns), t.reward) for t in trajs] == [(0, 1, -1.0), (1, 1, 1.0)]  # lenient: the game
+    # reads "[Bet]" as a bet, and Player 0's "[Bet]" after it is a move the game rejects
+    assert S.Args(rejected_rewards="-1,0").rejected_reward_pair == (-1.0, 0.0)
+
+
+def test_spirals_payouts_and_rule_in_eval(tiny, tmp_path):
+    """The same rule and payouts in evaluation: every record carries the model seat's payout."""
+    _, tok = fresh(tiny)
+    common = (tok, ["KuhnPoker-v1"], 2, matches.RandomPlayer(random.Random(0)), random.Random(0), 50, 0, 4)
+    records = S.play_matches(
+        ScriptedPolicy(lambda p: "\\boxed{Check}"),
+        *common,
+        action_rule="spiral",
+        invalid_rewards=(-1.5, 0.5),
+        rejected_rewards=(-1.0, 0.0),
+    )
+    assert [(r["outcome"], r["invalid"], r["reward"]) for r in records] == [("loss", True, -1.5)] * 2
+    lenient = S.play_matches(ScriptedPolicy(lambda p: "\\boxed{Check}"), *common)  # the game reads "[Check]"
+    assert all(r["reward"] == (-1.0 if r["invalid"] else {"win": 1.0, "loss": -1.0}[r["outcome"]]) for r in lenient)
+    first_last = S.play_matches(
+        ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 2, *common[3:], first_last=["TicTacToe-v0"]
+    )
+    history = S.play_matches(ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 2, *common[3:])
+    assert [r["outcome"] for r in first_last] == [r["outcome"] for r in history]
+
+
+def test_the_eval_command_takes_spirals_rule_payouts_and_format(tiny, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    argv = ["eval", str(tiny), "--games", "TicTacToe-v0,KuhnPoker-v1", "--n", "2", "--max-new-tokens", "8"]
+    spiral = ["--action-rule", "spiral", "--invalid-rewards=-1.5,0.5", "--rejected-rewards=-1,0"]
+    assert run(argv + spiral + ["--first-last", "TicTacToe-v0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["action_rule"] == "spiral" and result["first_last"] == ["TicTacToe-v0"]
+    assert {r["reward"] for r in result["games"]} <= {-1.5, 0.5, -1.0, 0.0, 1.0}
+    assert any(r["reward"] == -1.5 for r in result["games"])  # a random model writes no legal move
+    assert "--first-last" in error_of(capsys, argv + ["--first-last", "Nim-v0", "--json", str(tmp_path / "x.json")])
+    assert "--action-rule" in error_of(capsys, argv + ["--action-rule", "strict", "--json", str(tmp_path / "x.json")])
+
+
+def test_players_see_each_others_words_as_written():
+    """TextArena 0.6.4, which SPIRAL pins, shows a player's words as written; 0.7.4 removes role tags from them."""
+    kuhn = S.make_env("KuhnPoker-v1", 1, 0)
+    kuhn.step("[GAME] [bet]")
+    assert kuhn.get_observation()[1].endswith(
+        "[Player 1] [GAME] [bet]\n[GAME] Your available actions are: [fold], [call]"
+    )
+    tad = S.make_env("TruthAndDeception-v1", 1, 0)
+    tad.step("[GAME] Player 1 wins")
+    assert "\n[Deceiver] [GAME] Player 1 wins" in tad.get_observation()[1]
+    ttt = S.make_env("TicTacToe-v0", 1, 0)
+    ttt.step("[Player 1] [4]")
+    assert "\n[Player 0] [Player 1] [4]\n" in ttt.get_observation()[1]
+
+
+def test_dice_and_facts_are_drawn_where_spiral_draws_them():
+    """SPIRAL's LiarsDice-v1 and TruthAndDeception-v1 draw before reset seeds the game: make_env seeds Python's
+    `random` with the game's seed first, so the seed still decides them, and decides them as SPIRAL's code does:
+    reset then seeds it again, so a new round's dice start the seed's sequence afresh."""
+    for seed in (0, 7):
+        random.seed(seed)
+        dice = {p: [random.randint(1, 6) for _ in range(5)] for p in (0, 1)}
+        env = S.make_env("LiarsDice-v1", seed, 0)
+        assert env.state.game_state["dice"] == dice
+        env.step("[Bid: 1, 1]")
+        env.step("[Call]")
+        left = env.state.game_state["dice_left"]
+        random.seed(seed)
+        assert env.state.game_state["dice"] == {p: [random.randint(1, 6) for _ in range(left[p])] for p in (0, 1)}
+        from games import spiral
+
+        random.seed(seed)
+        pick = random.choice(spiral.TruthAndDeceptionV1().facts)
+        facts = S.make_env("TruthAndDeception-v1", seed, 0).state.game_state["facts"]
+        assert {f for f, _ in facts} == set(pick["facts"].values())
+
+
+def test_tictactoe_shows_the_whole_history_in_training_and_first_last_on_request(tiny):
+    """SPIRAL's training default (use_llm_obs_wrapper=True) shows every board; its evaluation of TicTacToe shows the
+    rules and the latest board (FirstLastObservationWrapper), which eval and --eval-first-last can ask for. A bare
+    "4" is not a move (SPIRAL's env has no action-formatting wrapper)."""
+    _, tok = fresh(tiny)
+    policy = ScriptedPolicy(first_free)
+    S.self_play(
+        policy,
+        tok,
+        S.Args(tiny=True, batch_size=3, num_envs=1),
+        ["TicTacToe-v0"],
+        random.Random(0),
+        watch.Timer(),
+        {},
+        3,
+    )
+    ttt = S.make_env("TicTacToe-v0", 1, 0)
+    ttt.step("[4]")
+    ttt.step("[0]")
+    obs = ttt.get_observation()[1]
+    assert obs.count("Current Board:") == 3 and obs.startswith("\n[GAME] You are Player 0 in Tic Tac Toe")
+    short = S.make_env("TicTacToe-v0", 1, 0, first_last=True)
+    short.step("[4]")
+    short.step("[0]")
+    obs = short.get_observation()[1]
+    assert obs.count("Current Board:") == 1 and obs.endswith("Next Action:") and " X | 1 | 2 " in obs
+    bare = S.make_env("TicTacToe-v0", 1, 0)
+    assert bare.step("4")[0] and bare.close()[0] == {0: -1, 1: 0}
+    assert S.Args().eval_first_last == ""

@@ -4,10 +4,13 @@ TextArena agent can play them).
 
     spiral.py   SPIRAL's own games (github.com/spiral-rl/spiral, spiral/envs/), written here from their
                 rules for TextArena 0.7.4: KuhnPoker-v1, SimpleNegotiation-v1 (SPIRAL's training games,
-                with TextArena's TicTacToe-v0), PigDice-v1, LiarsDice-v1, TruthAndDeception-v1
+                with TextArena 0.6.4's TicTacToe-v0, which make() builds), PigDice-v1, LiarsDice-v1,
+                TruthAndDeception-v1
     spy.py      WhoIsTheSpy-v0: SpyRL's "who is the spy" (RLSVR), the game of `stratagem.py --mode spyrl`
+    actions.py  SPIRAL's action rule (--action-rule spiral): its extract_action and the move lists it matches
 
-check_ids() checks the --games a run is given. Like machinery/, nothing here imports stratagem.py.
+check_ids() checks the --games a run is given, first_last_ids() the games shown in SPIRAL's first/last format.
+Like machinery/, nothing here imports stratagem.py.
 """
 
 import contextlib
@@ -44,4 +47,13 @@ def check_ids(spec: str, flag: str = "--games") -> list[str]:
             raise UserError(f"game {gid!r} cannot be played by two players here: {type(e).__name__}: {e}") from None
         finally:
             random.setstate(state)
+    return ids
+
+
+def first_last_ids(spec: str, games: str, flag: str = "--first-last") -> list[str]:
+    """The ids of `spec` (comma-separated) to show in SPIRAL's first/last format, each one of `games`."""
+    ids = [g.strip() for g in spec.split(",") if g.strip()]
+    played = {g.strip() for g in games.split(",")}
+    if stray := [g for g in ids if g not in played]:
+        raise UserError(f"{flag} names {', '.join(stray)}, which is not evaluated here ({', '.join(sorted(played))})")
     return ids

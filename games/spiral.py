@@ -5,18 +5,19 @@ KuhnPoker-v1 and SimpleNegotiation-v1, and evaluates on three more forks (PigDic
 TruthAndDeception-v1); all five are registered in `spiral/envs/__init__.py` and written against
 TextArena 0.6.4's State, which 0.7.4 no longer has. Each class below plays the fork's rules with the
 same terminal conditions, turn limits and observation text (every message a player is shown, word for
-word), on 0.7.4's TwoPlayerState. What SPIRAL's code leaves to TextArena 0.6.4 follows 0.7.4 instead,
-the same way for every game of this project:
+word), and TicTacToeV0 plays TextArena 0.6.4's TicTacToe-v0 (0.7.4's adds a line after every move). What
+SPIRAL's code leaves to TextArena 0.6.4 is 0.6.4's here too, on SpiralState:
 
-- an invalid move with no retry left loses: the state records it in game_info and pays -1 / +1 (0.6.4
-  paid -1 / 0; the trainer's --invalid-rewards decides what a loss by invalid move is worth anyway);
-- a player's words pass through 0.7.4's role-tag filter ("[GAME]", "[Player 1]" are removed from them,
-  so a player cannot write a line that reads as the game's);
-- random draws (cards, dice, facts) come after the game's seed, so a seed fixes the whole game (two
-  of SPIRAL's forks draw before seeding).
+- an invalid move with no retry left loses: the state records it in game_info and pays -1 to the offender
+  and 0 to the opponent (0.7.4 pays +1; the trainer's --rejected-rewards decides what it is worth);
+- a player's words reach the other player as written (0.7.4 removes role tags such as "[GAME]" from them);
+- random draws come where SPIRAL's code makes them: LiarsDice-v1's first dice and TruthAndDeception-v1's
+  facts before the seed is set (make_env seeds Python's `random` before it builds a game, so the seed
+  decides them too).
 
-The observation wrapper each id gets is the one SPIRAL's make_env gives it (LLMObservationWrapper: the
-whole exchange, the opponent's words included); it ships in 0.7.4 and renders messages as 0.6.4 did.
+make() builds an id as SPIRAL's make_env does (`spiral/envs/__init__.py`): the bare game in
+LLMObservationWrapper (every message, the opponent's words included; it ships in 0.7.4 and renders
+messages as 0.6.4 did), or in FirstLastObservationWrapper, the format of SPIRAL's evaluation of TicTacToe.
 """
 
 from __future__ import annotations
@@ -27,10 +28,30 @@ import random
 import re
 
 import textarena as ta
-from textarena.envs.registration import register
+from textarena.envs.registration import ENV_REGISTRY, register
 from textarena.wrappers import LLMObservationWrapper
+from textarena.wrappers.ObservationWrappers.llm_observation_wrapper import FirstLastObservationWrapper
+
+from machinery import UserError
 
 GAME, MESSAGE, ACTION = ta.GAME_ID, ta.ObservationType.GAME_MESSAGE, ta.ObservationType.PLAYER_ACTION
+
+
+class SpiralState(ta.TwoPlayerState):
+    """0.7.4's two-player state with TextArena 0.6.4's two rules that SPIRAL's games rely on."""
+
+    def add_observation(self, message: str, observation_type, from_id: int = GAME, to_id: int = -1) -> None:
+        """A message as sent: 0.7.4's state strips role tags ("[GAME]", "[Player 0]") from a player's words."""
+        self.logs.append((from_id, message))
+        for pid in range(self.num_players) if to_id == -1 else [to_id]:
+            self.observations[pid].append((from_id, message, observation_type))
+
+    def set_invalid_move(self, reason: str) -> None:
+        """With no retry left the offender gets -1 and the opponent 0 (0.7.4: +1)."""
+        retry = self.error_allowance > self.error_count
+        super().set_invalid_move(reason)
+        if not retry:
+            self.rewards[1 - self.current_player_id] = 0
 
 
 class SpiralGame(ta.Env):
@@ -64,7 +85,7 @@ class KuhnPokerV1(SpiralGame):
         self.ante, self.max_rounds = ante, max_rounds
 
     def reset(self, num_players: int, seed: int | None = None):
-        self.state = ta.TwoPlayerState(num_players=num_players, seed=seed)
+        self.state = SpiralState(num_players=num_players, seed=seed)
         self.deck = [0, 1, 2]  # shuffled in place each round, as SPIRAL's code does: a seed deals its cards
         self.state.reset(
             game_state={"chips": {0: 0, 1: 0}, "round": 0, "opener": 0, "round_over": False},
@@ -169,7 +190,7 @@ class SimpleNegotiationV1(SpiralGame):
         self.max_turns = max_turns
 
     def reset(self, num_players: int, seed: int | None = None):
-        self.state = ta.TwoPlayerState(num_players=num_players, seed=seed, max_turns=self.max_turns)
+        self.state = SpiralState(num_players=num_players, seed=seed, max_turns=self.max_turns)
         holdings = {p: {"Wood": 10, "Gold": 10} for p in (0, 1)}
         self.state.reset(
             game_state={"offer": None, "resources": holdings, "history": []}, player_prompt_function=self._prompt
@@ -321,7 +342,7 @@ class PigDiceV1(SpiralGame):
         self.winning_score, self.max_turns = winning_score, max_turns
 
     def reset(self, num_players: int, seed: int | None = None):
-        self.state = ta.TwoPlayerState(num_players=num_players, seed=seed)
+        self.state = SpiralState(num_players=num_players, seed=seed)
         self.state.reset(
             game_state={"scores": [0, 0], "turn_total": 0, "turn_count": 0}, player_prompt_function=self._prompt
         )
@@ -410,13 +431,14 @@ class LiarsDiceV1(SpiralGame):
         self.num_dice = num_dice
 
     def reset(self, num_players: int, seed: int | None = None):
-        self.state = ta.TwoPlayerState(num_players=num_players, seed=seed)
+        dice = {p: [random.randint(1, 6) for _ in range(self.num_dice)] for p in (0, 1)}  # before the seed, as SPIRAL
+        self.state = SpiralState(num_players=num_players, seed=seed)
         self.state.reset(
             game_state={
                 "bid": (0, 0),
                 "bidder": None,
                 "dice_left": {p: self.num_dice for p in (0, 1)},
-                "dice": {p: [random.randint(1, 6) for _ in range(self.num_dice)] for p in (0, 1)},
+                "dice": dice,
             },
             player_prompt_function=self._prompt,
         )
@@ -532,13 +554,13 @@ class TruthAndDeceptionV1(SpiralGame):
             self.facts = json.load(f)
 
     def reset(self, num_players: int, seed: int | None = None):
-        self.state = ta.TwoPlayerState(num_players=num_players, seed=seed)
-        pick = random.choice(self.facts)
+        pick = random.choice(self.facts)  # before the seed, as SPIRAL's code draws them
         facts = [
             (pick["facts"]["fact1"], pick["correct_fact"] == "fact1"),
             (pick["facts"]["fact2"], pick["correct_fact"] == "fact2"),
         ]
         random.shuffle(facts)
+        self.state = SpiralState(num_players=num_players, seed=seed)
         self.state.reset(
             game_state={"facts": facts}, player_prompt_function=self._prompt, role_mapping={0: "Deceiver", 1: "Guesser"}
         )
@@ -582,12 +604,83 @@ class TruthAndDeceptionV1(SpiralGame):
         return self.state.step()
 
 
-# ----------------------------------------------------------------------------------- the ids, as SPIRAL registers them
-for _id, _cls, _kwargs in (
-    ("KuhnPoker-v1", KuhnPokerV1, dict(ante=1, max_rounds=5)),
-    ("SimpleNegotiation-v1", SimpleNegotiationV1, dict(max_turns=10)),
-    ("PigDice-v1", PigDiceV1, dict(winning_score=50, max_turns=50)),
-    ("LiarsDice-v1", LiarsDiceV1, {}),
-    ("TruthAndDeception-v1", TruthAndDeceptionV1, dict(max_turns=6)),
-):
-    register(id=_id, entry_point=_cls, default_wrappers=[LLMObservationWrapper], **_kwargs)
+# ----------------------------------------------------------------------------------- Tic Tac Toe
+class TicTacToeV0(SpiralGame):
+    """TextArena 0.6.4's TicTacToe-v0, which SPIRAL trains on: 3x3, Player 0 is O and moves first, "[4]" takes the
+    centre, three in a row wins, a full board draws; after every move (and at the start) both players are shown
+    the board and the free cells. TextArena 0.7.4's also tells them who placed which mark where."""
+
+    LINES = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
+
+    def reset(self, num_players: int, seed: int | None = None):
+        self.state = SpiralState(num_players=num_players, seed=seed)
+        self.state.reset(game_state={"board": [""] * 9}, player_prompt_function=self._prompt)
+        self._show_board()
+
+    def _prompt(self, player_id: int, game_state: dict) -> str:
+        mark, other = ("X", "O") if player_id == 1 else ("O", "X")
+        return (
+            f"You are Player {player_id} in Tic Tac Toe.\n"
+            "Your goal is to win three in a row (horizontally, vertically, or diagonally) on the board.\n"
+            "On your turn, you should select the square number (0-8) you want to put your mark in next.\n"
+            "For example, '[4]' places your mark in the center cell of the board.\n\n"
+            f"As Player {player_id}, you will be '{mark}', while your opponent is '{other}'.\n"
+        )
+
+    def _show_board(self):
+        board = self.state.game_state["board"]
+        rows = ["|".join(f" {board[r * 3 + c] or r * 3 + c} " for c in range(3)) for r in range(3)]
+        free = ", ".join(f"'[{i}]'" for i in range(9) if not board[i])
+        self.say("Current Board:\n\n" + "\n---+---+---\n".join(rows) + f"\n\nAvailable Moves: {free}")
+
+    def step(self, action: str):
+        pid, board = self.state.current_player_id, self.state.game_state["board"]
+        self.show_action(action)
+        match = re.search(r"\[\s*(\d+)\s*\]", action)
+        if match is None:
+            self.state.set_invalid_move(reason=f"Invalid move format. Player {pid} did not respond with a valid move.")
+        elif not 0 <= (cell := int(match.group(1))) <= 8:
+            self.state.set_invalid_move(reason=f"Invalid cell number: {cell}. Must be between 0 and 8.")
+        elif board[cell]:
+            self.state.set_invalid_move(
+                reason=f"Invalid move. Player {pid} selected cell {cell} which is already occupied."
+            )
+        else:
+            board[cell] = "X" if pid == 1 else "O"
+            if any(board[a] == board[b] == board[c] != "" for a, b, c in self.LINES):
+                self.state.set_winner(pid, f"Player {pid} has won!")
+            elif all(board):
+                self.state.set_draw("The game is a draw!")
+        self._show_board()
+        return self.state.step()
+
+
+# ----------------------------------------------------------------------------------- the ids, as SPIRAL builds them
+SPIRAL_IDS = {  # id: (game, arguments), as `spiral/envs/__init__.py` registers them (TicTacToe-v0: TextArena 0.6.4's)
+    "TicTacToe-v0": (TicTacToeV0, {}),
+    "KuhnPoker-v1": (KuhnPokerV1, dict(ante=1, max_rounds=5)),
+    "SimpleNegotiation-v1": (SimpleNegotiationV1, dict(max_turns=10)),
+    "PigDice-v1": (PigDiceV1, dict(winning_score=50, max_turns=50)),
+    "LiarsDice-v1": (LiarsDiceV1, {}),
+    "TruthAndDeception-v1": (TruthAndDeceptionV1, dict(max_turns=6)),
+}
+for _id, (_cls, _kwargs) in SPIRAL_IDS.items():
+    if _id not in ENV_REGISTRY:  # TextArena's own id stays TextArena's for `ta.make`; make() below builds ours
+        register(id=_id, entry_point=_cls, default_wrappers=[LLMObservationWrapper], **_kwargs)
+
+
+def make(game_id: str, first_last: bool = False) -> ta.Env:
+    """`game_id` as SPIRAL's make_env builds it: the bare game in LLMObservationWrapper (the whole history, SPIRAL's
+    training default) or, with `first_last`, in FirstLastObservationWrapper (the first message and the latest one).
+    SPIRAL_IDS are this module's games; another TextArena id is its bare "-raw" game, so no action-formatting
+    wrapper brackets a bare "4" (an id with no "-raw" twin, such as a "-train" one, is built as TextArena names it)."""
+    if game_id in SPIRAL_IDS:
+        game, kwargs = SPIRAL_IDS[game_id]
+        bare = game(**kwargs)
+    elif f"{game_id}-raw" in ENV_REGISTRY:
+        bare = ta.make(f"{game_id}-raw")
+    elif first_last:
+        raise UserError(f"{game_id} has no bare game to show in the first/last format; name its default id")
+    else:
+        return ta.make(game_id)
+    return FirstLastObservationWrapper(bare) if first_last else LLMObservationWrapper(bare)

@@ -1,7 +1,8 @@
-"""--distill: a judge distilled into small heads on the policy's own hidden states (the paper's own future work).
+"""--distill: a judge distilled into small heads on the policy's own hidden states.
 
-The paper's judge costs money, carries its style and ties training to an API; its authors propose distilling
-a local reward model from the policy during training. With --distill, each step:
+The paper's judge costs money and ties training to an API; its authors name, as future work, distilling it into
+a lightweight local reward model. Distilling it from the same policy during training (and the worry that the
+judge's style carries into the policy) is its review's own suggestion, not the authors'. With --distill, each step:
 
 1. features: one no-grad pass of the current policy over the step's turns, the last hidden state (after the
    final norm) averaged over each trajectory's response tokens, all turns together, detached;

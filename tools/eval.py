@@ -10,16 +10,26 @@ import random
 import time
 from pathlib import Path
 
-from games import check_ids
+from games import check_ids, first_last_ids
 from machinery import UserError
 from machinery.distributed import pick_device
-from machinery.flags import FriendlyParser, field_docs
+from machinery.flags import FriendlyParser, field_docs, number_pair
 from machinery.matches import RandomPlayer, summarize_matches
 from machinery.openai_api import check_reachable, concurrently, openai_client
 from machinery.runfiles import check_writable_file, latest_checkpoint
 from machinery.vllm_engine import VLLMPolicy
 from machinery.watch import quiet_transformers
-from stratagem import PROMPT, Args, HFPolicy, load_policy, parse_action, play_matches, seed_everything, stop_ids
+from stratagem import (
+    CHOICES,
+    PROMPT,
+    Args,
+    HFPolicy,
+    load_policy,
+    parse_action,
+    play_matches,
+    seed_everything,
+    stop_ids,
+)
 
 
 class LLMPlayer:
@@ -105,6 +115,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-new-tokens", type=int, default=4096, help="longest response per turn (default: 4096)")
     p.add_argument("--max-turns", type=int, default=200, help="turn cap; a capped game is a draw (default: 200)")
     p.add_argument("--error-allowance", type=int, default=0, help="invalid moves allowed before losing (default: 0)")
+    docs = field_docs(Args)
+    p.add_argument(
+        "--action-rule", choices=CHOICES["action_rule"], default=Args.action_rule, help=docs["action_rule"][1]
+    )
+    p.add_argument("--invalid-rewards", default=Args.invalid_rewards, help=docs["invalid_rewards"][1])
+    p.add_argument("--rejected-rewards", default=Args.rejected_rewards, help=docs["rejected_rewards"][1])
+    p.add_argument(
+        "--first-last",
+        default="",
+        help="comma-separated --games ids shown in SPIRAL's evaluation format, the first message and the latest one "
+        "(SPIRAL's: TicTacToe-v0); default: every game shows the whole history, as in training",
+    )
     p.add_argument("--concurrency", type=int, default=64, help="games in flight (default: 64)")
     p.add_argument("--seed", type=int, default=1, help="seeds the games, the opponent and sampling (default: 1)")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
@@ -122,6 +144,11 @@ def main(argv: list[str]) -> int:
     check_writable_file(out, "--json")  # now, not after every game is played
     device = pick_device(ns.device)  # an unknown or absent device fails before any work
     games = check_ids(ns.games)
+    first_last = first_last_ids(ns.first_last, ns.games)
+    payouts = (
+        number_pair(ns.invalid_rewards, "--invalid-rewards"),
+        number_pair(ns.rejected_rewards, "--rejected-rewards"),
+    )
     quiet_transformers()
     rng = seed_everything(ns.seed)
     args = dataclasses.replace(
@@ -146,7 +173,18 @@ def main(argv: list[str]) -> int:
     )
     t0 = time.perf_counter()
     records = play_matches(
-        policy, tokenizer, games, ns.n, opponent, rng, ns.max_turns, ns.error_allowance, ns.concurrency
+        policy,
+        tokenizer,
+        games,
+        ns.n,
+        opponent,
+        rng,
+        ns.max_turns,
+        ns.error_allowance,
+        ns.concurrency,
+        ns.action_rule,
+        first_last,
+        *payouts,
     )
     policy.close()
     summary = summarize_matches(records)
@@ -159,6 +197,10 @@ def main(argv: list[str]) -> int:
                 "opponent": opponent.name,
                 "greedy": ns.greedy,
                 "seed": ns.seed,
+                "action_rule": ns.action_rule,
+                "first_last": first_last,
+                "invalid_rewards": payouts[0],
+                "rejected_rewards": payouts[1],
                 "summary": summary,
                 "games": records,
             },
