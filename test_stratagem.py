@@ -5488,26 +5488,25 @@ def test_sighup_stops_a_run_like_sigterm_and_it_resumes(tmp_path):
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, done + 2))
 
 
-def test_ctrl_c_twice_still_ends_in_one_line_and_the_run_resumes(tmp_path):
-    """A second Ctrl-C while the first is being handled (releasing the lock, printing the advice) must not turn
-    the stop into a traceback, nor leave the run unable to resume."""
+def test_ctrl_c_again_and_again_still_ends_in_one_line_and_the_run_resumes(tmp_path):
+    """An impatient user presses Ctrl-C again and again: a Ctrl-C that lands while the first is being handled
+    (unwinding a save, releasing the run, saying how to resume) must not turn the stop into a traceback, nor
+    leave the run unable to resume. One every 10 ms until the process is gone reaches every moment of a stop."""
     import signal
 
     out = tmp_path / "run"
-    for gap in (0.0, 0.02, 0.2):
-        fresh_run = SMALL + ["--steps", "500", "--save-every", "1", "--out", str(out)]
-        proc = spawn(fresh_run if gap == 0.0 else ["--resume", "--out", str(out), "--steps", "500"], tmp_path)
-        for line in proc.stdout:  # a step after the first checkpoint
-            if line.startswith("step ") and not line.startswith("step 1/"):
-                break
+    proc = spawn(SMALL + ["--steps", "500", "--save-every", "1", "--out", str(out)], tmp_path)
+    for line in proc.stdout:  # a step after the first checkpoint
+        if line.startswith("step 2/"):
+            break
+    while proc.poll() is None:
         proc.send_signal(signal.SIGINT)
-        time.sleep(gap)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-        # 130, or killed by the second Ctrl-C in the last moments of the interpreter's exit, when Python has given
-        # SIGINT back to the system (a shell reports both as 130): the run was released and its line said before
-        assert proc.returncode in (130, -signal.SIGINT) and err.count("\n") == 1, err
-        assert err.startswith("stratagem: stopped by Ctrl-C (continue from step-"), err
+        time.sleep(0.01)
+    err = proc.stderr.read()
+    # 130, or killed by a Ctrl-C in the last moments of the interpreter's exit, when Python has given SIGINT back
+    # to the system (a shell reports both as 130): the run was released and its line said before
+    assert proc.returncode in (130, -signal.SIGINT) and err.count("\n") == 1, err
+    assert err.startswith("stratagem: stopped by Ctrl-C (continue from step-"), err
     done = int(sorted((out / "checkpoints").glob("step-*"))[-1].name[5:])
     assert run(["--resume", "--out", str(out), "--steps", str(done + 1)]) == 0
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, done + 2))
