@@ -53,8 +53,8 @@ RUN_FOLDERS = ("checkpoints", "tensorboard", "wandb")
 def refuse_link(path: Path) -> None:
     if path.is_symlink():
         raise UserError(
-            f"{path} is a symbolic link (to {os.readlink(path)}); a run never writes through a link in its folder "
-            "(one planted there could make it overwrite or delete files elsewhere): remove the link"
+            f"{path} is a symbolic link (to {os.readlink(path)}); a run never writes through a link (one planted "
+            "where it writes could make it overwrite or delete files elsewhere): remove the link"
         )
 
 
