@@ -22,8 +22,8 @@ files) is imported from stratagem.py, as CleanRL keeps one algorithm per file.
 from __future__ import annotations
 
 import math
+import os
 import random
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -73,7 +73,10 @@ FLAG_DEFAULTS = {("spy_task", "math"): dict(spy_mask=spy.MASKS["math"])}  # RLSV
 BOUNDS = S.BOUNDS + [
     (("spy_beta", "spy_lambda", "spy_alternate"), lambda v: v >= 0, ">= 0"),
     (("spy_players",), lambda v: v >= 3, ">= 3"),
+    (("spy_players",), lambda v: v <= 1000, "<= 1000"),
     (("spy_mask",), lambda v: 0 < v < 1, "in (0, 1)"),
+    (("spy_beta", "spy_lambda"), lambda v: v <= 1000, "<= 1000"),
+    (("spy_alternate",), lambda v: v <= 10**9, "<= 1000000000"),
 ]
 
 
@@ -118,11 +121,31 @@ def vote_groups(parts: list[list[S.Trajectory]]) -> list[list[S.Trajectory]]:
     return list(groups.values())
 
 
+def text_room(args: Args) -> tuple[int | None, object]:
+    """(room, count) for spy.load_texts: the tokens a --spy-data text may take in the model's context
+    (spy.text_room), and how they are counted: by the model's own tokenizer where it is on disk, else by UTF-8
+    bytes (the tiny model's byte-level tokenizer takes at most a token a byte). (None, None) where the context is
+    not known before the model is loaded."""
+    context = S.context_length(args)
+    if context is None:
+        return None, None
+    count = None
+    if not args.tiny:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(os.path.expanduser(args.model), local_files_only=True)
+            count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
+        except (OSError, ValueError):  # not on disk after all: bytes, an upper bound for byte-level tokenizers
+            pass
+    return spy.text_room(context, args.spy_task, args.spy_players, args.max_new_tokens, count), count
+
+
 def train(args: Args) -> Path:
     """RLSVR's loop: play (outputs, then votes), rewards by rule, advantages (RAE per role for the outputs,
     group-relative for the votes), and the clipped update on this step's phase. Run files, metrics and the
     checkpoint are machinery/lifecycle.py's, as in stratagem.py."""
-    texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny)  # checked whole, before --out is claimed
+    texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny, *text_room(args))  # checked whole, before --out
     run = lifecycle.start_run(args, S.load_learner_and_engine, S.make_env, S.seed_everything)
     if run is None:  # --dry-run, or a resumed run that had already finished
         return Path(args.out)
@@ -159,4 +182,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    S.leave(main())

@@ -32,6 +32,7 @@ import dataclasses
 import errno
 import importlib
 import itertools
+import json
 import math
 import os
 import random
@@ -56,6 +57,7 @@ from machinery.distributed import Dist, full_weights, pick_device, shard, stop_w
 from machinery.flags import dataclass_parser, number_pair
 from machinery.judge import Judgement
 from machinery.matches import RandomPlayer, summarize_matches
+from machinery.openai_api import check_base_url
 from machinery.vllm_engine import VLLMPolicy
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in this process; no fork warnings
@@ -313,10 +315,25 @@ BOUNDS = [
         ">= 0",
     ),
     (("judge_price_in", "judge_price_out"), lambda v: v >= 0, ">= 0 (or -1: the price table's)"),
-    (("lr", "temperature", "max_grad_norm", "judge_timeout", "distill_lr"), lambda v: v > 0, "> 0"),
+    (("max_grad_norm", "judge_timeout"), lambda v: v > 0, "> 0"),
+    (("lr", "distill_lr"), lambda v: 0 < v <= 1, "in (0, 1]"),
+    (("temperature",), lambda v: 1e-3 <= v <= 100, "in [0.001, 100]"),  # below: logits / T overflow to inf
     (("ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
     (("judge_sample_rate", "distill_kappa", "distill_audit_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
     (("vllm_gpu_memory_utilization", "clip_range"), lambda v: 0 < v < 1, "in (0, 1)"),
+    (("seed",), lambda v: 0 <= v < 2**31, "in [0, 2147483647]"),  # NumPy takes seeds below 2**32 (+ rank)
+    # Upper bounds: past them a value is a slip of the keyboard that would overflow a timer, a tensor or the
+    # memory hours into a run.
+    (("judge_timeout", "dist_timeout"), lambda v: v <= 86400, "<= 86400 (one day)"),
+    (("judge_temperature",), lambda v: v <= 100, "<= 100"),
+    (("beta", "kl_coef"), lambda v: v <= 1000, "<= 1000"),
+    (("judge_samples", "judge_retries", "ppo_epochs"), lambda v: v <= 100, "<= 100"),
+    (("judge_concurrency",), lambda v: v <= 4096, "<= 4096"),
+    (("num_envs",), lambda v: v <= 65536, "<= 65536"),
+    (("judge_max_tokens", "max_new_tokens"), lambda v: v <= 1 << 20, "<= 1048576"),
+    ("max_turns eval_max_turns eval_n distill_window error_allowance".split(), lambda v: v <= 10**6, "<= 1000000"),
+    (("batch_size",), lambda v: v <= 10**7, "<= 10000000"),
+    (("steps", "save_every", "eval_every", "micro_batch_size"), lambda v: v <= 10**9, "<= 1000000000"),
 ]
 
 
@@ -324,13 +341,17 @@ def validate(args: Args, bounds=BOUNDS, modes=("stratagem", "spiral")) -> None:
     """Every flag in its range and consistent with the others, else one line naming it (UserError)."""
     if args.mode not in modes:
         raise UserError(f"--mode {args.mode}: SpyRL has its own script, spyrl.py (python spyrl.py --help)")
+    if (context := context_length(args)) is not None and args.max_new_tokens >= context:
+        raise UserError(f"--max-new-tokens must be < {context}, the model's context, got {args.max_new_tokens}")
     for names, ok, wording in bounds:
         for name in names:
             value = getattr(args, name)
-            if not (ok(value) and math.isfinite(value)):
+            if not (ok(value) and (isinstance(value, int) or math.isfinite(value))):
                 raise UserError(f"--{name.replace('_', '-')} must be {wording}, got {value}")
-    number_pair(args.invalid_rewards, "--invalid-rewards")  # a UserError when it is not two numbers
-    number_pair(args.rejected_rewards, "--rejected-rewards")
+    for name in ("invalid_rewards", "rejected_rewards"):  # not two numbers: number_pair's UserError
+        text, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        if not all(-1000 <= r <= 1000 for r in number_pair(text, flag)):
+            raise UserError(f"{flag} must be two numbers in [-1000, 1000], got {text!r}")
     first_last_ids(args.eval_first_last, args.eval_games, "--eval-first-last")
     if not all(0 <= b < 1 for b in args.betas):
         raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
@@ -338,6 +359,7 @@ def validate(args: Args, bounds=BOUNDS, modes=("stratagem", "spiral")) -> None:
         raise UserError(f"--distill learns the judge of --mode stratagem; --mode {args.mode} has none")
     if args.judge_budget and not args.judge_price_in + args.judge_price_out:
         raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
+    check_base_url(args.judge_base_url, "--judge-base-url")
     pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
 
 
@@ -533,7 +555,7 @@ def self_play(
                     Turn(obs, text, "" if action == INVALID_ACTION else action, prompt_ids, response_ids, prompt)
                 )
                 collected += 1
-                done, ep.forfeit = play_move(ep.env, pid, action)
+                done, ep.forfeit = play_move(ep.env, pid, action, ep.game)
                 if done or ep.n_turns >= args.max_turns:
                     finished.extend(
                         finish_episode(ep, done, counts, args.invalid_reward_pair, args.rejected_reward_pair)
@@ -547,10 +569,26 @@ def self_play(
     return finished, counts, calls
 
 
-def play_move(env, pid: int, action: str) -> tuple[bool, int | None]:
+_OVERSIZED_NUMBER = re.compile(r"\d{101}")  # a number no move means; int() refuses one of over 4300 digits
+
+
+def play_move(env, pid: int, action: str, game: str) -> tuple[bool, int | None]:
     """(done, the seat that forfeits): INVALID_ACTION, a response with no move, loses at once, retries or not, as in
-    SPIRAL's code; any other action goes to the game."""
-    return (True, pid) if action == INVALID_ACTION else (env.step(action)[0], None)
+    SPIRAL's code, and so does an action with a number of over 100 digits; any other action goes to the game.
+    Whatever the game's step() raises is an invalid move by the mover too, with one warning naming the game and
+    the exception: a bug in one game must not end a day-long run."""
+    if action == INVALID_ACTION or _OVERSIZED_NUMBER.search(action):
+        return True, pid
+    try:
+        return env.step(action)[0], None
+    except Exception as e:  # noqa: BLE001 - the last line of defence, see the docstring
+        print(
+            f"stratagem: warning: {game} raised {e!r:.200} on Player {pid}'s move {action!r:.80}; "
+            "it counts as an invalid move",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True, pid
 
 
 def game_result(env, done: bool, forfeit: int | None = None) -> tuple[dict[int, float], dict[int, bool]]:
@@ -961,6 +999,24 @@ def load_policy(path: str, device: torch.device):
     return model.to(device), tokenizer
 
 
+def context_length(args: Args) -> int | None:
+    """Tokens the policy's context holds, read before anything is loaded or downloaded: the tiny model's, or
+    max_position_embeddings in --model's config.json where that is on disk (a local folder or the hub's cache);
+    None where it is not."""
+    if args.tiny:
+        return ARCHS["tiny"]["max_position_embeddings"]
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        local = Path(os.path.expanduser(args.model)) / "config.json"
+        path = local if local.is_file() else try_to_load_from_cache(args.model, "config.json")
+        return (
+            int(json.loads(Path(path).read_text())["max_position_embeddings"]) if isinstance(path, str | Path) else None
+        )
+    except (OSError, ValueError, KeyError, TypeError):  # not a repo id (ValueError), a config without the field
+        return None
+
+
 def stop_ids(tokenizer, model) -> list[int]:
     """Where a response ends, as in SPIRAL's run (vLLM's default, no stop of its own): the tokenizer's EOS and
     the checkpoint's generation-config EOS ids. A base model (Qwen3-4B-Base: <|endoftext|>) is not stopped
@@ -1065,7 +1121,7 @@ def play_matches(
             actions.update((i, move or INVALID_ACTION) for i, move in zip(theirs, moves))  # "": it found no move
         still = []
         for i, m in enumerate(live):
-            done, forfeit = play_move(m["env"], seen[i][0], actions[i])
+            done, forfeit = play_move(m["env"], seen[i][0], actions[i], m["game"])
             m["turns"] += 1
             if not (done or m["turns"] >= max_turns):
                 still.append(m)
@@ -1205,11 +1261,26 @@ COMMANDS = {
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's stop, `kill`), raised where the program is, so it stops like Ctrl-C."""
+    """SIGTERM (a scheduler's stop, `kill`) or SIGHUP (a closed terminal or ssh session), raised where the program
+    is, so it stops like Ctrl-C. Its argument is the signal's name."""
 
 
-def on_sigterm(signum, frame):
-    raise Terminated()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_handler():
+    """The handler of STOP_SIGNALS: the first raises where the program is (KeyboardInterrupt for Ctrl-C, else
+    Terminated); later ones are ignored, so a second Ctrl-C cannot break the stop under way (releasing the run,
+    saying how to resume, exiting) into a traceback. stop_within() still ends a run that cannot stop. The
+    handler's `stopping` lists the signals received."""
+
+    def handler(signum, frame):
+        handler.stopping.append(signum)
+        if len(handler.stopping) == 1:
+            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signal.Signals(signum).name)
+
+    handler.stopping = []
+    return handler
 
 
 def parse_args(argv: list[str], cls=Args, parser=None, resolve=resolve_args) -> Args:
@@ -1220,7 +1291,13 @@ def parse_args(argv: list[str], cls=Args, parser=None, resolve=resolve_args) -> 
     if explicit.get("resume"):
         if not explicit.get("out"):
             raise UserError("--resume needs --out (the run directory to continue)")
-        config = Path(explicit["out"]) / "config.json"
+        out = Path(explicit["out"])
+        if out.is_symlink() and not out.exists():
+            raise UserError(f"--resume: {out} is a symbolic link to {os.readlink(out)}, which does not exist")
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--resume: {out} is a file, not a run folder")
+        runfiles.check_no_links(out)  # before a file of it is read
+        config = out / "config.json"
         if not config.exists():
             raise UserError(f"--resume: {config} not found")
         mode = runfiles.read_config(config.parent).get("mode")
@@ -1236,7 +1313,8 @@ def main(argv: list[str] | None = None, parse=parse_args, run=None, commands=COM
     `parse` and `run` (its train) through here, for the same one-line errors and stop signals."""
     argv = sys.argv[1:] if argv is None else argv
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
+    on_stop = stop_handler()
+    previous = {s: signal.signal(s, on_stop) for s in STOP_SIGNALS} if in_main_thread else {}
     run_dir = None  # set once a training run is resolved: the resume advice names it
     try:
         if argv and argv[0] in commands:
@@ -1264,18 +1342,30 @@ def main(argv: list[str] | None = None, parse=parse_args, run=None, commands=COM
         )
         return 2
     except KeyboardInterrupt as e:
+        name = e.args[0] if isinstance(e, Terminated) else "SIGINT"
         print(
-            f"{prog}: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'}"
-            f"{runfiles.resume_advice(run_dir)}",
+            f"{prog}: stopped by {'Ctrl-C' if name == 'SIGINT' else name}{runfiles.resume_advice(run_dir)}",
             file=sys.stderr,
         )
-        return 143 if isinstance(e, Terminated) else 130
+        return 128 + signal.Signals[name]  # as the signal's default action would: 130, 143, 129
     finally:
         runfiles.release_runs()
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items() if not on_stop.stopping else ():  # stopped: it stays till the exit
+            signal.signal(s, handler)
     return 0
 
 
+def leave(code: int) -> None:
+    """The process's exit. A torchrun rank whose run has ended (its files closed, its process group destroyed)
+    leaves without the interpreter's teardown: gloo's threads are still running then (torch's caches keep the
+    group after destroy_process_group), and tearing down around them has aborted a rank ("terminate called
+    without an active exception") on a busy machine."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

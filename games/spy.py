@@ -102,10 +102,33 @@ def default_texts() -> list[dict]:
     return [{"text": p} for p in paragraphs if 300 <= len(p) <= 700 and p.count(". ") >= 2]
 
 
-def load_texts(path: str, mask: float, tiny: bool) -> list[dict]:
+def text_room(context: int, task: str, players: int, max_new_tokens: int, count=None) -> int:
+    """Tokens a task text may take so that every prompt of a game fits the model's context with its response: a
+    vote prompt holds the text, the template, and every player's output quoted ("| " opens each of its lines:
+    at most three tokens an output token, a newline and its "| "). `count` gives a text's tokens (default: its
+    UTF-8 bytes, at least the tokens of a byte-level tokenizer such as the tiny model's)."""
+    count = count or (lambda text: len(text.encode("utf-8")))
+    thing, output, outputs, _ = TASKS[task]
+    written = "\n\n".join(f"Player {k}:\n| " for k in range(players))
+    frame = VOTE.format(
+        seat=players - 1, n=players, thing=thing, output=output, outputs=outputs, text="", written=written, example=0
+    )
+    return context - count(frame) - max_new_tokens * (3 * players + 1)
+
+
+def lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate of `text` as an escape ("\\ud800"), or None: JSON's "\\ud800" decodes to one, which
+    is no character: no tokenizer takes it."""
+    bad = next((c for c in text if 0xD800 <= ord(c) <= 0xDFFF), None)
+    return None if bad is None else f"\\u{ord(bad):04x}"
+
+
+def load_texts(path: str, mask: float, tiny: bool, room: int | None = None, count=None) -> list[dict]:
     """--spy-data: one JSON object per line, {"text": ..., "reference": ... (optional)}. Every flaw ends in one
-    line naming the file and the line: not there, not UTF-8, not a JSON object, no "text", a text too short
-    for --spy-mask to remove anything, a reference that is not a string, no texts at all."""
+    line naming the file and the line: not there, not UTF-8, not a JSON object (or nested too deeply to read),
+    no "text", a text too short for --spy-mask to remove anything, a reference that is not a string, a lone
+    surrogate, a text longer than `room` tokens (text_room; `count` counts them, default: UTF-8 bytes), no texts
+    at all. The whole file is checked before a run starts."""
     if not path:
         if not tiny:
             raise UserError(
@@ -128,11 +151,22 @@ def load_texts(path: str, mask: float, tiny: bool) -> list[dict]:
             raise UserError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
         except ValueError as e:
             raise UserError(f"{where}: not JSON ({e})") from None
+        except RecursionError:  # "[[[[..." a hundred thousand deep
+            raise UserError(f"{where}: nested too deeply to be read as JSON") from None
         if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not item["text"].strip():
             raise UserError(f'{where}: needs an object with a non-empty "text" string')
         if not isinstance(item.get("reference", ""), str):
             raise UserError(f'{where}: "reference" must be a string')
+        for field in ("text", "reference"):
+            if bad := lone_surrogate(item.get(field, "")):
+                raise UserError(f"{where}: the {field} holds a lone surrogate ({bad}), which is not text")
         text = item["text"].strip()
+        size = len(text.encode("utf-8"))  # at least its tokens (a byte-level tokenizer's at most a token a byte)
+        if room is not None and size > room and (n := count(text) if count else size) > room:
+            raise UserError(
+                f"{where}: the text takes up to {n} tokens, and a game's prompts leave it room for {room} (the "
+                "model's context less every player's output: --spy-players, --max-new-tokens)"
+            )
         units = split_units(text)
         if not 1 <= removed_count(len(units), mask) < len(units):
             raise UserError(
@@ -179,7 +213,7 @@ def degrade(text: str, fraction: float, rng: random.Random) -> tuple[str, list[t
 
 # ------------------------------------------------------------------ votes and rewards (pure)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_SEAT = re.compile(r"\s*(?:player\s*)?\[?\s*(\d+)\s*\]?\s*", re.IGNORECASE)
+_SEAT = re.compile(r"\s*(?:player\s*)?\[?\s*(\d{1,100})\s*\]?\s*", re.IGNORECASE)  # longer: no seat (nor int())
 
 
 def visible_output(response: str) -> str:

@@ -129,6 +129,12 @@ def dollars(x: float) -> str:
 def projection_lines(args, p: dict) -> list[str]:
     """The judge's requests, tokens per request and money, as the start of a run and --dry-run print them."""
     b, e = p["bound"], p["example"]
+    if not b["requests"]:  # --judge-sample-rate 0, or no step left: nothing is asked, nothing paid
+        why = "--judge-sample-rate 0" if not args.judge_sample_rate else "no step left to train"
+        return [
+            f"judge requests: none ({why}): every trajectory trains with phi = 1, psi = 0 (A_mod = A_game)",
+            "judge money: $0",
+        ]
     samples = "" if args.judge_samples == 1 else f", {args.judge_samples} verdicts each"
     lines = [
         f"judge requests: ~{b['requests']:,.0f} over {p['steps']} steps (~{b['trajectories']:.1f} trajectories "

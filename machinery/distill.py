@@ -253,28 +253,31 @@ class Distiller:
 
     def step(self, trajs: list, feats: list, judged: dict) -> dict[int, dict]:
         """Predict every played trajectory (trajs[i].predicted), hold out a share of the valid verdicts and compare,
-        update trust, train on the rest. Returns the heads' levels for every played trajectory without a valid
-        verdict while trusted, else {}. `judged`: index -> Judgement (its scores and the rule that set d, a, c)."""
+        update trust, train on the rest. A trajectory whose features are not finite (a diverged policy) gets no
+        prediction and is not learned from: the judge's verdict on it stands, else the batch mean. Returns the
+        heads' levels for every predicted trajectory without a valid verdict while trusted, else {}. `judged`:
+        index -> Judgement (its scores and the rule that set d, a, c)."""
         rate = self.sample_rate()  # the rate this step was judged at (trust as the last step left it)
         played = [i for i, f in enumerate(feats) if f is not None]
-        x = torch.stack([feats[i] for i in played]) if played else torch.zeros(0, self.heads.weight.shape[1])  # [P, H]
+        usable = [i for i in played if bool(torch.isfinite(feats[i]).all())]  # a diverged policy's NaN, Inf: left out
+        x = torch.stack([feats[i] for i in usable]) if usable else torch.zeros(0, self.heads.weight.shape[1])  # [P, H]
         predicted = {}
-        for i, raw in zip(played, self.predict(x)):
+        for i, raw in zip(usable, self.predict(x)):
             turns = trajs[i].turns
             predicted[i] = judge_prompts.evolution_rules(
                 [t.observation for t in turns], [t.response for t in turns], raw
             )[0]
             trajs[i].predicted = {"levels": predicted[i], "used": False}
-        valid = {i: j for i, j in sorted(judged.items()) if j.scores is not None and i in predicted}
+        valid = {i: j for i, j in sorted(judged.items()) if j.scores is not None and i in played}
         trained = sum(
-            self.file(feats[i], predicted[i], j) for i, j in valid.items()
+            self.file(feats[i], predicted[i], j) for i, j in valid.items() if i in predicted
         )  # none: the heads stay as they are
         kappas, rhos = self.agreement()
         counts = {k: len(self.pairs[k]) for k in KEYS}
         self.trusted = trusted(
             {k: kappas[k] for k in self.used}, counts, self.args.distill_kappa, self.args.distill_window
         )
-        estimates = {i: predicted[i] for i in played if i not in valid} if self.trusted else {}
+        estimates = {i: predicted[i] for i in predicted if i not in valid} if self.trusted else {}
         for i in estimates:
             trajs[i].predicted["used"] = True
         loss = self.train() if trained else float("nan")

@@ -177,15 +177,18 @@ def pick_backend(spec: str, device: torch.device) -> tuple[str, str]:
 
 
 _stop_pipe: list[int] = []  # the read and write ends of stop_within()'s pipe, made once per process
+_inside = threading.Event()  # set while the main thread is inside stop_within()
 
 
 @contextlib.contextmanager
 def stop_within(seconds: float):
-    """Within this context Ctrl-C or SIGTERM ends the process within `seconds` even when its main thread
+    """Within this context Ctrl-C, SIGTERM or SIGHUP ends the process within `seconds` even when its main thread
     cannot stop: Python runs signal handlers in the main thread between bytecodes, so a main thread blocked
     in C++ (a collective waiting for a frozen rank) never sees the signal. The C-level handler also writes
-    the signal's number to a pipe (signal.set_wakeup_fd), which a daemon thread reads; if the process is
-    still there `seconds` later, the thread ends it (exit code 128 + the signal, as the handler's would be)."""
+    the signal's number to a pipe (signal.set_wakeup_fd), which a daemon thread reads; if the main thread is
+    still inside the context `seconds` later, the thread ends the process (exit code 128 + the signal, as the
+    handler's would be). A main thread that has left it has stopped: its own exit (which load can make slower
+    than `seconds`) is left alone."""
     if not _stop_pipe:
         _stop_pipe.extend(os.pipe())
         os.set_blocking(_stop_pipe[1], False)
@@ -193,8 +196,10 @@ def stop_within(seconds: float):
         def watch() -> None:
             while True:
                 signum = os.read(_stop_pipe[0], 1)[0]
-                if signum in (signal.SIGTERM, signal.SIGINT):
+                if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     time.sleep(seconds)
+                    if not _inside.is_set():
+                        continue
                     print(
                         f"stratagem: stopped by {signal.Signals(signum).name}; the run did not stop within "
                         f"{seconds:g} s (blocked in a collective?), so it was ended there",
@@ -205,7 +210,9 @@ def stop_within(seconds: float):
 
         threading.Thread(target=watch, daemon=True).start()
     previous = signal.set_wakeup_fd(_stop_pipe[1], warn_on_full_buffer=False)
+    _inside.set()
     try:
         yield
     finally:
+        _inside.clear()
         signal.set_wakeup_fd(previous)

@@ -44,7 +44,7 @@ class FriendlyParser(argparse.ArgumentParser):
 
 def dataclass_parser(cls, choices: dict, presets: dict[str, dict], hidden=(), **kwargs) -> argparse.ArgumentParser:
     """One flag per field of `cls`, grouped by section, each with its docstring, its default and the defaults
-    that `presets` ({"--tiny": {field: default}, "--mode spyrl": ...}) give it. The parsed namespace holds
+    that `presets` ({"--tiny": {field: default}, "--spy-task math": ...}) give it. The parsed namespace holds
     only the flags actually given (argparse.SUPPRESS), so that defaults, presets and a saved config can be layered."""
     p = FriendlyParser(argument_default=argparse.SUPPRESS, **kwargs)
     sections: dict[str, argparse._ArgumentGroup] = {}

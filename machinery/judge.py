@@ -191,7 +191,9 @@ class JudgeRunner:
         return 0 < self.args.judge_budget <= self.totals["cost"]
 
     def _request(self, rubric: str, sample: int, text: str, step: dict) -> tuple[dict | None, str | None]:
-        key = runfiles.JudgeCache.key(self.client.name, rubric, self.args.judge_temperature, sample, text)
+        key = runfiles.JudgeCache.key(
+            self.client.name, rubric, self.args.judge_temperature, self.args.judge_max_tokens, sample, text
+        )
         if self.client.cacheable and (hit := self.cache.entries.get(key)) is not None:
             self._count(step, cache_hits=1)
             return hit, None

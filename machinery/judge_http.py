@@ -6,7 +6,8 @@ an attempt has a deadline, its timeout (openai passes --judge-timeout) after it 
 whole of it: the wait for a pooled connection aside, every socket operation (connect, TLS, send, the
 headers and the whole body) waits at most until the deadline, after which the attempt is httpx's
 ReadTimeout, which the client retries and counts as a timeout. A body larger than `max_bytes` is refused
-as it arrives (ReplyTooLarge, not retried): a 50 MB reply is never read into memory.
+as it arrives (ReplyTooLarge, not retried): a 50 MB reply is never read into memory; a compressed one is
+refused unread (ReplyEncoded, not retried).
 
 Imported only when an OpenAI-compatible server is used (it imports httpx, httpcore and openai).
 """
@@ -86,6 +87,16 @@ class ReplyTooLarge(openai.APIConnectionError):
         super().__init__(message=f"the reply is larger than {max_bytes} bytes", request=request)
 
 
+class ReplyEncoded(openai.APIConnectionError):
+    """A compressed reply, though the client asked for none (Accept-Encoding: identity): refused before a byte of it
+    is decoded, since a 0.2 MB gzip body can inflate to 200 MB and the cap counts the bytes on the wire. Not
+    retried (the same server compresses again); at start-up, check_reachable says so in one line."""
+
+    def __init__(self, request, encoding: str):
+        super().__init__(message=f"the reply is compressed (Content-Encoding: {encoding})", request=request)
+        self.encoding = encoding
+
+
 class _CappedBody(httpx.SyncByteStream):
     def __init__(self, stream, request, max_bytes: int):
         self.stream, self.request, self.max_bytes, self.size = stream, request, max_bytes, 0
@@ -104,8 +115,10 @@ class _CappedBody(httpx.SyncByteStream):
 class BoundedClient(httpx.Client):
     """An httpx client (proxies, TLS and pooling as httpx sets them up from the environment) whose every
     send() is one bounded attempt, see the module's docstring. The body is read inside send(), as openai
-    reads a reply that is not streamed. The server is asked not to compress, so the cap counts the bytes
-    as they will be parsed."""
+    reads a reply that is not streamed. The server is asked not to compress, and a compressed reply is refused
+    unread (ReplyEncoded), so the cap counts the bytes as they will be parsed. (Decoding it as it streams, with
+    a running count, would need a bounded output from every decoder httpx may use, gzip, deflate, br, zstd; a
+    server that honours Accept-Encoding: identity, as HTTP asks of it, never needs one.)"""
 
     def __init__(self, max_bytes: int):
         super().__init__(
@@ -131,6 +144,9 @@ class BoundedClient(httpx.Client):
                 length = response.headers.get("Content-Length", "")
                 if length.isdigit() and int(length) > self.max_bytes:
                     raise ReplyTooLarge(request, self.max_bytes)
+                encoding = response.headers.get("Content-Encoding", "").strip()
+                if encoding.lower() not in ("", "identity"):
+                    raise ReplyEncoded(request, encoding)
                 response.stream = _CappedBody(response.stream, request, self.max_bytes)
                 if not stream:
                     response.read()

@@ -96,9 +96,9 @@ def start_run(args, load, make_env, seed) -> Run | None:
         dist.close()
         return None
     if dist.main:
+        runfiles.check_writable_dir(out, "--out")  # first: a file or a dangling link is said as such
         if not args.resume and out.exists():
             raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
-        runfiles.check_writable_dir(out, "--out")
         if judge is not None and args.judge_cache:
             runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
     reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None

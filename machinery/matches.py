@@ -14,12 +14,17 @@ import re
 
 def accepts(env, pid: int, action: str) -> bool:
     """Whether the game takes `action` from seat `pid` as a valid move, tried on a deep copy with no
-    retries (global `random` restored, so a dice roll tried here does not change the real game)."""
+    retries (global `random` restored, so a dice roll tried here does not change the real game). A move
+    the game raises on (a number too long for int()) is not one it takes."""
     state = random.getstate()
     trial = copy.deepcopy(env)
     trial.state.error_allowance = 0
-    trial.step(action)
-    random.setstate(state)
+    try:
+        trial.step(action)
+    except Exception:  # noqa: BLE001 - whatever the game raises, it did not take the move
+        return False
+    finally:
+        random.setstate(state)
     return not trial.state.game_info[pid].get("invalid_move")
 
 

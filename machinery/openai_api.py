@@ -2,7 +2,8 @@
 `openai` client: the client, a reachability check at start-up, and one chat completion whose every
 failure is a JudgeFailure of a named kind, never an exception that ends a run.
 
-The key comes from OPENAI_API_KEY only; it is never logged or saved.
+The key comes from OPENAI_API_KEY only; it is never logged or saved, and a base URL that carries a user name or
+password is refused (check_base_url).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import os
 import queue
 import threading
+from urllib.parse import urlsplit
 
 from machinery import UserError
 
@@ -24,6 +26,18 @@ class JudgeFailure(Exception):
         self.kind, self.tokens = kind, tokens
 
 
+def check_base_url(url: str, what: str) -> None:
+    """A user name or password in a base URL (http://alice:pw@host/v1) would be written to config.json, the start
+    line and the plan, and sent as Basic auth in place of the key: refused in one line that does not show it."""
+    netloc = urlsplit(url).netloc if "://" in url else url.split("/", 1)[0]
+    if "@" in netloc:
+        shown = url.replace(netloc, "***@" + netloc.rpartition("@")[2], 1)
+        raise UserError(
+            f"{what} {shown}: a user name or password in the URL would be written to the run's files and sent in "
+            "place of the API key; put the key in OPENAI_API_KEY"
+        )
+
+
 def openai_client(base_url: str, timeout: float, retries: int, what: str, max_tokens: int):
     """An `openai` client, whose built-in retries back off exponentially on timeouts, connection errors,
     429 (honouring Retry-After) and 5xx. Each attempt takes at most `timeout` seconds as a whole, and a
@@ -33,6 +47,7 @@ def openai_client(base_url: str, timeout: float, retries: int, what: str, max_to
 
     from machinery.judge_http import BoundedClient, max_reply_bytes
 
+    check_base_url(base_url, f"{what}: the base URL")
     key = os.environ.get("OPENAI_API_KEY")
     if not key and not base_url:
         raise UserError(f"{what} needs OPENAI_API_KEY in the environment or a base URL of a local server")
@@ -59,8 +74,16 @@ def check_reachable(client, base_url: str, timeout: float, what: str) -> None:
     """Fail at start-up, with one line, when the server cannot be reached or rejects the key."""
     import openai
 
+    from machinery.judge_http import ReplyEncoded
+
     try:
-        client.with_options(max_retries=0, timeout=min(timeout, 10)).models.list()
+        client.with_options(max_retries=0, timeout=timeout).models.list()
+    except ReplyEncoded as e:
+        raise UserError(
+            f"the {what} at {base_url or 'api.openai.com'} compressed its reply (Content-Encoding: {e.encoding}) "
+            "although asked not to (Accept-Encoding: identity); a compressed reply is never read (its size is not "
+            "known before it is decoded): turn compression off on that server or its proxy"
+        ) from None
     except openai.AuthenticationError:
         raise UserError(f"the {what} rejected the API key (HTTP 401); check OPENAI_API_KEY") from None
     except openai.APIConnectionError:
@@ -73,20 +96,21 @@ def check_reachable(client, base_url: str, timeout: float, what: str) -> None:
 
 def chat(client, **request) -> tuple[str, int, int]:
     """One chat completion -> (reply, prompt tokens, completion tokens); a failure is a JudgeFailure whose
-    kind names it: timeout, too_large, connection, rate_limit, server_error, http_NNN, bad_response, empty
-    or finish_* (see chat_reply)."""
+    kind names it: timeout, too_large, encoded, connection, rate_limit, server_error, http_NNN, bad_response,
+    empty or finish_* (see chat_reply)."""
     import openai as oa
 
-    from machinery.judge_http import ReplyTooLarge
+    from machinery.judge_http import ReplyEncoded, ReplyTooLarge
 
     try:
         resp = client.chat.completions.create(**request)
     except (oa.APIError, ValueError) as e:  # ValueError: an HTTP 200 whose body is not JSON at all
-        if isinstance(e.__cause__, ReplyTooLarge):  # an older openai retries it, then wraps it
+        if isinstance(e.__cause__, (ReplyTooLarge, ReplyEncoded)):  # an older openai retries it, then wraps it
             e = e.__cause__
         kinds = (
             (oa.APITimeoutError, "timeout"),  # first: a timeout is also an APIConnectionError
             (ReplyTooLarge, "too_large"),
+            (ReplyEncoded, "encoded"),
             (oa.APIConnectionError, "connection"),
             (oa.RateLimitError, "rate_limit"),
             (oa.InternalServerError, "server_error"),

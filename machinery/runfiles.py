@@ -9,6 +9,7 @@ of a JSONL file is skipped with a warning and dropped on resume.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -18,6 +19,7 @@ import pickle
 import random
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -30,6 +32,68 @@ from safetensors import SafetensorError
 import judge_prompts
 from machinery import UserError
 from machinery.distributed import full_weights, optimizer_state
+
+# ------------------------------------------------------------------ never through a link
+# Whoever can write in a shared run folder could plant a link where the trainer writes (run.lock -> ~/thesis.tex)
+# and have it truncate, overwrite or delete any file its user can write. So nothing here writes through a link:
+# a run's files are opened with O_NOFOLLOW, and a --resume refuses a folder with a link where the trainer writes.
+RUN_FILES = (
+    "run.lock",
+    "config.json",
+    "config_history.jsonl",
+    "metrics.jsonl",
+    "trajectories.jsonl",
+    "judge_cache.jsonl",
+    "judge_ledger.jsonl",
+    "wandb_run_id",
+)
+RUN_FOLDERS = ("checkpoints", "tensorboard", "wandb")
+
+
+def refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise UserError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); a run never writes through a link (one planted "
+            "where it writes could make it overwrite or delete files elsewhere): remove the link"
+        )
+
+
+def not_plain(path) -> UserError:
+    return UserError(
+        f"{path} is not a plain file (a fifo, a device, or a file with other names too): a run writes only its own "
+        "plain files: remove it"
+    )
+
+
+def _no_link(path, flags: int, mode: int = 0o666) -> int:
+    """os.open that refuses a link (O_NOFOLLOW) and anything but a plain file; never blocks on a fifo."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # the last part of the path is a link
+            refuse_link(Path(path))
+        if e.errno == errno.ENXIO:  # a fifo that nobody reads
+            raise not_plain(path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise not_plain(path)
+    return fd
+
+
+def _new_file(path, flags: int) -> int:
+    """os.open of a file that must not exist yet (O_EXCL: a link at the name fails too)."""
+    return _no_link(path, flags | os.O_EXCL)
+
+
+def check_no_links(out: Path) -> None:
+    """Refuse, in one line, a run folder with a link where the trainer writes: its files, their temporary names,
+    its folders and anything in checkpoints/ (every entry of which the trainer may delete)."""
+    for name in (*RUN_FILES, *(f".tmp-{n}" for n in RUN_FILES), *RUN_FOLDERS):
+        refuse_link(out / name)
+    if (out / "checkpoints").is_dir():
+        for entry in sorted((out / "checkpoints").iterdir()):
+            refuse_link(entry)
 
 
 # ------------------------------------------------------------------ JSONL logs and atomic files
@@ -45,7 +109,7 @@ def naming(path: Path):
 
 
 def append_jsonl(path: Path, record: dict) -> None:
-    with naming(path), open(path, "a", encoding="utf-8") as f:
+    with naming(path), open(path, "a", encoding="utf-8", opener=_no_link) as f:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
@@ -78,8 +142,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def end_torn_line(path: Path) -> None:
     """A file whose last line a crash tore gets its newline, so that the next record starts a line of its own."""
-    if path.exists() and path.stat().st_size:
-        with naming(path), open(path, "rb+") as f:
+    if os.path.lexists(path) and (path.is_symlink() or path.stat().st_size):
+        with naming(path), open(path, "rb+", opener=_no_link) as f:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")
@@ -88,10 +152,12 @@ def end_torn_line(path: Path) -> None:
 @contextlib.contextmanager
 def atomic_file(path: Path):
     """A file written whole or not at all: written as a temporary file beside it, then renamed into place
-    (an atomic rename). A write that fails midway leaves the old file as it was and no temporary file."""
+    (an atomic rename). A write that fails midway leaves the old file as it was and no temporary file. Whatever is
+    at the temporary name (a crash's leftover, a planted link) is removed first, never written through."""
     tmp = path.with_name(f".tmp-{path.name}")
     try:
-        with naming(path), open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)
+        with naming(path), open(tmp, "wb", opener=_new_file) as f:
             yield f
         os.replace(tmp, path)
     finally:
@@ -108,6 +174,7 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
     line, streaming the file through (a 1 GB trajectories.jsonl takes no more memory than a small one)."""
     if not path.exists():
         return
+    refuse_link(path)  # its lines would be copied in from elsewhere
     with atomic_file(path) as f:
         for raw, record in iter_jsonl(path):
             if record.get("step", math.inf) <= last_step:
@@ -226,14 +293,15 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
     `shared` (rank 0's trainer state) goes to trainer_state.pt, `own` (each rank's RNG states and
     game-length estimates) to rank<r>.pt. Every rank must call this (the weights are gathered)."""
     root = out / "checkpoints"
+    refuse_link(root)  # the old checkpoints in it are deleted
     final = root / f"step-{step:06d}"
     weights = full_weights(model) if dist.world > 1 else None  # None: save_pretrained reads the model
     optim = optimizer_state(model, optimizer)
     tmp = root / f".tmp-step-{step:06d}"
     try:
         if dist.main:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a kill -9 during an earlier save of this step
-            tmp.mkdir()  # not mkdtemp: its 0700 would ignore the user's umask
+            remove(tmp)  # left by a kill -9 during an earlier save of this step
+            tmp.mkdir(mode=0o700)  # nobody else's while it is written; given the user's umask before the rename
         dist.gather(None)
         torch.save(own, tmp / f"rank{dist.rank}.pt")
         dist.gather(None)  # every rank's file is written before the rename
@@ -245,10 +313,11 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
             os.umask(mask)
             for f in tmp.iterdir():  # some writers create 0600 files; a checkpoint follows the umask like the logs
                 os.chmod(f, 0o666 & ~mask)
+            os.chmod(tmp, 0o777 & ~mask)
             os.replace(tmp, final)
             for old in root.iterdir():
                 if old != final:
-                    shutil.rmtree(old)
+                    remove(old)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split(". ")[0]
@@ -260,6 +329,14 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     dist.gather(None)  # nobody runs ahead of the rename
+
+
+def remove(path: Path) -> None:
+    """A file, a link (the link only, not what it points to) or a folder, whichever is there, if anything is."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def resume_advice(run_dir: Path | None) -> str:
@@ -287,17 +364,32 @@ def claim_run(out: Path, fresh: bool) -> None:
         try:
             out.mkdir(parents=True)
         except FileExistsError:
+            check_writable_dir(out, "--out")  # a dangling link, a file: said as such
             raise UserError(
                 f"{out} already exists (another run has just started in it); choose another --out, "
                 "or pass --resume to continue it"
             ) from None
-    f = open(out / LOCK, "a+", encoding="utf-8")
+    f = _open_lock(out)
     _lock(f, out)
     f.seek(0)
-    f.truncate()
+    f.truncate()  # the run's own lock file: a plain file with no other name, see _open_lock
     f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     f.flush()
     _claimed[out] = (f, fresh)
+
+
+def _open_lock(out: Path):
+    """`LOCK`, created exclusively where it is new, else opened without following a link; only a plain file with
+    no other name (no hard link elsewhere) is taken: emptying it can only empty the lock."""
+    path = out / LOCK
+    try:
+        fd = _new_file(path, os.O_RDWR | os.O_CREAT)
+    except FileExistsError:  # an earlier run's (or a link, which _no_link refuses)
+        fd = _no_link(path, os.O_RDWR)
+    if os.fstat(fd).st_nlink != 1:
+        os.close(fd)
+        raise not_plain(path)
+    return os.fdopen(fd, "r+", encoding="utf-8")
 
 
 def _lock(f, out: Path) -> None:
@@ -315,9 +407,10 @@ def _lock(f, out: Path) -> None:
 
 def check_not_in_use(out: Path) -> None:
     """For a resume, before anything of the run is read (another job may be in the middle of a save): the
-    refusal of claim_run(), at once, touching nothing."""
-    if (out / LOCK).exists():
-        with open(out / LOCK, encoding="utf-8") as f:
+    refusal of claim_run(), at once, touching nothing; and of a folder with a link where the trainer writes."""
+    check_no_links(out)
+    if os.path.lexists(out / LOCK):
+        with _open_lock(out) as f:
             _lock(f, out)  # and let go again when the file closes
 
 
@@ -343,6 +436,8 @@ def nearest_existing(path: Path) -> Path:
 def check_writable_dir(path: Path, flag: str) -> None:
     """Refuse, before any work, a folder that cannot be created or written (under a file, read-only,
     no permission): a probe folder is made in its nearest existing ancestor and removed again."""
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist")
     base = nearest_existing(path.absolute())
     if not base.is_dir():
         raise UserError(f"{flag} {path}: {base} is a file, not a folder")
@@ -353,7 +448,8 @@ def check_writable_dir(path: Path, flag: str) -> None:
 
 
 def check_writable_file(path: Path, flag: str) -> None:
-    """Refuse, before any work, a file that cannot be written: a folder, a missing or unwritable folder."""
+    """Refuse, before any work, a file that cannot be written: a folder, a missing or unwritable folder, a link."""
+    refuse_link(path)
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder, not a file")
     if not path.absolute().parent.is_dir():
@@ -361,7 +457,7 @@ def check_writable_file(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: {nearest_existing(path.absolute().parent)} {why}")
     try:
         if path.exists():
-            open(path, "a").close()  # appending nothing changes nothing
+            open(path, "a", opener=_no_link).close()  # appending nothing changes nothing
         else:
             tempfile.TemporaryFile(dir=path.absolute().parent, prefix=".stratagem-probe-").close()
     except OSError as e:
@@ -370,8 +466,8 @@ def check_writable_file(path: Path, flag: str) -> None:
 
 # ------------------------------------------------------------------ the judge's cache and ledger
 class JudgeCache:
-    """Valid verdicts keyed by judge model, prompt version, rubric, temperature, sample index and rendered
-    trajectory: a resumed or repeated run never pays twice for a request. Append-only JSONL, one line per
+    """Valid verdicts keyed by judge model, prompt version, rubric, temperature, max_tokens, sample index and
+    rendered trajectory: a resumed or repeated run never pays twice for a request. Append-only JSONL, one line per
     verdict; a torn, corrupt or invalid line (validated like a fresh verdict) is skipped and counted, and
     its request made again rather than trusting a hand-edited or foreign file."""
 
@@ -393,8 +489,12 @@ class JudgeCache:
             end_torn_line(path)
 
     @staticmethod
-    def key(model: str, rubric: str, temperature: float, sample: int, trajectory_text: str) -> str:
-        ident = json.dumps([model, judge_prompts.PROMPT_VERSION, rubric, temperature, sample, trajectory_text])
+    def key(model: str, rubric: str, temperature: float, max_tokens: int, sample: int, trajectory_text: str) -> str:
+        """Every parameter of the request (model; messages: prompt version, rubric, trajectory; temperature;
+        max_tokens) and the sample index: a verdict is reused only for the very request that produced it."""
+        ident = json.dumps(
+            [model, judge_prompts.PROMPT_VERSION, rubric, temperature, max_tokens, sample, trajectory_text]
+        )
         return hashlib.sha256(ident.encode()).hexdigest()
 
     def put(self, key: str, rubric: str, scores: dict) -> None:

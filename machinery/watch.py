@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from machinery import UserError
+from machinery.runfiles import write_atomic
 
 
 class Timer:
@@ -230,7 +231,7 @@ class Reporter:
         except self.lib.errors.Error as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"--report-to wandb: {first} (or run offline: WANDB_MODE=offline)") from None
-        id_file.write_text(self.run.id)
+        write_atomic(id_file, self.run.id.encode())  # never through a link (runfiles.refuse_link)
 
     def log(self, metrics: dict) -> None:
         values = scalars(metrics)

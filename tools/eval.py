@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from machinery import UserError
 from machinery.distributed import pick_device
 from machinery.flags import FriendlyParser, field_docs, number_pair
 from machinery.matches import RandomPlayer, summarize_matches
-from machinery.openai_api import check_reachable, concurrently, openai_client
+from machinery.openai_api import check_base_url, check_reachable, concurrently, openai_client
 from machinery.runfiles import check_writable_file, latest_checkpoint
 from machinery.vllm_engine import VLLMPolicy
 from machinery.watch import quiet_transformers
@@ -67,6 +66,7 @@ def openai_spec(spec: str, alternative: str) -> tuple[str, str]:
     model, _, url = spec.removeprefix("openai:").partition("@")
     if not spec.startswith("openai:") or not model:
         raise UserError(f"{spec!r}: use {alternative}, openai:MODEL or openai:MODEL@BASE_URL")
+    check_base_url(url, f"openai:{model}: the base URL")
     return model, url
 
 
@@ -134,8 +134,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1])
     p.add_argument("--json", default="", help="write the results here (default: eval-<seed>.json, never overwritten)")
     ns = p.parse_args(argv)
-    if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1 or not 0 <= ns.temperature < math.inf:
-        raise UserError("--n, --max-new-tokens, --max-turns and --concurrency must be >= 1, --temperature >= 0")
+    if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1:
+        raise UserError("--n, --max-new-tokens, --max-turns and --concurrency must be >= 1")
+    if not (ns.temperature == 0 or 1e-3 <= ns.temperature <= 100):  # below 0.001, logits / T overflow to inf
+        raise UserError(f"--temperature must be 0 (greedy) or in [0.001, 100], got {ns.temperature}")
     if ns.error_allowance < 0:
         raise UserError("--error-allowance must be >= 0")
     out = Path(ns.json or f"eval-{ns.seed}.json")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 from machinery import UserError
 from machinery.flags import FriendlyParser
-from machinery.runfiles import check_writable_dir
+from machinery.runfiles import check_writable_dir, refuse_link
 from tools.runs import read_metrics, run_label
 
-PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None)])
+PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None: not there)])
     "eval_win_rate": (
         "Win rate against a random legal player (--eval-every)",
         "win rate",
@@ -24,29 +24,34 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
                 lambda m: (
                     sum(c[p]["invalid"] for c in m["games"].values() for p in c)
                     / max(1, sum(c[p][k] for c in m["games"].values() for p in c for k in ("win", "draw", "loss")))
+                    if isinstance(m.get("games"), dict)
+                    else None
                 ),
             )
         ],
     ),
-    "response_length": ("Mean response length", "tokens", [("", lambda m: m["response_tokens_mean"])]),
+    "response_length": ("Mean response length", "tokens", [("", lambda m: m.get("response_tokens_mean"))]),
     "phi_psi": (
         "Judge scores (batch means of judged trajectories)",
         "value",
-        [("phi", lambda m: m["phi_mean"]), ("psi", lambda m: m["psi_mean"])],
+        [("phi", lambda m: m.get("phi_mean")), ("psi", lambda m: m.get("psi_mean"))],
     ),
     "a_mod_spread": (
         "Advantage spread",
         "std over trajectories",
-        [("A_mod", lambda m: m["a_mod_std"]), ("A_game", lambda m: m["a_game_std"])],
+        [("A_mod", lambda m: m.get("a_mod_std")), ("A_game", lambda m: m.get("a_game_std"))],
     ),
-    "loss": ("REINFORCE loss", "loss", [("", lambda m: m["loss"])]),
+    "loss": ("REINFORCE loss", "loss", [("", lambda m: m.get("loss"))]),
     "distill": (
         "Distilled heads against the judge on held-out verdicts (--distill)",
         "kappa",
         [
             ("lowest kappa of a used dimension", lambda m: min_kappa(m.get("distill"))),
             ("the bar (--distill-kappa)", lambda m: m.get("distill", {}).get("bar")),
-            ("trusted (1 = yes)", lambda m: float(m["distill"]["trusted"]) if "distill" in m else None),
+            (
+                "trusted (1 = yes)",
+                lambda m: float(m["distill"]["trusted"]) if "trusted" in m.get("distill", {}) else None,
+            ),
         ],
     ),
     "judge_requests": (
@@ -58,7 +63,7 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
         ],
     ),
     "spy": (
-        "SpyRL: who is the spy (--mode spyrl)",
+        "SpyRL: who is the spy (spyrl.py)",
         "rate",
         [
             (label, lambda m, key=key: m.get("spy", {}).get(key))
@@ -77,13 +82,14 @@ NEEDS = {
     "eval_win_rate": " (train with --eval-every N)",
     "distill": " (--distill)",
     "judge_requests": " (a judge)",
-    "spy": " (--mode spyrl)",
+    "spy": " (a spyrl.py run)",
 }  # what a run needs for the figures that only some runs have data for
 
 
 def min_kappa(report: dict | None) -> float | None:
     """The lowest kappa over the dimensions the run uses (None: not measured yet, or nothing to measure)."""
-    values = [v for k, v in (report or {}).get("kappa", {}).items() if k in report["used"] and v is not None]
+    report = report or {}
+    values = [v for k, v in report.get("kappa", {}).items() if k in report.get("used", ()) and v is not None]
     return min(values, default=None)
 
 
@@ -109,7 +115,7 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     for r, (run, metrics) in enumerate(runs):
         for s, (label, value) in enumerate(series):
             k = r * len(series) + s  # draw order
-            points = [(m["step"], value(m)) for m in metrics if value(m) is not None]
+            points = [(m["step"], value(m)) for m in metrics if isinstance(m.get("step"), int) and value(m) is not None]
             if points:
                 style, marker = SERIES_STYLES[s % len(SERIES_STYLES)]
                 every = max(1, len(points) // 12)
@@ -162,6 +168,8 @@ def main(argv: list[str]) -> int:
     runs = [(Path(r), read_metrics(Path(r))) for r in ns.runs]
     out = Path(ns.out) if ns.out else runs[0][0] / "plots"
     check_writable_dir(out, "--out")
+    if not ns.out:  # in the run's folder: never through a link planted there
+        refuse_link(out)
     out.mkdir(parents=True, exist_ok=True)
     written, empty = [], []
     for name in PLOTS:
@@ -169,6 +177,7 @@ def main(argv: list[str]) -> int:
         if fig is None:
             empty.append(f"{name}.png{NEEDS.get(name, '')}")
             continue
+        refuse_link(out / f"{name}.png")  # a file is replaced, never written through
         fig.savefig(out / f"{name}.png")
         plt.close(fig)
         written.append(f"{name}.png")

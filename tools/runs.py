@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from machinery import UserError
@@ -18,18 +19,25 @@ def run_file(run: Path, name: str) -> Path:
 
 
 def read_trajectories(run: Path) -> list[Trajectory]:
-    """The player-trajectories with turns (what the judge can score)."""
+    """The player-trajectories with turns (what the judge can score; a seat that never moved has nothing). A line
+    that holds no whole trajectory (a hand-edited or foreign file: no game, no turns, ...) is skipped and counted
+    in one warning; its scores, whole or not, are not read."""
     path = run_file(run, "trajectories.jsonl")
-    return [
-        Trajectory(
-            r["game"],
-            r["role"],
-            [Turn(t["observation"], t["response"], t["action"], [], [], t.get("prompt", "")) for t in r["turns"]],
-            r["reward"],
-        )
-        for r in read_jsonl(path)
-        if r["turns"]
-    ]  # a seat that never moved has nothing to judge
+    out, skipped = [], 0
+    for r in read_jsonl(path):
+        try:
+            turns = [
+                Turn(t["observation"], t["response"], t["action"], [], [], t.get("prompt", "")) for t in r["turns"]
+            ]
+            trajectory = Trajectory(r["game"], r["role"], turns, r["reward"])
+        except (KeyError, TypeError, AttributeError):
+            skipped += 1
+            continue
+        if turns:
+            out.append(trajectory)
+    if skipped:
+        print(f"stratagem: warning: skipped {skipped} line(s) of {path} that hold no whole trajectory", file=sys.stderr)
+    return out
 
 
 def run_label(run: Path) -> str:

@@ -32,18 +32,13 @@ def say(text: str) -> None:
     print(visible(text))
 
 
-def levels(scores: dict, rubric: str) -> str:
-    """One rubric's levels, in the table's order: "alpha 1  sigma 0.5  rho 0"."""
-    return "  ".join(f"{k} {scores[k]:g}" for k in judge_prompts.keys(rubric))
-
-
 def main(argv: list[str]) -> int:
     p = FriendlyParser(
         prog="stratagem.py show",
         description=(
             "Print one player-trajectory of a run readably: its turns, the judge's scores (and the distilled heads' "
             "levels, --distill) and A_game -> A_mod. "
-            "In a SpyRL run (--mode spyrl), one whole game: --index counts games, --judged does not apply."
+            "In a SpyRL run (spyrl.py), one whole game: --index counts games, --judged does not apply."
         ),
     )
     p.add_argument("run", help="run directory")
@@ -60,8 +55,10 @@ def main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     path = run_file(Path(ns.run), "trajectories.jsonl")
     if read_config(Path(ns.run)).get("mode") == "spyrl":
-        return show_spy_game(ns, [r for r in read_jsonl(path) if not ns.step or r["step"] == ns.step])
-    rows = [r for r in read_jsonl(path) if (not ns.step or r["step"] == ns.step) and (not ns.judged or r["scores"])]
+        return show_spy_game(ns, [r for r in read_jsonl(path) if not ns.step or r.get("step") == ns.step])
+    rows = [
+        r for r in read_jsonl(path) if (not ns.step or r.get("step") == ns.step) and (not ns.judged or r.get("scores"))
+    ]
     if not rows:
         raise UserError("no trajectory matches (check --step and --judged)")
     if not -1 <= ns.index < len(rows):
@@ -70,54 +67,84 @@ def main(argv: list[str]) -> int:
     r = rows[i]
     config = read_config(Path(ns.run))
     beta = config.get("beta", 0.0)
+    turns = r.get("turns") if isinstance(r.get("turns"), list) else []
     say(
-        f"{ns.run} | step {r['step']} | trajectory {i} of {len(rows)} | {r['game']}, Player {r['role']}, "
-        f"{len(r['turns'])} turn(s)"
+        f"{ns.run} | step {r.get('step', '?')} | trajectory {i} of {len(rows)} | {r.get('game', '?')}, "
+        f"Player {r.get('role', '?')}, {len(turns)} turn(s)"
     )
-    say(f"reward R = {r['reward']:+g}   baseline b = {r['baseline']:+.4f}   A_game = R - b = {r['a_game']:+.4f}")
-    s = r["scores"]
-    if s:
-        say(f"judge: {levels(s, 'transferability')}  -> phi = {r['phi']:.4f}")
-        if any(s.get(k) is not None for k in judge_prompts.keys("evolution")):
-            say(f"       {levels(s, 'evolution')}  -> psi = {r['psi']:+.4f}")
+    say(
+        f"reward R = {num(r, 'reward', '+g')}   baseline b = {num(r, 'baseline', '+.4f')}   "
+        f"A_game = R - b = {num(r, 'a_game', '+.4f')}"
+    )
+    s = r.get("scores") if isinstance(r.get("scores"), dict) else None
+    if s:  # what the judge gave, whole or not (a hand-edited or foreign file may hold part of a verdict)
+        say(f"judge: {levels(s, 'transferability', r.get('phi'))}")
+        if any(level_of(s, k) is not None for k in judge_prompts.keys("evolution")):
+            say(f"       {levels(s, 'evolution', r.get('psi'))}")
     elif (r.get("predicted") or {}).get("used"):
-        say(f"judge: {'failed' if r['judged'] else 'not sampled'}; the trusted heads' levels used (below)")
+        say(f"judge: {'failed' if r.get('judged') else 'not sampled'}; the trusted heads' levels used (below)")
     else:
         say(
-            f"judge: {'failed' if r['judged'] else 'not sampled'}; batch means used: phi = {r['phi']:.4f}, "
-            f"psi = {r['psi']:+.4f}"
+            f"judge: {'failed' if r.get('judged') else 'not sampled'}; batch means used: "
+            f"phi = {num(r, 'phi', '.4f')}, psi = {num(r, 'psi', '+.4f')}"
         )
-    if r.get("predicted"):  # --distill: the heads' levels beside the judge's (evolution rules applied to both)
-        h, role = (
-            r["predicted"]["levels"],
-            (
-                "scored this trajectory"
-                if r["predicted"]["used"]
-                else "the judge's verdict stands"
-                if s
-                else "not trusted: the batch mean stands"
-            ),
+    predicted = r.get("predicted") if isinstance(r.get("predicted"), dict) else None
+    if predicted:  # --distill: the heads' levels beside the judge's (evolution rules applied to both)
+        h = predicted.get("levels") if isinstance(predicted.get("levels"), dict) else {}
+        role = (
+            "scored this trajectory"
+            if predicted.get("used")
+            else "the judge's verdict stands"
+            if s
+            else "not trusted: the batch mean stands"
         )
-        say(f"heads: {levels(h, 'transferability')}  -> phi = {phi(h):.4f}  ({role})")
+        say(f"heads: {levels(h, 'transferability')}  ({role})")
         if not config.get("no_psi"):
-            say(f"       {levels(h, 'evolution')}  -> psi = {psi(h):+.4f}")
+            say(f"       {levels(h, 'evolution')}")
     say(
-        f"A_mod = A_game*phi + beta*psi = {r['a_game']:+.4f}*{r['phi']:.4f} + {beta}*{r['psi']:+.4f} "
-        f"= {r['a_mod']:+.4f}"
+        f"A_mod = A_game*phi + beta*psi = {num(r, 'a_game', '+.4f')}*{num(r, 'phi', '.4f')} + {beta}*"
+        f"{num(r, 'psi', '+.4f')} = {num(r, 'a_mod', '+.4f')}"
     )
-    if not r["turns"]:
+    if not turns:
         say("this seat never moved (the other lost on its first move): RAE took its return, nothing to judge or learn")
-    news = judge_prompts.new_observations([t["observation"] for t in r["turns"]])
-    for k, (turn, new) in enumerate(zip(r["turns"], news), 1):
+    turns = [t if isinstance(t, dict) else {} for t in turns]
+    news = judge_prompts.new_observations([str(t.get("observation", "")) for t in turns])
+    for k, (turn, new) in enumerate(zip(turns, news), 1):
         whole = (ns.prompts or k == 1) and "prompt" in turn  # runs before the prompt was kept have observations only
         shown = (
             f"[prompt, as the policy got it]\n{turn['prompt']}" if whole else f"[observation, new part]\n{new.strip()}"
         )
         say(
-            f"\n--- turn {k} ---\n{shown}\n\n[response]\n{turn['response'].strip()}"
-            f"\n\n[action sent] {turn['action'] or '(none found)'}"
+            f"\n--- turn {k} ---\n{shown}\n\n[response]\n{str(turn.get('response', '')).strip()}"
+            f"\n\n[action sent] {turn.get('action') or '(none found)'}"
         )
     return 0
+
+
+def num(r: dict, key: str, spec: str) -> str:
+    """r[key] formatted, or "?" where the line does not hold a number there."""
+    value = r.get(key)
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
+
+
+def level_of(levels: dict, key: str) -> float | None:
+    value = levels.get(key)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def levels(given: dict, rubric: str, value: float | None = None) -> str:
+    """'alpha 1  sigma 0.5  rho 0  -> phi = 0.6750' from a verdict or the heads' levels, in the rubric table's order:
+    phi (psi) is `value` (the logged one), else computed; with a level missing, what is there and "(k: not given)"
+    in place of phi (psi)."""
+    keys, name = judge_prompts.keys(rubric), "phi" if rubric == "transferability" else "psi"
+    value = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    there = [k for k in keys if level_of(given, k) is not None]
+    text = "  ".join(f"{k} {given[k]:g}" for k in there)
+    missing = [k for k in keys if k not in there]
+    if missing:
+        return (text + "  " if text else "") + f"({', '.join(missing)}: not given)"
+    fn, spec = (phi, ".4f") if name == "phi" else (psi, "+.4f")
+    return f"{text}  -> {name} = {format(fn(given) if value is None else value, spec)}"
 
 
 def marked(text: str, removed: list[list[int]]) -> str:
