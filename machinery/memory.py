@@ -144,10 +144,10 @@ def plan_lines(args, shape: dict | None, device, world: int, device_total: float
         bool(args.kl_coef),
     )
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"  # noqa: E731
-    kind = f"LoRA rank {args.lora_rank}: {count(m['trained'])} adapter parameters" if args.lora_rank else "full"
+    kind = f"LoRA rank {args.lora_rank}: {count(m['trained'])} trained" if args.lora_rank else "full fine-tuning"
     other = "without" if args.gradient_checkpointing else "with"
     lines = [
-        f"memory per device, GiB ({count(m['parameters'])} parameters, {kind} fine-tuning"
+        f"memory per device, GiB ({count(m['parameters'])} parameters; {kind}"
         + (f", {world} ranks" if world > 1 else "")
         + f"): weights {gb(m['weights'])}, gradients {gb(m['gradients'])}, Adam {gb(m['adam'])}, bf16 copies "
         f"{gb(m['bf16_copies'])}, activations {gb(m['activations'])} (micro-batch {args.micro_batch_size} x "
