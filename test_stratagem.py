@@ -5568,6 +5568,9 @@ def test_lora_memory_projection_against_an_independent_count_and_the_tiny_model_
         4 * adapters,
     )
     assert lora16["kv_per_token"] == 2 * layers * kv * 2 and lora16["vllm_weights"] == 2 * by_hand
+    card = memory.verdict(lora16, 24564 * 2**20, 0.45)  # the sync: vLLM's bf16 weights awake + the merged bf16 copy
+    assert card["syncing"] == lora16["weights"] + lora16["adam"] + 4 * by_hand
+    assert card["peak"] == max(card["generating"], card["learning"], card["syncing"])
     for rank in (0, 4):  # the tiny model on the CPU, after one Adam step
         model = lora_model(tiny, rank) if rank else fresh(tiny)[0]
         optimizer = torch.optim.Adam(lora.trainable(model), lr=1e-3)
@@ -5582,6 +5585,47 @@ def test_lora_memory_projection_against_an_independent_count_and_the_tiny_model_
         state = optimizer.state_dict()["state"].values()
         assert m["adam"] == sum(s["exp_avg"].nbytes + s["exp_avg_sq"].nbytes for s in state)
         assert m["gradients"] == m["adam"] / 2 and m["bf16_copies"] == 0
+
+
+def saved_bytes_per_token(layers: int, tokens: tuple[int, int] = (2, 7)) -> float:
+    """What autograd saves for the backward pass of the learner's forward (sequence_logprobs) under bf16 autocast, CPU
+    autocast standing in for CUDA's: bytes per token, each storage once, autocast's cached weight copies set apart."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = {**S.ARCHS["tiny"], "num_hidden_layers": layers, "vocab_size": 200}
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True)).train()
+    weights = {tuple(p.shape) for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), tuple(t.shape), t.dtype)
+        return t
+
+    ids = torch.randint(0, 200, tokens)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        S.sequence_logprobs(model, ids, torch.ones_like(ids), tokens[1] - 1, 1.0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = [
+        n
+        for ptr, (n, shape, dtype) in seen.items()
+        if ptr not in params and not (dtype == torch.bfloat16 and shape in weights)
+    ]
+    return sum(kept) / (tokens[0] * tokens[1])
+
+
+def test_lora_memory_projection_counts_the_activations_autograd_saves():
+    """The projection's bytes per token and decoder layer, 26h + 8i + 10.25q + 10kv, against autograd's saved tensors
+    of one more layer of the tiny Qwen3 (h 64, i 128, q 128, kv 64)."""
+    from machinery import memory
+
+    measured = saved_bytes_per_token(2) - saved_bytes_per_token(1)
+    projected = memory.project({**S.ARCHS["tiny"], "vocab_size": 200}, 0, [], 1, 1, False, gpu=True)
+    h, i, q, kv = 64, 128, 128, 64
+    assert 26 * h + 8 * i + 10.25 * q + 10 * kv == 4640
+    assert measured == pytest.approx(4640, rel=0.02)
+    tokens = memory.PROMPT_TOKENS + 1  # one sequence: the assumed prompt and a one-token response
+    assert projected["activations"] == 2 * tokens * 4640 + 12 * 200 * 2  # two layers, and the head's logits
 
 
 def test_lora_dry_run_says_whether_the_paper_s_model_fits_on_each_card():

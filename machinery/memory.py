@@ -14,14 +14,17 @@ Under torchrun FSDP2 shards weights, gradients and Adam over the ranks. With --k
 its weights again.
 vLLM (--backend vllm, colocated): --vllm-gpu-memory-utilization of the device while it generates (its bf16 weights
 2P, the rest mostly KV cache); asleep while the learner steps (level 1: weights to host memory, KV cache freed).
-A step's peak is the larger of the two phases: generating (learner weights and Adam + vLLM's share) and learning
-(everything the learner holds, vLLM asleep).
+A step's peak is the largest of three phases: generating (learner weights and Adam + vLLM's share), learning
+(everything the learner holds, vLLM asleep) and syncing (learner weights and Adam, vLLM's weights awake again, and
+the bf16 copy of the (merged) weights being loaded into it, machinery/vllm_engine.py).
 """
 
 from __future__ import annotations
 
 GiB = 2**30
-PROMPT_TOKENS = 1024  # an assumption: a turn's prompt (the game so far) in SPIRAL's games stays under it
+# An assumption: a turn's prompt (the game so far). The longest of 20 games of each training game played by random legal
+# players was 2,850 characters, ~710 tokens at 4 a token; negotiators who write long messages can pass it.
+PROMPT_TOKENS = 1024
 # Memory totals as nvidia-smi reports them (MiB), the smallest card of each class.
 DEVICES = {
     "24 GB (RTX 4090)": 24564,
@@ -111,15 +114,24 @@ def project(
 
 
 def verdict(m: dict, total: float, utilisation: float | None) -> dict:
-    """Peak bytes while generating and while learning on a device of `total` bytes; vLLM's share when it is the
-    engine (`utilisation`), else None; whether both phases fit, and vLLM's room for KV cache."""
+    """Peak bytes while generating, while learning and while syncing on a device of `total` bytes; vLLM's share when
+    it is the engine (`utilisation`), else None; whether every phase fits, and vLLM's room for KV cache."""
     static = m["weights"] + m["adam"] + m["reference"]
     vllm = utilisation * total if utilisation is not None else 0.0
     generating = static + vllm
     learning = static + m["gradients"] + m["bf16_copies"] + m["activations"]
+    syncing = static + 2 * m["vllm_weights"] if utilisation is not None else 0.0  # vLLM's weights awake + the bf16 copy
     kv = vllm - m["vllm_weights"] if utilisation is not None else None
-    fits = max(generating, learning) <= total and (kv is None or kv > m["kv_per_token"] * m["sequence_tokens"])
-    return {"generating": generating, "learning": learning, "kv_cache": kv, "fits": fits}
+    peak = max(generating, learning, syncing)
+    fits = peak <= total and (kv is None or kv > m["kv_per_token"] * m["sequence_tokens"])
+    return {
+        "generating": generating,
+        "learning": learning,
+        "syncing": syncing,
+        "peak": peak,
+        "kv_cache": kv,
+        "fits": fits,
+    }
 
 
 def gb(x: float) -> str:
@@ -166,7 +178,7 @@ def plan_lines(args, shape: dict | None, device, world: int, device_total: float
     verdicts = []
     for name, total in sizes.items():
         v = verdict(m, total, utilisation)
-        peak = max(v["generating"], v["learning"])
+        peak = v["peak"]
         kv = max(v["kv_cache"] or 0.0, 0.0)
         sequences = kv / (m["kv_per_token"] * m["sequence_tokens"])
         room = "" if v["kv_cache"] is None else f", KV cache {gb(kv)}: {sequences:,.0f} sequences"
