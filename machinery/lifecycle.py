@@ -75,8 +75,8 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
     if args.resume and dist.main:  # another job on the run may be in the middle of a save: refused before a read
         runfiles.check_not_in_use(out)
-    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world, args.lora_rank) if args.resume else None  # None:
-    # the run stopped before its first save
+    # the checkpoint to resume (None: no save yet); a LoRA run's holds its adapter in place of the model
+    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world, args.lora_rank > 0) if args.resume else None
     steps_left = args.steps - (runfiles.checkpoint_step(ckpt) if ckpt is not None else 0)
     projection = (
         costs.judge_projection(args, games, make_env, steps_left)
