@@ -146,7 +146,7 @@ def train(args: Args) -> Path:
     group-relative for the votes), and the clipped update on this step's phase. Run files, metrics and the
     checkpoint are machinery/lifecycle.py's, as in stratagem.py."""
     texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny, *text_room(args))  # checked whole, before --out
-    run = lifecycle.start_run(args, S.load_learner_and_engine, S.make_env, S.seed_everything)
+    run = lifecycle.start_run(args, S.load_learner_and_engine, S.make_env, S.seed_everything, S.model_shape)
     if run is None:  # --dry-run, or a resumed run that had already finished
         return Path(args.out)
     for step in range(run.start + 1, args.steps + 1):

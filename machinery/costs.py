@@ -1,6 +1,6 @@
 """What the judge will cost, known before anything is paid: a dated price table, the projection of a run's
 judge requests, tokens and money (project(), pure arithmetic), the dry render it is estimated from, and the
-plan `--dry-run` prints.
+plan `--dry-run` prints (with the memory a run takes, machinery/memory.py).
 
 The projection: a step holds --batch-size transitions, so about batch / T player-trajectories, T the turns of
 a trajectory; ceil(--judge-sample-rate x that) are judged, each asked --judge-samples times per rubric, the
@@ -162,8 +162,9 @@ def projection_lines(args, p: dict) -> list[str]:
     ]
 
 
-def plan(args, out, games: list[str], device, engine: str, projection: dict | None) -> str:
-    """--dry-run: what the run would do and cost. Nothing is loaded, run or written."""
+def plan(args, out, games: list[str], device, engine: str, projection: dict | None, memory: list[str] = ()) -> str:
+    """--dry-run: what the run would do and cost, and the memory it would take (`memory`, machinery/memory.py's
+    lines). Nothing is loaded, run or written."""
     judge = (
         "none (--mode spiral)"
         if args.mode == "spiral"
@@ -182,4 +183,4 @@ def plan(args, out, games: list[str], device, engine: str, projection: dict | No
         f"lr {args.lr:g}, mode {args.mode}" + ("" if args.mode == "spiral" else f", beta {args.beta}"),
         f"judge: {judge}" + ("" if args.mode == "spiral" else f", {args.judge_sample_rate:.0%} of trajectories"),
     ]
-    return "\n".join(lines + (projection_lines(args, projection) if projection else []))
+    return "\n".join(lines + (projection_lines(args, projection) if projection else []) + list(memory))

@@ -106,11 +106,13 @@ class Dist:
 
 def shard(model) -> None:
     """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html): one unit per decoder
-    layer, whose parameters are gathered only for its own compute; the root unit holds the embeddings,
-    the final norm and the (tied) head. Gradients are reduce-scattered, i.e. averaged over ranks."""
+    layer, whose parameters are gathered only for its own compute (a LoRA model's frozen base and its adapters
+    together); the root unit holds the embeddings, the final norm and the (tied) head. Gradients are
+    reduce-scattered, i.e. averaged over ranks."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: the layers hold the adapters
+    for layer in base.model.layers:
         fully_shard(layer)
     fully_shard(model)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from games import check_ids
-from machinery import UserError, costs, distill, runfiles, watch
+from machinery import UserError, costs, distill, lora, memory, runfiles, watch
 from machinery.distributed import Dist, load_optimizer_state, pick_backend, pick_device
 from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
 
@@ -58,22 +58,25 @@ class Run:
     failures: Counter = field(default_factory=Counter)
 
 
-def start_run(args, load, make_env, seed) -> Run | None:
+def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     """Everything before the first step: every check that can fail (flags, games, devices, outputs, the
     checkpoint to resume) before --out is claimed, then the policy and the judge (a fresh --out whose run
     fails to start is removed again), then the run's files. Returns None, touching nothing, for --dry-run (the
     plan printed) and for a resumed run that has already done --steps. From the trainer: `load(args, checkpoint,
     dist, device)` -> (model, tokenizer, generation engine, KL reference or None), `make_env` (the judge's cost
-    projection plays a few games) and `seed(seed)` -> the run's own Random (its seeding block)."""
+    projection plays a few games), `seed(seed)` -> the run's own Random (its seeding block) and `shape(args)` -> the
+    model's config fields or None (--dry-run's memory projection)."""
     watch.quiet_transformers()
     dist, out = Dist(args), Path(args.out)
     games = check_ids(args.games)
     eval_games = check_ids(args.eval_games, "--eval-games") if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
+    requested = args.backend
     args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
     if args.resume and dist.main:  # another job on the run may be in the middle of a save: refused before a read
         runfiles.check_not_in_use(out)
-    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world) if args.resume else None  # None: no save yet
+    # the checkpoint to resume (None: no save yet); a LoRA run's holds its adapter in place of the model
+    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world, args.lora_rank > 0) if args.resume else None
     steps_left = args.steps - (runfiles.checkpoint_step(ckpt) if ckpt is not None else 0)
     projection = (
         costs.judge_projection(args, games, make_env, steps_left)
@@ -82,7 +85,9 @@ def start_run(args, load, make_env, seed) -> Run | None:
     )  # before any money is spent
     if args.dry_run:
         if dist.main:
-            print(costs.plan(args, out, games, device, engine, projection))
+            total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+            fit = memory.plan_lines(args, shape(args) if shape else None, device, dist.world, total, requested)
+            print(costs.plan(args, out, games, device, engine, projection, fit))
         dist.close()
         return None
     rng = seed(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
@@ -117,7 +122,7 @@ def start_run(args, load, make_env, seed) -> Run | None:
         judge.check_reachable()
     if dist.main:
         print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=args.betas)
+    optimizer = torch.optim.Adam(lora.trainable(model), lr=args.lr, betas=args.betas)  # LoRA: the adapters only
     run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer, reference)
     run.distiller = distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
     judge_totals = None
@@ -329,8 +334,9 @@ def log_step(run: Run, metrics: dict, trajs: list) -> None:
 
 
 def save(run: Run, step: int) -> None:
-    """The checkpoint: weights, optimizer, RAE baselines, judge totals (rank 0) and every rank's RNG states
-    and game lengths, so that --resume replays exactly what an uninterrupted run does."""
+    """The checkpoint: weights (a LoRA run's adapter, in PEFT's format), optimizer, RAE baselines, judge totals
+    (rank 0) and every rank's RNG states and game lengths, so that --resume replays exactly what an uninterrupted
+    run does."""
     runfiles.save_checkpoint(
         run.out,
         step,

@@ -221,12 +221,12 @@ def checkpoint_step(ckpt: Path) -> int:
     return int(ckpt.name.removeprefix("step-"))
 
 
-def resume_checkpoint(out: Path, steps: int, world: int) -> Path | None:
+def resume_checkpoint(out: Path, steps: int, world: int, adapter: bool = False) -> Path | None:
     """The checkpoint --resume continues from, checked whole (None: the run stopped before its first save).
     Fewer --steps than it has done are refused: config.json always describes the run that is on disk."""
     ckpt = latest_checkpoint(out)
     if ckpt is not None:
-        check_checkpoint(ckpt, world)
+        check_checkpoint(ckpt, world, adapter)
         if steps < (done := checkpoint_step(ckpt)):
             raise UserError(
                 f"--resume: {out} has already done {done} steps; --steps {steps} cannot undo them "
@@ -235,14 +235,12 @@ def resume_checkpoint(out: Path, steps: int, world: int) -> Path | None:
     return ckpt
 
 
-def check_checkpoint(ckpt: Path, world: int) -> None:
-    """Refuse, in one line, a checkpoint that is missing files or was written by another number of processes."""
+def check_checkpoint(ckpt: Path, world: int, adapter: bool = False) -> None:
+    """Refuse, in one line, a checkpoint that is missing files or was written by another number of processes.
+    `adapter`: a LoRA run's, whose weights are its adapter in PEFT's format (the base is the run's --model)."""
     ranks = len(list(ckpt.glob("rank*.pt")))
-    missing = [
-        name
-        for name in ("config.json", "model.safetensors", "trainer_state.pt", "rank0.pt")
-        if not (ckpt / name).is_file()
-    ]
+    weights = ("adapter_config.json", "adapter_model.safetensors") if adapter else ("config.json", "model.safetensors")
+    missing = [name for name in (*weights, "trainer_state.pt", "rank0.pt") if not (ckpt / name).is_file()]
     if "model.safetensors" in missing and (ckpt / "model.safetensors.index.json").is_file():
         missing.remove("model.safetensors")  # a large model is saved in shards, listed by the index
     if missing:
@@ -291,7 +289,8 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
     """Written to a temporary folder, then renamed into place (an atomic rename): a crash leaves the
     previous checkpoint intact; older checkpoints are removed only after the new one is in place.
     `shared` (rank 0's trainer state) goes to trainer_state.pt, `own` (each rank's RNG states and
-    game-length estimates) to rank<r>.pt. Every rank must call this (the weights are gathered)."""
+    game-length estimates) to rank<r>.pt. Every rank must call this (the weights are gathered). A LoRA model's
+    save_pretrained (PEFT's) writes its adapter alone: adapter_config.json, adapter_model.safetensors."""
     root = out / "checkpoints"
     refuse_link(root)  # the old checkpoints in it are deleted
     final = root / f"step-{step:06d}"
@@ -306,7 +305,8 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
         torch.save(own, tmp / f"rank{dist.rank}.pt")
         dist.gather(None)  # every rank's file is written before the rename
         if dist.main:
-            model.save_pretrained(tmp, state_dict=weights)
+            adapter = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}  # LoRA: adapters only
+            model.save_pretrained(tmp, state_dict=weights, **adapter)
             tokenizer.save_pretrained(tmp)
             torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
             mask = os.umask(0)

@@ -11,15 +11,16 @@ import os
 import torch
 
 from machinery import UserError
-from machinery.distributed import full_weights
+from machinery.lora import merged_weights
 
 
 def sync_vllm_weights(llm, model) -> None:
-    """Copy the learner's weights (bf16) into the vLLM engine in this process, on a GPU or a CPU. The
+    """Copy the learner's weights (bf16; a LoRA run's adapters merged into its base, machinery/lora.py) into the vLLM
+    engine in this process, on a GPU or a CPU. The
     worker's `reload_weights` (vLLM 0.32 / 0.33) maps HF names onto vLLM's fused layers and re-runs their
     post-load processing (the CPU build repacks linear weights there), copying into the existing tensors
     so CUDA graphs stay valid. The prefix cache holds KV of the old weights, so it is dropped."""
-    weights = [(name, p.detach().to(torch.bfloat16)) for name, p in full_weights(model).items()]
+    weights = [(name, p.detach().to(torch.bfloat16)) for name, p in merged_weights(model).items()]
 
     def load(worker, ws):
         if not hasattr(worker, "reload_weights"):

@@ -1,6 +1,6 @@
-"""`stratagem.py bench`: a few training steps, measured: games/s, tokens/s, where the wall time goes,
-lockstep against one-game-at-a-time rollouts (with --mode spyrl: spyrl.py's SpyRL against STRATAGEM, the same
-flags otherwise), and optionally the judge's latency."""
+"""`stratagem.py bench`: a few training steps, measured: games/s, tokens/s, where the wall time goes, Adam's state,
+lockstep against one-game-at-a-time rollouts (with --mode spyrl: spyrl.py's SpyRL against STRATAGEM; with
+--lora-rank: LoRA against full fine-tuning; the same flags otherwise), and optionally the judge's latency."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import judge_prompts
 from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
-from machinery.runfiles import JudgeCache, check_writable_file, read_jsonl
+from machinery.runfiles import JudgeCache, check_writable_file, latest_checkpoint, load_state, read_jsonl
 from stratagem import Args, Trajectory, build_parser, resolve_args, train
 from tools.runs import read_trajectories
 
@@ -45,6 +45,15 @@ def bench_summary(metrics: list[dict]) -> dict:
         "time_split": split,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+    }
+
+
+def optimizer_size(run: Path) -> dict:
+    """Adam's state in the run's last checkpoint (every tensor of it) and the parameters it trains."""
+    state = load_state(latest_checkpoint(run) / "trainer_state.pt")["optimizer"]["state"].values()
+    return {
+        "optimizer_state_mb": sum(t.numel() * t.element_size() for s in state for t in s.values()) / 2**20,
+        "trained_parameters": sum(s["exp_avg"].numel() for s in state),
     }
 
 
@@ -75,7 +84,8 @@ def main(argv: list[str]) -> int:
             "Run a few training steps (any training flag applies; --steps defaults to 3, step 1 is warm-up) and "
             "print games/s, transitions/s, generated tokens/s, the split of wall time and peak memory; "
             "optionally against the sequential reference (one game at a time, one generate call per turn). "
-            "With --mode spyrl: a SpyRL run and a STRATAGEM run with the same flags, side by side."
+            "With --mode spyrl: a SpyRL run and a STRATAGEM run with the same flags, side by side; with --lora-rank "
+            "R: a LoRA run and a full fine-tuning run, lockstep, side by side (--rollout lockstep: the LoRA run alone)."
         ),
     )
     p.add_argument(
@@ -113,6 +123,9 @@ def main(argv: list[str]) -> int:
         modes, trainers = ["spyrl", "stratagem"], {"spyrl": spyrl.train, "stratagem": train}
         shared = {k: v for k, v in explicit.items() if k in Args.__dataclass_fields__}
         configs = {"spyrl": base, "stratagem": resolve_args({**shared, "mode": "stratagem"})}
+    if base.lora_rank and not spyrl and ns.rollout == "both":  # LoRA's figures beside full fine-tuning's, lockstep
+        modes, trainers = ["lora", "full"], {"lora": train, "full": train}
+        configs = {"lora": base, "full": resolve_args({k: v for k, v in explicit.items() if not k.startswith("lora_")})}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
@@ -121,7 +134,10 @@ def main(argv: list[str]) -> int:
                 torch.cuda.reset_peak_memory_stats()
             print(f"--- bench: {mode} ({args.mode}), {args.num_envs} game(s) in flight ---", flush=True)
             trainers[mode](args)
-            results[mode] = bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl"))
+            results[mode] = {
+                **bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl")),
+                **optimizer_size(Path(args.out)),
+            }
         if ns.judgements > 0:
             results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
     print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
@@ -134,6 +150,8 @@ def main(argv: list[str]) -> int:
         ("live games per call", "live_games_per_call", 1),
         ("generate calls per game", "generate_calls_per_game", 2),
         ("peak RSS MB", "peak_rss_mb", 0),
+        ("trained parameters", "trained_parameters", 0),
+        ("Adam state MB", "optimizer_state_mb", 3),
     ]
     for label, key, digits in rows:
         print(f"{label:24}" + "".join(f"{results[m][key]:>12.{digits}f}" for m in modes))

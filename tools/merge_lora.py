@@ -1,0 +1,68 @@
+"""`stratagem.py merge-lora`: a LoRA run's adapter merged into its base model, saved as a whole Hugging Face
+checkpoint that `eval`, lm-evaluation-harness and `vllm serve` load as they load a full run's."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from machinery import UserError, lora
+from machinery.flags import FriendlyParser
+from machinery.runfiles import check_writable_dir, latest_checkpoint, read_config
+from machinery.watch import quiet_transformers
+from stratagem import build_random_model, load_policy
+
+
+def adapter_and_run(path: Path) -> tuple[Path, Path | None]:
+    """A run directory stands for its newest checkpoint; a checkpoint's run is the folder two levels up."""
+    ckpt = latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
+    if ckpt is None or not all((ckpt / name).is_file() for name in lora.FILES):
+        raise UserError(
+            f"{path}: no LoRA adapter there ({' and '.join(lora.FILES)}); a full run's checkpoint is already a "
+            "whole model, which eval and vLLM load as it is"
+        )
+    run = ckpt.parent.parent
+    return ckpt, run if (run / "config.json").is_file() else None
+
+
+def main(argv: list[str]) -> int:
+    p = FriendlyParser(
+        prog="stratagem.py merge-lora",
+        description=(
+            "Merge a LoRA run's adapter (its newest checkpoint, or the checkpoint given) into the run's base model, "
+            "W + (alpha / R) B A in fp32, and save the whole model and the run's tokenizer to OUT: a Hugging Face "
+            "checkpoint like a full run's, for eval, lm-evaluation-harness and vLLM."
+        ),
+    )
+    p.add_argument("adapter", help="a LoRA run directory (its newest checkpoint) or one of its checkpoints")
+    p.add_argument("out", help="output directory (must not exist)")
+    p.add_argument(
+        "--base",
+        default="",
+        help="the base model, a hub id or a directory (default: the run's --model; --tiny's is "
+        "rebuilt offline from the run's seed)",
+    )
+    ns = p.parse_args(argv)
+    ckpt, run = adapter_and_run(Path(ns.adapter))
+    if os.path.exists(ns.out):
+        raise UserError(f"{ns.out} already exists")
+    check_writable_dir(Path(ns.out), "out")
+    config = read_config(run) if run is not None else {}
+    if not ns.base and not config:
+        raise UserError(f"{ckpt} is not inside a run directory: name its base model with --base")
+    quiet_transformers()
+    from transformers import AutoTokenizer
+
+    base = ns.base or config["model"]
+    with tempfile.TemporaryDirectory() as tiny_dir:
+        if not ns.base and config.get("tiny"):
+            build_random_model(tiny_dir, config["seed"])  # the run's base, rebuilt from its seed as the run built it
+        model, _ = load_policy(tiny_dir if not ns.base and config.get("tiny") else base, torch.device("cpu"))
+        merged = lora.load_adapters(model, ckpt, trainable=False).merge_and_unload()  # fp32: nothing rounds
+    merged.save_pretrained(ns.out)
+    AutoTokenizer.from_pretrained(ckpt).save_pretrained(ns.out)  # the run's own, saved beside the adapter
+    print(f"merged the adapter of {ckpt} into {base}: a whole model in {ns.out}")
+    return 0
