@@ -158,7 +158,18 @@ class Args:
     """stratagem (A_mod = A_game*phi + beta*psi) or spiral (A_mod = A_game, no judge at all); SpyRL (who is the spy) is
     its own script, spyrl.py"""
     beta: float = 0.2
-    """weight of the evolution reward psi in A_mod (paper: 0.2)"""
+    """weight of the evolution reward psi in A_mod (paper: 0.2); with --beta-share, its value at the start"""
+    beta_share: float = 0.0
+    """adaptive beta, the project's extension (0: off, beta fixed as in the paper): after each step beta moves so that
+    the evolution term's share of A_mod over the judged trajectories, RMS(beta*psi) / (RMS(A_game*phi) +
+    RMS(beta*psi)), nears this value (docs/judge.md#adaptive-beta)"""
+    beta_horizon: float = 10.0
+    """with --beta-share: the controller's horizon in steps; each step moves beta by a factor 1 - e/horizon, e the
+    share's relative error clipped to +-0.2 (the adaptive KL controller's rule)"""
+    beta_min: float = 0.01
+    """with --beta-share: the lowest beta the controller may set"""
+    beta_max: float = 1.0
+    """with --beta-share: the highest beta the controller may set"""
     no_psi: bool = False
     """ablation 'w/o psi': A_mod = A_game*phi; the evolution rubric is not requested"""
     ema: float = 0.95
@@ -339,7 +350,10 @@ BOUNDS = [
     # memory hours into a run.
     (("judge_timeout", "dist_timeout"), lambda v: v <= 86400, "<= 86400 (one day)"),
     (("judge_temperature",), lambda v: v <= 100, "<= 100"),
-    (("beta", "kl_coef"), lambda v: v <= 1000, "<= 1000"),
+    (("beta", "kl_coef", "beta_max"), lambda v: v <= 1000, "<= 1000"),
+    (("beta_share",), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("beta_min",), lambda v: v > 0, "> 0"),
+    (("beta_horizon",), lambda v: 1 <= v <= 10**6, "in [1, 1000000]"),
     (("judge_samples", "judge_retries", "ppo_epochs"), lambda v: v <= 100, "<= 100"),
     (("judge_concurrency",), lambda v: v <= 4096, "<= 4096"),
     (("num_envs",), lambda v: v <= 65536, "<= 65536"),
@@ -377,6 +391,8 @@ def validate(args: Args, bounds=BOUNDS, modes=("stratagem", "spiral")) -> None:
         raise UserError(f"--lora-targets must be comma-separated layer names, got {args.lora_targets!r}")
     if args.judge_budget and not args.judge_price_in + args.judge_price_out:
         raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
+    if args.beta_share and not args.beta_min <= args.beta <= args.beta_max:
+        raise UserError(f"--beta {args.beta} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]")
     check_base_url(args.judge_base_url, "--judge-base-url")
     pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
 
@@ -705,6 +721,40 @@ def a_mod(a_game: float, phi_: float, psi_: float, beta: float) -> float:
     return a_game * phi_ + beta * psi_
 
 
+# --beta-share (the project's extension, off by default): RAE's baselines converge towards each role's expected
+# return, so |A_game| shrinks over a run and a fixed beta*psi takes a growing share of A_mod. An adaptive
+# controller, as RLHF's for its KL coefficient (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593), keeps that
+# share where the researcher sets it. Only judged trajectories count: the imputed ones carry the batch mean.
+def evolution_share(trajs: list[Trajectory], beta: float) -> float | None:
+    """RMS(beta*psi) / (RMS(A_game*phi) + RMS(beta*psi)) over the judged trajectories, in [0, 1]; None where none
+    was judged or both terms are 0."""
+    judged = [t for t in trajs if t.scores is not None]
+    game = math.sqrt(sum((t.a_game * t.phi) ** 2 for t in judged) / max(len(judged), 1))
+    evolution = math.sqrt(sum((beta * t.psi) ** 2 for t in judged) / max(len(judged), 1))
+    return evolution / (game + evolution) if game + evolution > 0 else None
+
+
+def next_beta(beta: float, share: float | None, target: float, horizon: float, low: float, high: float) -> float:
+    """The next step's beta: the share's relative error e = share / target - 1, clipped to +-0.2, moves it by a
+    factor 1 - e / horizon, within [low, high]. Held where the share is unknown or 0 (psi 0 on every judged
+    trajectory: beta cannot move the share then)."""
+    if not share:
+        return beta
+    error = max(-0.2, min(0.2, share / target - 1))
+    return min(high, max(low, beta * (1 - error / horizon)))
+
+
+def adapt_beta(args: Args, beta: float, trajs: list[Trajectory]) -> tuple[float, dict | None]:
+    """The next step's beta, and this step's for the metrics: its value, the share measured, the target (None:
+    beta fixed); None for SPIRAL, where beta plays no part."""
+    if args.mode == "spiral":
+        return beta, None
+    share = evolution_share(trajs, beta)
+    target = args.beta_share or None
+    after = next_beta(beta, share, target, args.beta_horizon, args.beta_min, args.beta_max) if target else beta
+    return after, {"value": beta, "share": share, "target": target}
+
+
 def impute(values: list[float | None], default: float) -> tuple[list[float], float | None]:
     """Fill the Nones with the mean of the others (the batch mean of judged trajectories); if there
     are no others, with `default`. Returns the filled list and the mean (None if nothing was judged)."""
@@ -735,11 +785,16 @@ def judge_sample(run: lifecycle.Run, trajs: list[Trajectory], progress: watch.Pr
 
 
 def modulate(
-    trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args, estimates: dict | None = None
+    trajs: list[Trajectory],
+    judgements: dict[int, Judgement],
+    args: Args,
+    estimates: dict | None = None,
+    beta: float | None = None,
 ) -> dict:
     """Fill phi, psi and A_mod on every trajectory; unjudged and failed ones get the batch means (or the
     --distill heads' `estimates`, once trusted). With no valid judgement in the step (or in spiral mode)
-    phi = 1 and psi = 0: A_mod = A_game."""
+    phi = 1 and psi = 0: A_mod = A_game. `beta`: this step's (--beta-share's controller), default --beta."""
+    beta = args.beta if beta is None else beta
     phis, psis = [None] * len(trajs), [None] * len(trajs)
     for i, j in judgements.items():
         trajs[i].judged = not j.skipped
@@ -753,7 +808,7 @@ def modulate(
         phis[i], psis[i] = phi(s), 0.0 if args.no_psi else psi(s)
     for t, f, s in zip(trajs, phis, psis):
         t.phi, t.psi = f, s
-        t.a_mod = a_mod(t.a_game, f, s, args.beta)
+        t.a_mod = a_mod(t.a_game, f, s, beta)
     return {"modulated": phi_mean is not None, "phi_mean": phi_mean, "psi_mean": psi_mean}
 
 
@@ -1236,7 +1291,8 @@ def train(args: Args) -> Path:
             with timer("judge"):
                 judged, usage = judge_sample(run, trajs, progress)
             estimates = run.distiller.step(trajs, feats, judged) if run.distiller else {}  # trusted heads' levels
-            mod = modulate(trajs, judged, args, estimates)  # the unjudged get the batch mean (trusted: the heads')
+            mod = modulate(trajs, judged, args, estimates, run.beta)  # the unjudged: the batch mean (or the heads')
+            run.beta, mod["beta"] = adapt_beta(args, run.beta, trajs)  # --beta-share: the next step's beta
         lifecycle.share_advantages(run.dist, parts, mine)  # each rank learns from its own trajectories
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t | s_t) ] ----

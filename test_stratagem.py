@@ -6561,3 +6561,74 @@ def test_vllm_lora_sync_check_run_resume_and_the_merged_model_loaded_by_vllm(tin
     evaluation = ["--games", "TicTacToe-v0", "--n", "2", "--max-new-tokens", "8", "--json", "e.json"]
     stratagem(["eval", "merged", *evaluation, "--backend", "vllm", "--device", "cpu", "--vllm-enforce-eager"], tmp_path)
     assert len(json.loads((tmp_path / "e.json").read_text())["games"]) == 2
+
+
+# ==== adaptive beta (--beta-share): the evolution term's share of A_mod held where it is set ====
+def judged_batch(a_games: list[float], phis: list[float], psis: list[float]) -> list:
+    trajs = []
+    for g, f, s in zip(a_games, phis, psis):
+        t = S.Trajectory("KuhnPoker-v1", 0, [S.Turn("", "", "[bet]", [], [])], 0.0, a_game=g, phi=f, psi=s)
+        t.scores = {"alpha": 1.0}  # judged (the share reads the judged ones only)
+        trajs.append(t)
+    return trajs
+
+
+def test_the_evolution_share_is_the_rms_ratio_over_the_judged_trajectories():
+    trajs = judged_batch([1.0, -1.0], [0.5, 0.5], [0.5, -0.5])  # RMS(A_game*phi) = 0.5, RMS(psi) = 0.5
+    unjudged = S.Trajectory("KuhnPoker-v1", 1, [S.Turn("", "", "[bet]", [], [])], 0.0, a_game=9.0, phi=1.0, psi=1.0)
+    assert S.evolution_share(trajs + [unjudged], 0.2) == pytest.approx(0.1 / (0.5 + 0.1))  # the imputed left out
+    assert (
+        S.evolution_share([unjudged], 0.2) is None and S.evolution_share(judged_batch([0.0], [1.0], [0.0]), 1) is None
+    )
+    assert S.evolution_share(judged_batch([1.0], [1.0], [0.0]), 0.2) == 0.0
+
+
+def test_the_controller_converges_to_the_share_moves_within_its_clip_and_holds_without_a_signal():
+    """Synthetic batches whose A_game shrinks as RAE's baseline converges: a fixed beta's share drifts up, the
+    controller's stays at the target; no step moves beta by more than 0.2 / horizon, nor out of [min, max]."""
+    args = S.dataclasses.replace(S.Args(), beta_share=0.3, beta_horizon=5.0, beta_min=0.01, beta_max=2.0)
+    beta, shares, fixed = 0.2, [], []
+    for step in range(400):
+        scale = 1.0 / (1 + step / 50)  # |A_game| shrinks over the run
+        batch = judged_batch([scale, -scale, 0.5 * scale], [0.6, 0.8, 0.7], [0.5, -0.5, 1.0])
+        fixed.append(S.evolution_share(batch, 0.2))
+        after, logged = S.adapt_beta(args, beta, batch)
+        assert logged["value"] == beta and logged["target"] == 0.3 and logged["share"] == S.evolution_share(batch, beta)
+        assert abs(after / beta - 1) <= 0.2 / 5.0 + 1e-12 and 0.01 <= after <= 2.0
+        beta = after
+        shares.append(logged["share"])
+    assert fixed[-1] > fixed[0] + 0.2  # a fixed beta drifts with RAE's convergence
+    assert all(abs(s - 0.3) < 0.01 for s in shares[-100:])  # the controller holds the target
+    assert S.next_beta(0.5, None, 0.3, 5.0, 0.05, 2.0) == 0.5 and S.next_beta(0.5, 0.0, 0.3, 5.0, 0.05, 2.0) == 0.5
+    assert S.next_beta(1.99, 0.01, 0.3, 1.0, 0.05, 2.0) == 2.0 and S.next_beta(0.06, 0.9, 0.3, 1.0, 0.05, 2.0) == 0.05
+    off = S.Args()  # --beta-share 0: beta fixed, the share measured all the same
+    assert S.adapt_beta(off, 0.2, batch) == (0.2, {"value": 0.2, "share": fixed[-1], "target": None})
+
+
+def test_beta_share_runs_logs_and_resumes_exactly(tmp_path, talkers):
+    flags = SMALL + talkers + ["--beta-share", "0.05", "--beta-horizon", "1", "--judge-sample-rate", "1"]
+    assert run(flags + ["--steps", "3", "--out", str(tmp_path / "whole")]) == 0
+    metrics = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
+    betas = [m["beta"]["value"] for m in metrics]
+    assert betas[0] == 0.2 and len(set(betas)) == 3 and all(m["beta"]["target"] == 0.05 for m in metrics)
+    for m, nxt in zip(metrics, betas[1:]):  # each step's beta follows from the share the step before measured
+        assert nxt == S.next_beta(m["beta"]["value"], m["beta"]["share"], 0.05, 1.0, 0.01, 1.0)
+    trajs = read_jsonl(tmp_path / "whole" / "trajectories.jsonl")
+    for r in trajs:  # A_mod with the step's own beta
+        assert r["a_mod"] == pytest.approx(r["a_game"] * r["phi"] + betas[r["step"] - 1] * r["psi"])
+    assert "adv/beta/value" in watch.scalars(metrics[0]) and "adv/beta/share" in watch.scalars(metrics[0])
+    assert run(flags + ["--steps", "2", "--save-every", "1", "--out", str(tmp_path / "part")]) == 0
+    assert run(["--resume", "--out", str(tmp_path / "part"), "--steps", "3"]) == 0
+    assert_resumed_exactly(tmp_path / "whole", tmp_path / "part", 3)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--beta-share", "1"], "--beta-share must be in [0, 1), got 1.0"),
+        (["--beta-horizon", "0.5"], "--beta-horizon must be in [1, 1000000], got 0.5"),
+        (["--beta-share", "0.3", "--beta-max", "0.1"], "--beta 0.2 must lie in [--beta-min, --beta-max] = [0.01, 0.1]"),
+    ],
+)
+def test_bad_beta_share_flags(capsys, tmp_path, argv, message):
+    assert message in error_of(capsys, ["--tiny", *argv, "--out", str(tmp_path / "never")])

@@ -48,6 +48,7 @@ class Run:
     reference: torch.nn.Module | None  # the initial policy, frozen: the KL penalty's (--kl-coef > 0), else None
     distiller: distill.Distiller | None = None  # --distill: the heads, their holdout and trust (rank 0)
     baselines: dict[str, float] = field(default_factory=dict)  # RAE: b[G, p], keyed "game/playerP"; SpyRL "task/role"
+    beta: float = 0.0  # this step's beta: --beta, or where --beta-share's controller has moved it (set by start_run)
     lengths: dict[str, float] = field(default_factory=dict)  # transitions per game id, to size the batch
     start: int = 0  # steps already done (a resumed run)
     elapsed: float = 0.0
@@ -124,6 +125,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
         print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
     optimizer = torch.optim.Adam(lora.trainable(model), lr=args.lr, betas=args.betas)  # LoRA: the adapters only
     run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer, reference)
+    run.beta = args.beta
     run.distiller = distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
     judge_totals = None
     if ckpt is not None:
@@ -137,6 +139,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             state["judge_totals"],
         )
         run.lengths = own["lengths"]
+        run.beta = state.get("beta", args.beta)  # (a checkpoint from before --beta-share: the flag's)
         if run.distiller is not None:
             run.distiller.load_state_dict(state["distill"])
         runfiles.set_rng_states(rng, own["rng"])
@@ -346,6 +349,7 @@ def save(run: Run, step: int) -> None:
         dist=run.dist,
         shared={
             "baselines": run.baselines,
+            "beta": run.beta,
             "elapsed": run.elapsed,
             "judge_totals": run.runner.totals if run.runner else None,
             "distill": run.distiller.state_dict() if run.distiller else None,

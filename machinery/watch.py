@@ -92,6 +92,8 @@ def step_line(m: dict, args) -> str:
         f"judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | phi {fmt(m['phi_mean'])} "
         f"psi {fmt(m['psi_mean'])}"
     )
+    if (m.get("beta") or {}).get("target") is not None:  # --beta-share: beta this step, and the share it made
+        middle += f" | beta {m['beta']['value']:.3f} share {fmt(m['beta']['share'])} (target {m['beta']['target']})"
     if "distill" in m:  # --distill: the heads' lowest kappa on the holdout, and who scored what
         d = m["distill"]
         kappas = [v for k, v in d["kappa"].items() if k in d["used"] and v is not None]
@@ -168,7 +170,7 @@ NAMESPACES = {
         "games",
     ),
     "judge": ("modulated", "phi_mean", "psi_mean"),
-    "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines"),
+    "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines", "beta"),
     "update": ("loss", "grad_norm", "kl"),
     "time": ("time_s", "elapsed_s", "time_split_s"),
 }

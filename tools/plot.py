@@ -42,6 +42,15 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
         [("A_mod", lambda m: m.get("a_mod_std")), ("A_game", lambda m: m.get("a_game_std"))],
     ),
     "loss": ("REINFORCE loss", "loss", [("", lambda m: m.get("loss"))]),
+    "beta": (
+        "beta, and the evolution term's share of A_mod (judged trajectories)",
+        "value",
+        [
+            ("beta", lambda m: (m.get("beta") or {}).get("value")),
+            ("share", lambda m: (m.get("beta") or {}).get("share")),
+            ("target (--beta-share)", lambda m: (m.get("beta") or {}).get("target")),
+        ],
+    ),
     "distill": (
         "Distilled heads against the judge on held-out verdicts (--distill)",
         "kappa",
@@ -82,6 +91,7 @@ NEEDS = {
     "eval_win_rate": " (train with --eval-every N)",
     "distill": " (--distill)",
     "judge_requests": " (a judge)",
+    "beta": " (a judge)",
     "spy": " (a spyrl.py run)",
 }  # what a run needs for the figures that only some runs have data for
 
