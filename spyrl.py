@@ -118,14 +118,14 @@ def vote_groups(parts: list[list[S.Trajectory]]) -> list[list[S.Trajectory]]:
     return list(groups.values())
 
 
-def train(args: Args) -> Path:
+def train(args: Args) -> Path | None:
     """RLSVR's loop: play (outputs, then votes), rewards by rule, advantages (RAE per role for the outputs,
     group-relative for the votes), and the clipped update on this step's phase. Run files, metrics and the
     checkpoint are machinery/lifecycle.py's, as in stratagem.py."""
     texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny)  # checked whole, before --out is claimed
     run = lifecycle.start_run(args, S.load_learner_and_engine, S.make_env, S.seed_everything)
     if run is None:  # --dry-run, or a resumed run that had already finished
-        return Path(args.out)
+        return None
     for step in range(run.start + 1, args.steps + 1):
         timer, target = watch.Timer(), math.ceil(args.batch_size / run.dist.world)  # each rank plays its share
         progress = watch.Progress(step, args.steps, target, show=run.dist.main)

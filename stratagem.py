@@ -632,8 +632,10 @@ def group_advantages(groups: list[list[Trajectory]], eps: float = 1e-6) -> None:
 #   phi(tau) = 0.35*alpha + 0.35*sigma + 0.30*rho     alpha, sigma, rho in {0, 0.5, 1}
 #   psi(tau) = 0.35*d + 0.25*a + 0.40*c               d, a, c in {-1, 0, 1}
 #   A_mod(tau) = A_game(tau)*phi(tau) + beta*psi(tau)
-# Only a sample is judged; the rest (and failed judgements) get the mean over judged ones. The weights, keys and
-# levels are judge_prompts.RUBRICS' table; the judge's transport, cache, budget and ledger machinery/judge.py's.
+# Only a sample is judged; the rest (and failed judgements) get the mean over judged ones. Once --judge-budget is
+# spent, no step is judged again: the unjudged then get the mean of recent steps' judged means (after_budget). The
+# weights, keys and levels are judge_prompts.RUBRICS' table; the judge's transport, cache, budget and ledger
+# machinery/judge.py's.
 # =====================================================================================
 def phi(levels: dict[str, float]) -> float:
     """Reasoning Transferability Coefficient, in [0, 1]: 0.35*alpha + 0.35*sigma + 0.30*rho (the table's weights)."""
@@ -658,6 +660,20 @@ def impute(values: list[float | None], default: float) -> tuple[list[float], flo
     return [fill if v is None else v for v in values], mean
 
 
+RECENT = 10  # judged steps whose phi and psi batch means after_budget averages
+
+
+def after_budget(run: lifecycle.Run) -> tuple[float, float] | None:
+    """(phi, psi) for the unjudged once --judge-budget is spent: the mean of the judged batch means of the last RECENT
+    steps that had verdicts (run.recent, which rides in the checkpoint). The paper's batch mean needs verdicts in the
+    step; phi = 1, psi = 0 in their place would scale A_mod ~1/phi-fold at once (at phi ~ 0.03, 15-fold the step size).
+    None while judging goes on, and when no step ever had a verdict (then A_mod = A_game, plain SPIRAL)."""
+    if run.runner is None or not run.runner.budget_exhausted() or not run.recent:
+        return None
+    last = run.recent[-RECENT:]
+    return sum(p for p, _ in last) / len(last), sum(s for _, s in last) / len(last)
+
+
 def sample_for_judging(n: int, rate: float, rng: random.Random) -> list[int]:
     """ceil(rate*n) distinct indices, so any rate > 0 judges at least one trajectory of a batch."""
     return sorted(rng.sample(range(n), math.ceil(rate * n)))
@@ -679,11 +695,15 @@ def judge_sample(run: lifecycle.Run, trajs: list[Trajectory], progress: watch.Pr
 
 
 def modulate(
-    trajs: list[Trajectory], judgements: dict[int, Judgement], args: Args, estimates: dict | None = None
+    trajs: list[Trajectory],
+    judgements: dict[int, Judgement],
+    args: Args,
+    estimates: dict | None = None,
+    spent: tuple[float, float] | None = None,
 ) -> dict:
     """Fill phi, psi and A_mod on every trajectory; unjudged and failed ones get the batch means (or the
     --distill heads' `estimates`, once trusted). With no valid judgement in the step (or in spiral mode)
-    phi = 1 and psi = 0: A_mod = A_game."""
+    phi = 1 and psi = 0: A_mod = A_game; or, once the budget is spent, `spent` (after_budget's recent means)."""
     phis, psis = [None] * len(trajs), [None] * len(trajs)
     for i, j in judgements.items():
         trajs[i].judged = not j.skipped
@@ -691,14 +711,16 @@ def modulate(
             trajs[i].scores = {k: j.scores.get(k) for k in judge_prompts.ALL_KEYS}
             phis[i] = phi(j.scores)
             psis[i] = 0.0 if args.no_psi else psi(j.scores)
-    phis, phi_mean = impute(phis, 1.0)
-    psis, psi_mean = impute(psis, 0.0)
+    default = spent or (1.0, 0.0)
+    phis, phi_mean = impute(phis, default[0])
+    psis, psi_mean = impute(psis, default[1])
     for i, s in (estimates or {}).items():  # trusted heads (machinery/distill.py): levels of their own, not the mean
         phis[i], psis[i] = phi(s), 0.0 if args.no_psi else psi(s)
     for t, f, s in zip(trajs, phis, psis):
         t.phi, t.psi = f, s
         t.a_mod = a_mod(t.a_game, f, s, args.beta)
-    return {"modulated": phi_mean is not None, "phi_mean": phi_mean, "psi_mean": psi_mean}
+    imputed = {"imputed_after_budget": dict(zip(("phi", "psi"), spent))} if spent and phi_mean is None else {}
+    return {"modulated": phi_mean is not None, "phi_mean": phi_mean, "psi_mean": psi_mean, **imputed}
 
 
 # =====================================================================================
@@ -946,9 +968,12 @@ def load_policy(path: str, device: torch.device):
     in bf16 autocast on CUDA; Adam's state is fp32 like the weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    looks_local = path.startswith((".", "/", "~")) or os.path.exists(path)
+    parts = Path(path).parts
+    looks_local = (  # a hub id is NAME or OWNER/NAME, and an OWNER is no folder here: runs/<typo> is a local path
+        path.startswith((".", "/", "~")) or os.path.exists(path) or len(parts) > 2 or Path(parts[0]).is_dir()
+    )
     if looks_local and not os.path.isdir(os.path.expanduser(path)):
-        raise UserError(f"--model {path}: no such directory")
+        raise UserError(f"{path}: no such directory")
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(path))
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), dtype=torch.float32)
@@ -1094,13 +1119,14 @@ def play_matches(
 # train(): Algorithm 1. Setting a run up (fresh or resumed), the step's metrics and the checkpoint
 # are the named helpers below it, so the loop body reads like the paper.
 # =====================================================================================
-def train(args: Args) -> Path:
-    """Algorithm 1: run (or resume) a training run; returns its directory. Under torchrun every rank calls it and
-    plays its share of the batch; rank 0 alone judges, writes and prints. Setting up, the step's metrics and the
-    checkpoint are machinery/lifecycle.py's."""
+def train(args: Args) -> Path | None:
+    """Algorithm 1: run (or resume) a training run; returns its directory on rank 0 once it has trained (None on the
+    other ranks, for --dry-run and for a run already finished). Under torchrun every rank calls it and plays its
+    share of the batch; rank 0 alone judges, writes and prints. Setting up, the step's metrics and the checkpoint
+    are machinery/lifecycle.py's."""
     run = lifecycle.start_run(args, load_learner_and_engine, make_env, seed_everything)
     if run is None:  # --dry-run, or a resumed run that had already finished
-        return Path(args.out)
+        return None
     for step in range(run.start + 1, args.steps + 1):
         timer, target = watch.Timer(), math.ceil(args.batch_size / run.dist.world)  # each rank plays its share
         progress = watch.Progress(step, args.steps, target, show=run.dist.main)
@@ -1126,7 +1152,7 @@ def train(args: Args) -> Path:
             with timer("judge"):
                 judged, usage = judge_sample(run, trajs, progress)
             estimates = run.distiller.step(trajs, feats, judged) if run.distiller else {}  # trusted heads' levels
-            mod = modulate(trajs, judged, args, estimates)  # the unjudged get the batch mean (trusted: the heads')
+            mod = modulate(trajs, judged, args, estimates, after_budget(run))  # the unjudged: the batch mean
         lifecycle.share_advantages(run.dist, parts, mine)  # each rank learns from its own trajectories
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t | s_t) ] ----
@@ -1222,7 +1248,10 @@ def parse_args(argv: list[str], cls=Args, parser=None, resolve=resolve_args) -> 
             raise UserError("--resume needs --out (the run directory to continue)")
         config = Path(explicit["out"]) / "config.json"
         if not config.exists():
-            raise UserError(f"--resume: {config} not found")
+            why = "it has no config.json" if config.parent.is_dir() else "it does not exist"
+            raise UserError(
+                f"--resume --out {config.parent}: not a run folder ({why}); --out names the run to continue"
+            )
         mode = runfiles.read_config(config.parent).get("mode")
         if (mode == "spyrl") != (cls.mode == "spyrl"):  # a SpyRL run is resumed by spyrl.py, and only SpyRL's
             script = "spyrl.py" if mode == "spyrl" else "stratagem.py"
@@ -1247,7 +1276,9 @@ def main(argv: list[str] | None = None, parse=parse_args, run=None, commands=COM
         args = parse(argv)
         run_dir = Path(args.out)
         with stop_within(5.0) if in_main_thread else contextlib.nullcontext():  # see stop_within: a stuck collective
-            (run or train)(args)
+            out = (run or train)(args)
+        if out is not None:  # a run trained (rank 0): where its outputs are, and the commands to run next on them
+            print(watch.closing_line(out, args.steps, args.mode), flush=True)
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ import torch
 
 import judge_prompts
 from machinery import UserError
+from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser
 from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
 from machinery.runfiles import JudgeCache, check_writable_file, read_jsonl
@@ -113,7 +114,8 @@ def main(argv: list[str]) -> int:
         modes, trainers = ["spyrl", "stratagem"], {"spyrl": spyrl.train, "stratagem": train}
         shared = {k: v for k, v in explicit.items() if k in Args.__dataclass_fields__}
         configs = {"spyrl": base, "stratagem": resolve_args({**shared, "mode": "stratagem"})}
-    results: dict = {}
+    threads = pick_threads(pick_device(base.device))  # what each run's start_run sets again
+    results: dict = {"threads": threads[0], "load_before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             args = dataclasses.replace(configs[mode], out=os.path.join(tmp, mode))
@@ -124,6 +126,7 @@ def main(argv: list[str]) -> int:
             results[mode] = bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl"))
         if ns.judgements > 0:
             results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
+    results["load_after"] = os.getloadavg()[0]
     print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
     rows = [
         ("s/step", "s_per_step", 2),
@@ -142,7 +145,11 @@ def main(argv: list[str]) -> int:
             f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes)
         )
     for m in modes:
-        print(f"{m}: 400 steps (the paper's run) at this rate would take {400 * results[m]['s_per_step'] / 3600:.2f} h")
+        print(
+            f"{m}: 400 steps of this configuration (batch {configs[m].batch_size}, up to {configs[m].max_new_tokens} "
+            f"new tokens a turn) would take {400 * results[m]['s_per_step'] / 3600:.2f} h at this rate "
+            f"(the paper's run: 400 steps of batch 128, up to 4096 new tokens, on GPUs)"
+        )
     if modes == ["lockstep", "sequential"]:
         speedup = results["lockstep"]["games_per_s"] / results["sequential"]["games_per_s"]
         rollout = results["lockstep"]["rollout_games_per_s"] / results["sequential"]["rollout_games_per_s"]
@@ -154,6 +161,10 @@ def main(argv: list[str]) -> int:
             f"judge: {j['judgements']} judgements ({j['requests']} requests, {j['failed']} failed) in "
             f"{j['seconds']:.2f} s with {j['concurrency']} in flight"
         )
+    print(
+        f"torch threads {threads[0]} ({threads[1]}); load average {results['load_before']:.1f} before, "
+        f"{results['load_after']:.1f} after (1 min, {os.cpu_count()} cores here)"
+    )
     with open(ns.json, "a", encoding="utf-8") as f:
         f.write(json.dumps({"argv": argv, "config": dataclasses.asdict(base), "results": results}) + "\n")
     return 0
