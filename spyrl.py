@@ -1,9 +1,9 @@
 """SpyRL: open-ended reasoning learned by playing "who is the spy", with rule-checked rewards and no judge.
 
-RLSVR (self-play RL with self-verifiable rewards): n copies of one policy do the same open-ended task (a
-summary, a story, a maths solution); one of them, the spy, was given the input with a fifth of it removed
-(40 % for maths). Every copy then reads all n outputs and votes on who the spy is. Votes are checked by rule,
-so the rewards need no judge:
+RLSVR (self-play RL with self-verifiable rewards; Wang et al. 2026, arXiv 2607.23802): n copies of one policy do
+the same open-ended task (a summary, a story, a maths solution); one of them, the spy, was given the input with a
+fifth of it removed (40 % for maths). Every copy then reads all n outputs and votes on who the spy is. Votes are
+checked by rule, so the rewards need no judge:
 
     detection    r_i^D = 1[v_i = u]: a civilian's vote is right or wrong                 (group-relative, GRPO)
     performance  r_u^P = beta (s_c - s_u),  r_cj^P = -r_u^P / (n - 1) - lambda (s_cj - s_c)  (zero-sum; RAE per role)

@@ -1,11 +1,12 @@
 """STRATAGEM: LLM reasoning learned by game self-play with a trajectory-modulated advantage.
 
-One shared policy plays both seats of two-player zero-sum TextArena games (SPIRAL, Liu et al. 2025).
+One shared policy plays both seats of two-player zero-sum TextArena games (SPIRAL, Liu et al. 2025, arXiv 2506.24119).
 Each player-trajectory gets the role-conditioned game advantage A_game = R - b[G, p] (RAE); an LLM
 judge scores a sample of trajectories for transferability (phi) and evolution (psi), unjudged ones
-get the batch mean, and REINFORCE is run on
+get the batch mean, and REINFORCE is run on (STRATAGEM: Feng et al. 2026, "Stratagem: Learning Transferable
+Reasoning via Trajectory-Modulated Game Self-Play")
 
-    A_mod(tau) = A_game(tau) * phi(tau) + beta * psi(tau)          (STRATAGEM, Feng et al. 2026)
+    A_mod(tau) = A_game(tau) * phi(tau) + beta * psi(tau)
 
 --mode spiral is SPIRAL itself (A_mod = A_game); --no-psi the paper's "w/o psi" ablation. The judge-free SpyRL
 ("who is the spy") is its own script, spyrl.py, which imports what it shares from here.

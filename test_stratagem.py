@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import socket
 import struct
 import subprocess
@@ -32,7 +33,8 @@ from games import check_ids
 from machinery import distill, distributed, lifecycle, matches, runfiles, watch
 from machinery import judge as J
 from machinery.flags import field_docs
-from tools import agree, plot, serve_judge
+from tools import agree, plot, serve_judge, show
+from tools import runs as tools_runs
 
 HERE = Path(__file__).parent
 SMALL = ["--tiny", "--batch-size", "12", "--num-envs", "4", "--max-new-tokens", "16", "--micro-batch-size", "16"]
@@ -5642,3 +5644,197 @@ def test_the_budget_banner_is_said_once_when_stdout_and_stderr_share_a_log(tmp_p
     assert proc.returncode == 0 and proc.stdout.count("JUDGE BUDGET REACHED") == 1, proc.stdout[-3000:]
     assert "so A_mod keeps its scale" in proc.stdout
     assert "phi 0.525 psi 0.000 (recent judged steps' mean: budget spent)" in proc.stdout.splitlines()[-2]
+
+
+def test_the_projection_uses_the_runs_own_counts_after_step_1_and_on_resume(tmp_path, judge_server, secret_key, capsys):
+    """A random tiny policy loses every game on its first move: many more one-turn trajectories a step than the
+    random players of the dry render play. After step 1, and on --resume, the projection uses what it played."""
+    out = tmp_path / "run"
+    flags = ["--judge-base-url", judge_server.url]
+    assert (
+        run(SMALL + ["--steps", "2", "--out", str(out), "--judge", "openai", "--judge-model", "judge-test"] + flags)
+        == 0
+    )
+    printed = capsys.readouterr().out.splitlines()
+    estimates = [x for x in printed if x.startswith("judge requests: ")]
+    assert len(estimates) == 2 and estimates[0].endswith(
+        "a random player's games (the dry render): an estimate until this policy has played a step)"
+    )
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert printed.index(estimates[1]) == printed.index(next(x for x in printed if x.startswith("step 1/2"))) + 1
+    n = metrics[0]["trajectories"]
+    assert estimates[1].startswith(f"judge requests: ~{math.ceil(0.25 * n)} over 1 step (~{n:.1f} trajectories a step")
+    assert estimates[1].endswith("one-turn ones skip evolution: 100%; measured on this run's policy over 1 step)")
+    assert run(["--resume", "--out", str(out), "--steps", "4"] + flags) == 0
+    [resumed] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("judge requests: ")]
+    n = (metrics[0]["trajectories"] + metrics[1]["trajectories"]) / 2
+    assert resumed.startswith(f"judge requests: ~{2 * math.ceil(0.25 * n)} over 2 steps (~{n:.1f} trajectories a step")
+    assert resumed.endswith("measured on this run's policy over 2 steps)")
+
+
+def test_invalid_rate_counts_the_seats_that_moved():
+    """Every move invalid: a rate of 1, not 0.5 (the seat that never moved, because its opponent's first move lost
+    the game, made no move at all). A SpyRL step has no idle seat: its invalid votes over its seats."""
+    seats = {
+        "player0": {"win": 0, "draw": 0, "loss": 7, "invalid": 7},
+        "player1": dict(win=7, draw=0, loss=0, invalid=0),
+    }
+    assert plot.invalid_rate({"games": {"TicTacToe-v0": seats}, "idle_seats": 7}) == 1.0
+    roles = {"spy": dict(win=0, draw=1, loss=0, invalid=1), "civilian": dict(win=0, draw=4, loss=0, invalid=2)}
+    assert plot.invalid_rate({"games": {"WhoIsTheSpy-v0": roles}, "idle_seats": 0}) == 3 / 5
+
+
+def test_plots_keep_their_title_in_the_figure_and_draw_judge_figures_for_judged_runs_only(finished_runs, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    long = tmp_path / ("stratagem-distill-tiny-s1-20261201-072413-" + "x" * 40)
+    shutil.copytree(finished_runs["stratagem.py"][0], long)
+    spy = finished_runs["spyrl.py"][0]
+    runs = [(r, tools_runs.read_metrics(r)) for r in (long, spy)]
+    fig = plot.draw_plot(plt, "judge_requests", runs)
+    fig.canvas.draw()
+    title = next(t for t in (fig._suptitle, fig.axes[0].title) if t is not None and t.get_text())
+    box = title.get_window_extent()
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width  # not cut off at the left by a long legend
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels and all(long.name in x for x in labels)  # the SpyRL run has no judge: no line of zeros for it
+    plt.close(fig)
+    assert plot.draw_plot(plt, "judge_requests", runs[1:]) is None
+    assert tools_runs.run_label(spy) == f"{spy.name} (spyrl summarize)" and "beta" not in tools_runs.run_label(spy)
+
+
+def test_a_spy_game_shows_each_vote_with_its_own_label_and_no_negative_zero(finished_runs, capsys):
+    assert run(["show", str(finished_runs["spyrl.py"][0]), "--index", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "-0.0000" not in printed and show.signed(-0.0) == show.signed(-4e-9) == "+0.0000"
+    lines = printed.splitlines()
+    votes = [k for k, x in enumerate(lines) if x.startswith("[vote, detection] ")]
+    assert len(votes) == 4 and not any(x.startswith("[vote] invalid  |") for x in lines)
+    for k in votes:  # the vote's label, then its text, before the next player's block
+        assert re.match(r"\[vote, detection\] (Player \d|invalid \(it names no other player\))  \|  r\^D = ", lines[k])
+        assert lines[k - 1].startswith("[output, performance] votes drawn s = ")
+    assert sum(x.startswith("[vote] ") and "the spy's vote" in x for x in lines) == 1
+
+
+def test_agree_says_when_a_statistic_is_undefined_without_blaming_one_judge(varied_run, capsys, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert run(["agree", str(varied_run), "--judges", "heuristic", "heuristic", "--sample", "6"]) == 0
+    footnote = capsys.readouterr().out.splitlines()[-1]
+    assert footnote.endswith(
+        "n/a: undefined, for kappa when both judges of the pair gave every trajectory one and the same level (or "
+        "none was compared), for Spearman when either judge gave one value throughout"
+    )
+
+
+def test_a_mistyped_flag_gets_the_nearest_and_resume_of_a_folder_that_is_no_run_says_so(capsys, tmp_path):
+    assert error_of(capsys, ["--tiny", "--step", "3"]) == (
+        "stratagem: error: unrecognized arguments: --step 3 (did you mean --steps?)\n"
+    )
+    assert "(did you mean --judge-base-url?)" in error_of(capsys, ["--judge-base-ulr=http://x/v1"])
+    assert error_of(capsys, ["bench", "--tiny", "--stpes", "2"]).endswith("(did you mean --steps?)\n")
+    for folder, why in ((tmp_path, "it has no config.json"), (tmp_path / "missing", "it does not exist")):
+        assert error_of(capsys, ["--resume", "--out", str(folder)]) == (
+            f"stratagem: error: --resume --out {folder}: not a run folder ({why}); --out names the run to continue\n"
+        )
+
+
+def test_serve_judge_with_the_teacher_prints_nothing_before_its_ready_line(tmp_path):
+    import signal
+
+    proc = spawn(["serve-judge", "--teacher", "tokens", "--port", "0"], tmp_path)
+    try:
+        ready = proc.stdout.readline()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert ready.startswith("tokens judge on http://127.0.0.1:") and err == "serve-judge: stopped\n"
+
+
+# ---- the docs speak to users: no word they cannot resolve, no file the project does not ship
+def shipped_text() -> dict[str, str]:
+    """Every text a user reads: the README, docs/, --help of both scripts and of every command, the module
+    docstrings of the shipped code and the comments of the lm-eval task."""
+    import ast
+    import contextlib
+    import io
+
+    import spyrl
+
+    texts = {str(p.relative_to(HERE)): p.read_text() for p in [HERE / "README.md", *sorted(HERE.glob("docs/*.md"))]}
+    texts["stratagem.py --help"] = S.build_parser().format_help()
+    texts["spyrl.py --help"] = spyrl.build_parser().format_help()
+    for command in S.COMMANDS:
+        help_text = io.StringIO()
+        with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+            S.main([command, "--help"])
+        texts[f"stratagem.py {command} --help"] = help_text.getvalue()
+    for path in sorted(HERE.glob("*.py")) + sorted(HERE.glob("*/*.py")):
+        if not path.name.startswith("test_"):
+            texts[f"{path.relative_to(HERE)} docstring"] = ast.get_docstring(ast.parse(path.read_text())) or ""
+    for path in sorted(HERE.glob("lm_eval_tasks/*/*.yaml")):
+        texts[str(path.relative_to(HERE))] = "\n".join(x for x in path.read_text().splitlines() if x.startswith("#"))
+    return texts
+
+
+UNRESOLVABLE = {  # what a user of the project cannot look up
+    "an issue of our tracker": r"(?i)\bissues?\b",
+    "a bare seed number": r"(?i)\bseeds?\s+`?\d{3}\b",
+    "the project's source notes": r"(?i)\bseeds/|project's seeds|\b(PAPER|HOUSE|GUIDE|LEARNING-PROBE)\.md\b",
+    "a folder of this machine": r"/work/|\bnotes/",
+}
+
+
+def test_shipped_text_has_no_word_a_user_cannot_resolve_and_cites_papers_by_title_and_arxiv_id():
+    texts = shipped_text()
+    assert len(texts) > 40 and all(texts.values())
+    hits = [
+        f"{name}: {what}: {m.group(0)!r}"
+        for name, text in texts.items()
+        for what, pattern in UNRESOLVABLE.items()
+        for m in re.finditer(pattern, text)
+    ]
+    assert hits == []
+    missing = []  # every file a link or a docs/ reference names is shipped
+    for name, text in texts.items():
+        folder = (HERE / name).parent if name.endswith(".md") else HERE
+        for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", text):
+            if not target.startswith(("http://", "https://")) and not (folder / target).exists():
+                missing.append(f"{name}: link {target}")
+        missing += [f"{name}: {ref}" for ref in re.findall(r"\bdocs/[\w-]+\.md", text) if not (HERE / ref).exists()]
+    assert missing == []
+    readme = " ".join(texts["README.md"].split())  # as read, whatever the line breaks
+    assert "arXiv 2506.24119" in readme and "arXiv 2607.23802" in readme  # SPIRAL's, RLSVR's
+    assert "Stratagem: Learning Transferable Reasoning via Trajectory-Modulated Game Self-Play" in readme
+
+
+# ---- the README shows what the main job prints
+def line_shape(line: str) -> str:
+    """A printed line's fields in order, its values left out: numbers, paths and the explanations in parentheses
+    (which name this machine's cores, engine, ...)."""
+    line = re.sub(r"\([^()]*\)", "(…)", line)
+    line = re.sub(r"\S*/\S*", "<path>", line)
+    return re.sub(r"[-+]?\d[\d,.]*(?:e[-+]?\d+)?", "#", line)
+
+
+def shapes(lines: list[str]) -> list[str]:
+    """The shapes of the lines, a run of lines of one shape (the step lines) counted once."""
+    return [s for k, s in enumerate(map(line_shape, lines)) if k == 0 or s != line_shape(lines[k - 1])]
+
+
+def test_the_readme_shows_what_the_main_job_prints(tmp_path):
+    """The README's block was captured from the main job, `python stratagem.py --tiny --steps 20`; a real run of it
+    (2 steps here) prints lines of the same shapes: the same fields, in the same order. When this fails the output
+    has changed: capture the block again from that command (the start, loading and loaded lines, step 1, "...",
+    the last step line and the closing line) and replace it."""
+    readme = (HERE / "README.md").read_text()
+    intro, block = re.search(r"\nWhat the main job printed here ([^\n]*)\n\n```\n(.*?)\n```\n", readme, re.S).groups()
+    assert "python stratagem.py --tiny --steps 20                 # the main job" in readme and "at load " in intro
+    shown = [x for x in block.splitlines() if x != "..."]
+    assert shown[-2].startswith("step 20/20 | ") and shown[-1].startswith("done: 20 steps in runs/stratagem-tiny-s1-")
+    proc = python([str(HERE / "stratagem.py"), "--tiny", "--steps", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = proc.stdout.splitlines()
+    assert shapes(printed) == shapes(shown), "\n".join(["the main job now prints:", *printed])

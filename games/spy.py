@@ -1,4 +1,5 @@
-"""WhoIsTheSpy-v0: SpyRL's "who is the spy" game (RLSVR, seed 003 in ../shared/seeds/), as a TextArena
+"""WhoIsTheSpy-v0: SpyRL's "who is the spy" game (RLSVR: *From RLVR to RLSVR: Task Transformation Induces
+Self-Verifiable Rewards for Open-Ended LLM Self-Improvement*, Wang et al., 2026, arXiv 2607.23802), as a TextArena
 environment that any TextArena agent can play, and what spyrl.py needs of it.
 
 A game takes one task input x (a document to summarise, a writing prompt, a maths problem). n players,
