@@ -667,8 +667,8 @@ RECENT = 10  # judged steps whose phi and psi batch means after_budget averages
 def after_budget(run: lifecycle.Run) -> tuple[float, float] | None:
     """(phi, psi) for the unjudged once --judge-budget is spent: the mean of the judged batch means of the last RECENT
     steps that had verdicts (run.recent, which rides in the checkpoint). The paper's batch mean needs verdicts in the
-    step; phi = 1, psi = 0 in their place would scale A_mod ~1/phi-fold at once (at phi ~ 0.03, 15-fold the step size).
-    None while judging goes on, and when no step ever had a verdict (then A_mod = A_game, plain SPIRAL)."""
+    step; phi = 1, psi = 0 in their place would scale A_mod by up to 1/phi at once (a tiny run's loss grew ~15-fold
+    at the switch). None while judging goes on, and when no step ever had a verdict (then A_mod = A_game, as SPIRAL)."""
     if run.runner is None or not run.runner.budget_exhausted() or not run.recent:
         return None
     last = run.recent[-RECENT:]
@@ -1153,7 +1153,8 @@ def train(args: Args) -> Path | None:
             with timer("judge"):
                 judged, usage = judge_sample(run, trajs, progress)
             estimates = run.distiller.step(trajs, feats, judged) if run.distiller else {}  # trusted heads' levels
-            mod = modulate(trajs, judged, args, estimates, after_budget(run))  # the unjudged: the batch mean
+            # the unjudged get the batch mean (trusted heads: their own levels; budget spent: the recent means)
+            mod = modulate(trajs, judged, args, estimates, after_budget(run))
         lifecycle.share_advantages(run.dist, parts, mine)  # each rank learns from its own trajectories
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t | s_t) ] ----

@@ -5782,9 +5782,16 @@ def shipped_text() -> dict[str, str]:
 UNRESOLVABLE = {  # what a user of the project cannot look up
     "an issue of our tracker": r"(?i)\bissues?\b",
     "a bare seed number": r"(?i)\bseeds?\s+`?\d{3}\b",
+    "a source document as 'the seed'": r"(?i)\bfrom the seed\b|\bthe seed(?:'s)? (?:names|gives|does not|says|states|"
+    r"ablation|fraction)\b|\(the seed:|\| the seed \|",
     "the project's source notes": r"(?i)\bseeds/|project's seeds|\b(PAPER|HOUSE|GUIDE|LEARNING-PROBE)\.md\b",
     "a folder of this machine": r"/work/|\bnotes/",
 }
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 def test_shipped_text_has_no_word_a_user_cannot_resolve_and_cites_papers_by_title_and_arxiv_id():
@@ -5797,12 +5804,17 @@ def test_shipped_text_has_no_word_a_user_cannot_resolve_and_cites_papers_by_titl
         for m in re.finditer(pattern, text)
     ]
     assert hits == []
-    missing = []  # every file a link or a docs/ reference names is shipped
+    missing = []  # every file a link or a docs/ reference names is shipped, and every anchor is a heading there
     for name, text in texts.items():
         folder = (HERE / name).parent if name.endswith(".md") else HERE
-        for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", text):
-            if not target.startswith(("http://", "https://")) and not (folder / target).exists():
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text):
+            path = (folder / target) if target else HERE / name
+            if target.startswith(("http://", "https://")):
+                continue
+            if not path.exists():
                 missing.append(f"{name}: link {target}")
+            elif anchor and anchor not in map(github_anchor, re.findall(r"(?m)^#+ (.+)$", path.read_text())):
+                missing.append(f"{name}: link {target}#{anchor}")
         missing += [f"{name}: {ref}" for ref in re.findall(r"\bdocs/[\w-]+\.md", text) if not (HERE / ref).exists()]
     assert missing == []
     readme = " ".join(texts["README.md"].split())  # as read, whatever the line breaks
@@ -5838,3 +5850,13 @@ def test_the_readme_shows_what_the_main_job_prints(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = proc.stdout.splitlines()
     assert shapes(printed) == shapes(shown), "\n".join(["the main job now prints:", *printed])
+
+
+def test_the_resume_advice_of_a_stopped_run_is_a_command_that_works_as_printed(tmp_path):
+    for mode, script in (("stratagem", "stratagem.py"), ("spyrl", "spyrl.py")):
+        run_dir = tmp_path / f"my {mode} run"
+        (run_dir / "checkpoints" / "step-000002").mkdir(parents=True)
+        (run_dir / "config.json").write_text(json.dumps({"mode": mode}))
+        assert runfiles.resume_advice(run_dir) == (
+            f" (continue from step-000002 with: python {script} --resume --out {shlex.quote(str(run_dir))})"
+        )
