@@ -5445,9 +5445,10 @@ def test_bench_suggests_no_command_on_its_deleted_folder_and_names_what_it_extra
     assert "Next:" not in printed and "done:" not in printed and "the paper's run) at this rate" not in printed
     assert "lockstep: 400 steps of this configuration (batch 12, up to 16 new tokens a turn) would take " in printed
     [record] = read_jsonl(tmp_path / "b.jsonl")
-    threads = record["results"]["threads"]
+    threads = record["machine"]["threads"]
     assert threads == torch.get_num_threads() and f"torch threads {threads} (" in printed
-    assert {"load_before", "load_after"} <= set(record["results"]) and "load average " in printed
+    assert {"load_before", "load_after"} <= set(record["machine"]) and "load average " in printed
+    assert set(record["results"]) == {"lockstep"}
 
 
 def test_torch_threads_follow_omp_num_threads_else_half_the_cores_on_a_cpu(monkeypatch):

@@ -169,7 +169,7 @@ def pick_threads(device: torch.device) -> tuple[int, str]:
     """torch's intra-op threads, set here, and why: OMP_NUM_THREADS when the user sets it; on a CPU learner half the
     cores this process may use (at least 1), because the games, the tokenizer and the rest of the machine need the
     others, and OpenMP threads that outnumber the free cores spin at every barrier (on the 2-core machine this
-    project is built on, at load 6, a tiny step took 49 s with 2 threads and 3 s with 1: docs/speed.md); on a GPU
+    project is built on, at load 8, a tiny step took 52 s with 2 threads and 3.6 s with 1: docs/speed.md); on a GPU
     torch's default (the GPU does the work)."""
     given = os.environ.get("OMP_NUM_THREADS", "")
     if given.isdigit() and int(given) >= 1:

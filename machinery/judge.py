@@ -197,7 +197,8 @@ class OpenAIJudge:
         except JudgeFailure as e:
             status = int(re.match(r"HTTP (\d+)", e.detail).group(1)) if e.detail.startswith("HTTP ") else 0
             what = e.detail if status else f"{e.kind.replace('_', ' ')} ({e.detail or e.kind})"
-            hint = probe_hint(e.kind, status, self.base_url or url, self.name, served, self.args.judge_max_tokens)
+            base = self.base_url or "https://api.openai.com/v1"
+            hint = probe_hint(e.kind, status, base, self.name, served, self.args.judge_max_tokens)
             raise UserError(
                 f"the judge at {url} (--judge-model {self.name}) failed its start-up check: {what}; {hint}"
             ) from None

@@ -115,7 +115,8 @@ def main(argv: list[str]) -> int:
         shared = {k: v for k, v in explicit.items() if k in Args.__dataclass_fields__}
         configs = {"spyrl": base, "stratagem": resolve_args({**shared, "mode": "stratagem"})}
     threads = pick_threads(pick_device(base.device))  # what each run's start_run sets again
-    results: dict = {"threads": threads[0], "load_before": os.getloadavg()[0]}
+    machine = {"threads": threads[0], "why": threads[1], "cores": os.cpu_count(), "load_before": os.getloadavg()[0]}
+    results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             args = dataclasses.replace(configs[mode], out=os.path.join(tmp, mode))
@@ -126,7 +127,7 @@ def main(argv: list[str]) -> int:
             results[mode] = bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl"))
         if ns.judgements > 0:
             results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
-    results["load_after"] = os.getloadavg()[0]
+    machine["load_after"] = os.getloadavg()[0]  # the 1-minute load average: a shared machine moves every figure
     print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
     rows = [
         ("s/step", "s_per_step", 2),
@@ -162,9 +163,10 @@ def main(argv: list[str]) -> int:
             f"{j['seconds']:.2f} s with {j['concurrency']} in flight"
         )
     print(
-        f"torch threads {threads[0]} ({threads[1]}); load average {results['load_before']:.1f} before, "
-        f"{results['load_after']:.1f} after (1 min, {os.cpu_count()} cores here)"
+        f"torch threads {threads[0]} ({threads[1]}); load average {machine['load_before']:.1f} before, "
+        f"{machine['load_after']:.1f} after (1 min, {machine['cores']} cores here)"
     )
     with open(ns.json, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"argv": argv, "config": dataclasses.asdict(base), "results": results}) + "\n")
+        record = {"argv": argv, "config": dataclasses.asdict(base), "machine": machine, "results": results}
+        f.write(json.dumps(record) + "\n")
     return 0
