@@ -1,9 +1,9 @@
 """SpyRL: open-ended reasoning learned by playing "who is the spy", with rule-checked rewards and no judge.
 
-RLSVR (self-play RL with self-verifiable rewards): n copies of one policy do the same open-ended task (a
-summary, a story, a maths solution); one of them, the spy, was given the input with a fifth of it removed
-(40 % for maths). Every copy then reads all n outputs and votes on who the spy is. Votes are checked by rule,
-so the rewards need no judge:
+RLSVR (self-play RL with self-verifiable rewards; Wang et al. 2026, arXiv 2607.23802): n copies of one policy do
+the same open-ended task (a summary, a story, a maths solution); one of them, the spy, was given the input with a
+fifth of it removed (40 % for maths). Every copy then reads all n outputs and votes on who the spy is. Votes are
+checked by rule, so the rewards need no judge:
 
     detection    r_i^D = 1[v_i = u]: a civilian's vote is right or wrong                 (group-relative, GRPO)
     performance  r_u^P = beta (s_c - s_u),  r_cj^P = -r_u^P / (n - 1) - lambda (s_cj - s_c)  (zero-sum; RAE per role)
@@ -141,14 +141,14 @@ def text_room(args: Args) -> tuple[int | None, object]:
     return spy.text_room(context, args.spy_task, args.spy_players, args.max_new_tokens, count), count
 
 
-def train(args: Args) -> Path:
+def train(args: Args) -> Path | None:
     """RLSVR's loop: play (outputs, then votes), rewards by rule, advantages (RAE per role for the outputs,
     group-relative for the votes), and the clipped update on this step's phase. Run files, metrics and the
     checkpoint are machinery/lifecycle.py's, as in stratagem.py."""
     texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny, *text_room(args))  # checked whole, before --out
     run = lifecycle.start_run(args, S.load_learner_and_engine, S.make_env, S.seed_everything, S.model_shape)
     if run is None:  # --dry-run, or a resumed run that had already finished
-        return Path(args.out)
+        return None
     for step in range(run.start + 1, args.steps + 1):
         timer, target = watch.Timer(), math.ceil(args.batch_size / run.dist.world)  # each rank plays its share
         progress = watch.Progress(step, args.steps, target, show=run.dist.main)

@@ -1,11 +1,12 @@
 """STRATAGEM: LLM reasoning learned by game self-play with a trajectory-modulated advantage.
 
-One shared policy plays both seats of two-player zero-sum TextArena games (SPIRAL, Liu et al. 2025).
+One shared policy plays both seats of two-player zero-sum TextArena games (SPIRAL, Liu et al. 2025, arXiv 2506.24119).
 Each player-trajectory gets the role-conditioned game advantage A_game = R - b[G, p] (RAE); an LLM
 judge scores a sample of trajectories for transferability (phi) and evolution (psi), unjudged ones
-get the batch mean, and REINFORCE is run on
+get the batch mean, and REINFORCE is run on (STRATAGEM: Feng et al. 2026, "Stratagem: Learning Transferable
+Reasoning via Trajectory-Modulated Game Self-Play")
 
-    A_mod(tau) = A_game(tau) * phi(tau) + beta * psi(tau)          (STRATAGEM, Feng et al. 2026)
+    A_mod(tau) = A_game(tau) * phi(tau) + beta * psi(tau)
 
 --mode spiral is SPIRAL itself (A_mod = A_game); --no-psi the paper's "w/o psi" ablation. The judge-free SpyRL
 ("who is the spy") is its own script, spyrl.py, which imports what it shares from here.
@@ -704,8 +705,10 @@ def group_advantages(groups: list[list[Trajectory]], eps: float = 1e-6) -> None:
 #   phi(tau) = 0.35*alpha + 0.35*sigma + 0.30*rho     alpha, sigma, rho in {0, 0.5, 1}
 #   psi(tau) = 0.35*d + 0.25*a + 0.40*c               d, a, c in {-1, 0, 1}
 #   A_mod(tau) = A_game(tau)*phi(tau) + beta*psi(tau)
-# Only a sample is judged; the rest (and failed judgements) get the mean over judged ones. The weights, keys and
-# levels are judge_prompts.RUBRICS' table; the judge's transport, cache, budget and ledger machinery/judge.py's.
+# Only a sample is judged; the rest (and failed judgements) get the mean over judged ones. Once --judge-budget is
+# spent, no step is judged again: the unjudged then get the mean of recent steps' judged means (after_budget). The
+# weights, keys and levels are judge_prompts.RUBRICS' table; the judge's transport, cache, budget and ledger
+# machinery/judge.py's.
 # =====================================================================================
 def phi(levels: dict[str, float]) -> float:
     """Reasoning Transferability Coefficient, in [0, 1]: 0.35*alpha + 0.35*sigma + 0.30*rho (the table's weights)."""
@@ -764,6 +767,20 @@ def impute(values: list[float | None], default: float) -> tuple[list[float], flo
     return [fill if v is None else v for v in values], mean
 
 
+RECENT = 10  # judged steps whose phi and psi batch means after_budget averages
+
+
+def after_budget(run: lifecycle.Run) -> tuple[float, float] | None:
+    """(phi, psi) for the unjudged once --judge-budget is spent: the mean of the judged batch means of the last RECENT
+    steps that had verdicts (run.recent, which rides in the checkpoint). The paper's batch mean needs verdicts in the
+    step; phi = 1, psi = 0 in their place would scale A_mod by up to 1/phi at once (a tiny run's loss grew ~15-fold
+    at the switch). None while judging goes on, and when no step ever had a verdict (then A_mod = A_game, as SPIRAL)."""
+    if run.runner is None or not run.runner.budget_exhausted() or not run.recent:
+        return None
+    last = run.recent[-RECENT:]
+    return sum(p for p, _ in last) / len(last), sum(s for _, s in last) / len(last)
+
+
 def sample_for_judging(n: int, rate: float, rng: random.Random) -> list[int]:
     """ceil(rate*n) distinct indices, so any rate > 0 judges at least one trajectory of a batch."""
     return sorted(rng.sample(range(n), math.ceil(rate * n)))
@@ -790,10 +807,12 @@ def modulate(
     args: Args,
     estimates: dict | None = None,
     beta: float | None = None,
+    spent: tuple[float, float] | None = None,
 ) -> dict:
     """Fill phi, psi and A_mod on every trajectory; unjudged and failed ones get the batch means (or the
     --distill heads' `estimates`, once trusted). With no valid judgement in the step (or in spiral mode)
-    phi = 1 and psi = 0: A_mod = A_game. `beta`: this step's (--beta-share's controller), default --beta."""
+    phi = 1 and psi = 0: A_mod = A_game; or, once the budget is spent, `spent` (after_budget's recent means).
+    `beta`: this step's (--beta-share's controller), default --beta."""
     beta = args.beta if beta is None else beta
     phis, psis = [None] * len(trajs), [None] * len(trajs)
     for i, j in judgements.items():
@@ -802,14 +821,16 @@ def modulate(
             trajs[i].scores = {k: j.scores.get(k) for k in judge_prompts.ALL_KEYS}
             phis[i] = phi(j.scores)
             psis[i] = 0.0 if args.no_psi else psi(j.scores)
-    phis, phi_mean = impute(phis, 1.0)
-    psis, psi_mean = impute(psis, 0.0)
+    default = spent or (1.0, 0.0)
+    phis, phi_mean = impute(phis, default[0])
+    psis, psi_mean = impute(psis, default[1])
     for i, s in (estimates or {}).items():  # trusted heads (machinery/distill.py): levels of their own, not the mean
         phis[i], psis[i] = phi(s), 0.0 if args.no_psi else psi(s)
     for t, f, s in zip(trajs, phis, psis):
         t.phi, t.psi = f, s
         t.a_mod = a_mod(t.a_game, f, s, beta)
-    return {"modulated": phi_mean is not None, "phi_mean": phi_mean, "psi_mean": psi_mean}
+    imputed = {"imputed_after_budget": dict(zip(("phi", "psi"), spent))} if spent and phi_mean is None else {}
+    return {"modulated": phi_mean is not None, "phi_mean": phi_mean, "psi_mean": psi_mean, **imputed}
 
 
 # =====================================================================================
@@ -1088,9 +1109,12 @@ def load_policy(path: str, device: torch.device, dtype: torch.dtype = torch.floa
     in bf16 autocast on CUDA; Adam's state is fp32 like the weights). A LoRA run's frozen base may be bf16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    looks_local = path.startswith((".", "/", "~")) or os.path.exists(path)
+    parts = Path(path).parts
+    looks_local = (  # a hub id is NAME or OWNER/NAME, and an OWNER is no folder here: runs/<typo> is a local path
+        path.startswith((".", "/", "~")) or os.path.exists(path) or len(parts) > 2 or Path(parts[0]).is_dir()
+    )
     if looks_local and not os.path.isdir(os.path.expanduser(path)):
-        raise UserError(f"--model {path}: no such directory")
+        raise UserError(f"{path}: no such directory")
     folder = Path(os.path.expanduser(path))
     if looks_local and (folder / "adapter_config.json").exists() and not (folder / "config.json").exists():
         raise UserError(
@@ -1259,13 +1283,14 @@ def play_matches(
 # train(): Algorithm 1. Setting a run up (fresh or resumed), the step's metrics and the checkpoint
 # are the named helpers below it, so the loop body reads like the paper.
 # =====================================================================================
-def train(args: Args) -> Path:
-    """Algorithm 1: run (or resume) a training run; returns its directory. Under torchrun every rank calls it and
-    plays its share of the batch; rank 0 alone judges, writes and prints. Setting up, the step's metrics and the
-    checkpoint are machinery/lifecycle.py's."""
+def train(args: Args) -> Path | None:
+    """Algorithm 1: run (or resume) a training run; returns its directory on rank 0 once it has trained (None on the
+    other ranks, for --dry-run and for a run already finished). Under torchrun every rank calls it and plays its
+    share of the batch; rank 0 alone judges, writes and prints. Setting up, the step's metrics and the checkpoint
+    are machinery/lifecycle.py's."""
     run = lifecycle.start_run(args, load_learner_and_engine, make_env, seed_everything, model_shape)
     if run is None:  # --dry-run, or a resumed run that had already finished
-        return Path(args.out)
+        return None
     for step in range(run.start + 1, args.steps + 1):
         timer, target = watch.Timer(), math.ceil(args.batch_size / run.dist.world)  # each rank plays its share
         progress = watch.Progress(step, args.steps, target, show=run.dist.main)
@@ -1275,13 +1300,7 @@ def train(args: Args) -> Path:
             run.policy, run.tokenizer, args, run.games, run.rng, timer, run.lengths, target, progress
         )
         trajs, parts = lifecycle.whole_batch(run.dist, mine)  # rank by rank, as trajectories.jsonl has them
-        feats = (
-            None
-            if not args.distill
-            else distill.features(  # --distill's heads read every rank's own turns
-                run.model, mine, collate, run.tokenizer.pad_token_id, args.micro_batch_size, run.device, run.dist, timer
-            )
-        )
+        feats = distill.features_of(run, mine, collate, timer)  # --distill: the heads read every rank's own turns
         judged, usage, mod = {}, {}, {}
         if run.dist.main:
             # ---- Algorithm 1, step 2: game-based advantage (RAE), A_game = R - b[G,p]; b <- eta b + (1-eta) R ----
@@ -1291,7 +1310,8 @@ def train(args: Args) -> Path:
             with timer("judge"):
                 judged, usage = judge_sample(run, trajs, progress)
             estimates = run.distiller.step(trajs, feats, judged) if run.distiller else {}  # trusted heads' levels
-            mod = modulate(trajs, judged, args, estimates, run.beta)  # the unjudged: the batch mean (or the heads')
+            # the unjudged get the batch mean (trusted heads: their own levels; budget spent: the recent means)
+            mod = modulate(trajs, judged, args, estimates, run.beta, after_budget(run))
             run.beta, mod["beta"] = adapt_beta(args, run.beta, trajs)  # --beta-share: the next step's beta
         lifecycle.share_advantages(run.dist, parts, mine)  # each rank learns from its own trajectories
 
@@ -1415,7 +1435,10 @@ def parse_args(argv: list[str], cls=Args, parser=None, resolve=resolve_args) -> 
         runfiles.check_no_links(out)  # before a file of it is read
         config = out / "config.json"
         if not config.exists():
-            raise UserError(f"--resume: {config} not found")
+            why = "it has no config.json" if config.parent.is_dir() else "it does not exist"
+            raise UserError(
+                f"--resume --out {config.parent}: not a run folder ({why}); --out names the run to continue"
+            )
         mode = runfiles.read_config(config.parent).get("mode")
         if (mode == "spyrl") != (cls.mode == "spyrl"):  # a SpyRL run is resumed by spyrl.py, and only SpyRL's
             script = "spyrl.py" if mode == "spyrl" else "stratagem.py"
@@ -1441,7 +1464,9 @@ def main(argv: list[str] | None = None, parse=parse_args, run=None, commands=COM
         args = parse(argv)
         run_dir = Path(args.out)
         with stop_within(5.0) if in_main_thread else contextlib.nullcontext():  # see stop_within: a stuck collective
-            (run or train)(args)
+            out = (run or train)(args)
+        if out is not None:  # a run trained (rank 0): where its outputs are, and the commands to run next on them
+            print(watch.closing_line(out, args.steps, args.mode), flush=True)
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

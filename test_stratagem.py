@@ -16,6 +16,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import struct
@@ -35,7 +36,8 @@ from games import check_ids
 from machinery import distill, distributed, lifecycle, matches, runfiles, watch
 from machinery import judge as J
 from machinery.flags import field_docs
-from tools import agree, plot, serve_judge
+from tools import agree, plot, serve_judge, show
+from tools import runs as tools_runs
 
 HERE = Path(__file__).parent
 
@@ -115,10 +117,23 @@ def good_judge(body: dict):
     )
 
 
+def is_probe(body: dict) -> bool:
+    """The trainer's start-up check (machinery/judge.py: one request that must come back a verdict)."""
+    return str(body["messages"][-1]["content"]).startswith(J.PROBE_TEXT)
+
+
+PROBE_ANSWER = completion(json.dumps(J.probe_verdict()), 30, 12)
+
+
 class JudgeServer:
-    def __init__(self, behaviour=good_judge, close_after_probe: bool = False):
-        self.behaviour, self.close_after_probe = behaviour, close_after_probe
+    """`behaviour(body)` -> (status, payload[, headers]) answers each rubric request. The start-up probe gets a
+    verdict (so a run starts, and the behaviour plays a judge that goes bad after it), unless `answer_probe` is
+    False: then the behaviour answers it too. `close_after_probe`: connection refused from the probe on."""
+
+    def __init__(self, behaviour=good_judge, close_after_probe: bool = False, answer_probe: bool = True):
+        self.behaviour, self.close_after_probe, self.answer_probe = behaviour, close_after_probe, answer_probe
         self.requests: list[dict] = []
+        self.probes = 0
         self.lock = threading.Lock()
         server = self
 
@@ -140,11 +155,15 @@ class JudgeServer:
 
             def do_GET(self):
                 self._send(200, {"object": "list", "data": [{"id": "judge-test", "object": "model"}]})
-                if server.close_after_probe:  # from now on: connection refused
-                    threading.Thread(target=server.close).start()
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.answer_probe and is_probe(body):
+                    server.probes += 1
+                    self._send(200, PROBE_ANSWER)
+                    if server.close_after_probe:  # from now on: connection refused
+                        threading.Thread(target=server.close).start()
+                    return
                 with server.lock:
                     server.requests.append({"body": body, "auth": self.headers.get("Authorization")})
                 self._send(*server.behaviour(body))
@@ -555,8 +574,17 @@ def check_run(out: Path, steps: int, beta: float, mode: str = "stratagem", no_ps
                 assert (s["d"], s["a"], s["c"]) == (0.0, 0.0, 0.0)
         if not no_psi and mode == "stratagem":
             assert m["judge_evolution_rules"].get("one_turn", 0) == sum(len(t["turns"]) == 1 for t in valid)
-        phi_mean = sum(t["phi"] for t in valid) / len(valid) if valid else 1.0
-        psi_mean = sum(t["psi"] for t in valid) / len(valid) if valid else 0.0
+        spent = m.get("imputed_after_budget")  # the budget spent: the last 10 judged steps' means stand in
+        if spent:
+            earlier = [x for x in metrics if x["step"] < m["step"] and x["modulated"]][-10:]
+            assert (
+                not valid
+                and earlier
+                and spent
+                == pytest.approx({k: sum(x[f"{k}_mean"] for x in earlier) / len(earlier) for k in ("phi", "psi")})
+            )
+        phi_mean = sum(t["phi"] for t in valid) / len(valid) if valid else spent["phi"] if spent else 1.0
+        psi_mean = sum(t["psi"] for t in valid) / len(valid) if valid else spent["psi"] if spent else 0.0
         for t in rows:
             if t["scores"] is None:
                 assert t["phi"] == pytest.approx(phi_mean) and t["psi"] == pytest.approx(psi_mean)
@@ -801,7 +829,7 @@ def error_of(capsys, argv) -> str:
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--games", "TicTacToe-v0,Chess-v9"], "unknown game id 'Chess-v9'"),
         (["--games", "Sudoku-v0"], "cannot be played by two players"),
-        (["--model", "/nonexistent/model", "--judge", "heuristic"], "--model /nonexistent/model: no such directory"),
+        (["--model", "/nonexistent/model", "--judge", "heuristic"], "/nonexistent/model: no such directory"),
         (["--tiny", "--model", "x"], "--tiny builds its own model"),
         (["--resume"], "--resume needs --out"),
         (
@@ -1886,16 +1914,18 @@ def test_start_lines_name_the_run_and_logs_stay_clean_lines(tmp_path, capsys):
     assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr()
     lines = printed.out.splitlines()
+    threads, why = distributed.pick_threads(torch.device("cpu"))
     assert lines[0] == (
         f"stratagem: new run in {out} | mode stratagem, beta 0.2 | model tiny (a random Qwen3 built "
-        f"offline), hf on cpu (auto: cpu, not a GPU) | judge heuristic stand-in (offline, NOT the paper's judge) "
+        f"offline), hf on cpu (auto: cpu, not a GPU), torch threads {threads} ({why}) | judge heuristic stand-in "
+        f"(offline, NOT the paper's judge) "
         f"on 25% of "
         f"trajectories | steps 1, batch 12 transitions | logs metrics.jsonl"
     )
     assert lines[1] == "loading the policy: a random tiny Qwen3, built offline ..."
     assert lines[2].startswith("loaded in ") and lines[3].startswith("step 1/1 | ") and len(lines) == 5
     assert lines[4] == (
-        f"done: 1 steps in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
+        f"done: 1 step in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
         f"python stratagem.py plot {out} --out {out / 'plots'}  |  python stratagem.py show {out} "
         f"--judged  |  python stratagem.py eval {out} --n 20"
     )
@@ -1967,7 +1997,7 @@ def test_progress_bar_on_a_terminal(tmp_path):
     assert any(re.search(r"games finished, judge \d+/\d+ requests", f) for f in frames)
     assert any("games finished, learning" in f for f in frames)
     assert "\r" not in stdout and stdout.splitlines()[-2].startswith("step 1/1 | ")  # the step line stays clean
-    assert stdout.splitlines()[-1].startswith("done: 1 steps in ")
+    assert stdout.splitlines()[-1].startswith("done: 1 step in ")
 
 
 def scalar_leaves(x) -> int:
@@ -3592,7 +3622,7 @@ def http_reply(status: int, body: bytes, *headers: str) -> bytes:
 
 class RawJudgeServer:
     """A judge that answers at the socket level, to misbehave in ways HTTP libraries will not: `answer(conn,
-    body)` writes whatever it likes to each POST; GET (the start-up check) is answered normally."""
+    body)` writes whatever it likes to each POST; the start-up check (GET, then the probe) is answered normally."""
 
     def __init__(self, answer):
         self.answer, self.posts, self.posted = answer, 0, threading.Event()
@@ -3620,6 +3650,8 @@ class RawJudgeServer:
                     body += conn.recv(65536)
                 if head.startswith(b"GET"):
                     return conn.sendall(http_reply(200, b'{"object": "list", "data": []}'))
+                if is_probe(json.loads(body)):
+                    return conn.sendall(http_reply(200, json.dumps(PROBE_ANSWER).encode()))
                 self.posts += 1
                 self.posted.set()
                 self.answer(conn, json.loads(body))
@@ -6632,3 +6664,492 @@ def test_beta_share_runs_logs_and_resumes_exactly(tmp_path, talkers):
 )
 def test_bad_beta_share_flags(capsys, tmp_path, argv, message):
     assert message in error_of(capsys, ["--tiny", *argv, "--out", str(tmp_path / "never")])
+
+
+# ==== a newcomer's first hour: the commands a run prints, the judge checked at start-up, threads, the budget ====
+def python(args: list[str], cwd: Path, timeout: float = 900, **kw) -> subprocess.CompletedProcess:
+    """A command as a user types it (`python ...`), run to its end; the timeout only stops a hang."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
+    kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory):
+    """A finished tiny run of each script, as a user starts it from the repository's root, and what it printed."""
+    tmp = tmp_path_factory.mktemp("finished")
+    runs = {}
+    for script in ("stratagem.py", "spyrl.py"):
+        out = tmp / script.removesuffix(".py")
+        proc = python([script] + SMALL + ["--steps", "1", "--out", str(out)], HERE)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[script] = (out, proc.stdout.splitlines())
+    return runs
+
+
+def suggested(lines: list[str]) -> list[list[str]]:
+    """The commands a closing line suggests, as argv lists."""
+    assert lines[-1].startswith("done: 1 step in ")  # one step, not "1 steps"
+    return [shlex.split(c) for c in lines[-1].split("Next: ", 1)[1].split("  |  ")]
+
+
+@pytest.mark.parametrize("script", ["stratagem.py", "spyrl.py"])
+def test_every_command_a_finished_run_suggests_works_as_printed(finished_runs, script):
+    """Run as printed, from the repository's root: plot, show and eval, twice (a second eval of the same run,
+    or of another run, must not collide with the first's output). eval plays with the run's own generation
+    settings (SMALL's 16 new tokens), so a random tiny model's games end at once instead of running 4096 tokens."""
+    out, lines = finished_runs[script]
+    before = set(os.listdir(HERE))
+    commands = suggested(lines)
+    assert [c[:3] for c in commands] == [["python", "stratagem.py", name] for name in ("plot", "show", "eval")]
+    for command in commands + [commands[-1]]:
+        proc = python(command[1:], HERE)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (command, proc.stderr[-2000:])
+    assert (out / "plots" / "loss.png").exists()
+    first, second = (json.loads((out / name).read_text()) for name in ("eval-1.json", "eval-1-2.json"))
+    assert first["max_new_tokens"] == second["max_new_tokens"] == 16 and first["summary"]["n"] == 8 * 20
+    assert set(os.listdir(HERE)) == before  # every output went into the run's own folder
+
+
+def test_eval_takes_the_runs_settings_says_so_and_a_given_flag_wins(finished_runs, tmp_path, capsys):
+    out, _ = finished_runs["stratagem.py"]
+    argv = ["eval", str(out / "checkpoints" / "step-000001"), "--n", "1", "--games", "TicTacToe-v0"]
+    assert run(argv + ["--max-new-tokens", "4", "--json", str(tmp_path / "e.json")]) == 0
+    said = capsys.readouterr().out.splitlines()[0]
+    assert said.startswith(f"eval: as {out} was trained (its config.json; a flag given wins): --temperature 1.0")
+    assert "--max-new-tokens" not in said and json.loads((tmp_path / "e.json").read_text())["max_new_tokens"] == 4
+    assert "e.json already exists; choose another --json" in error_of(
+        capsys, argv + ["--json", str(tmp_path / "e.json")]
+    )
+
+
+def test_a_mistyped_local_model_path_is_one_line_without_asking_the_hub(tmp_path, capsys, monkeypatch):
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for path in ("runs/stratagem-tiny-s1-typo", "runs/a/b", "./typo"):
+        assert error_of(capsys, ["eval", path]) == f"stratagem: error: {path}: no such directory\n"
+
+
+def test_bench_suggests_no_command_on_its_deleted_folder_and_names_what_it_extrapolates(tmp_path, capsys):
+    argv = ["bench", "--rollout", "lockstep", "--json", str(tmp_path / "b.jsonl")] + SMALL + ["--steps", "1"]
+    assert run(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Next:" not in printed and "done:" not in printed and "the paper's run) at this rate" not in printed
+    assert "lockstep: 400 steps of this configuration (batch 12, up to 16 new tokens a turn) would take " in printed
+    [record] = read_jsonl(tmp_path / "b.jsonl")
+    threads = record["machine"]["threads"]
+    assert threads == torch.get_num_threads() and f"torch threads {threads} (" in printed
+    assert {"load_before", "load_after"} <= set(record["machine"]) and "load average " in printed
+    assert set(record["results"]) == {"lockstep"}
+
+
+def test_torch_threads_follow_omp_num_threads_else_half_the_cores_on_a_cpu(monkeypatch):
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert distributed.pick_threads(torch.device("cpu")) == (3, "OMP_NUM_THREADS") and torch.get_num_threads() == 3
+        for unset in ("", "abc", "0"):  # unset, or not a count: the machine's rule
+            monkeypatch.setenv("OMP_NUM_THREADS", unset)
+            expected = (max(1, cores // 2), f"half of {cores} cores; OMP_NUM_THREADS sets it")
+            assert distributed.pick_threads(torch.device("cpu")) == expected
+            assert torch.get_num_threads() == expected[0]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_start_line_names_the_ranks_under_torchrun():
+    args = S.resolve_args({"tiny": True, "out": "r", "backend": "hf"})
+    line = watch.start_line(args, Path("r"), torch.device("cpu"), "auto: cpu, not a GPU", (1, "OMP_NUM_THREADS"), 2)
+    assert "hf on cpu (auto: cpu, not a GPU), torch threads 1 (OMP_NUM_THREADS), 2 ranks (torchrun), each " in line
+
+
+# ---- the judge, checked with one real request before a run spends anything
+class HTMLServer(http.server.BaseHTTPRequestHandler):
+    """A web server, not an API: every request gets a 200 with an HTML page."""
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        page = b"<html><body><h1>Welcome to nginx!</h1></body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.do_GET()
+
+
+class FileServer(http.server.SimpleHTTPRequestHandler):
+    """Python's own file server: no POST at all (501)."""
+
+    def log_message(self, *a):
+        pass
+
+
+def vllm_like(body: dict):
+    """A server of one model that refuses any other name as vLLM does (404), and answers in prose, not JSON."""
+    if body["model"] != "judge-test":
+        return 404, {"error": {"message": f"The model `{body['model']}` does not exist.", "code": 404}}
+    return 200, completion("Hello! How can I help you today?")
+
+
+def judge_check_fails(capsys, tmp_path, url: str, *flags) -> str:
+    """A run against `url` stops in one line before it loads the policy or writes a file; the line."""
+    out = tmp_path / "never"
+    argv = SMALL + ["--out", str(out), "--judge", "openai", "--judge-base-url", url, "--judge-retries", "0", *flags]
+    assert run(argv) == 2
+    printed = capsys.readouterr()
+    assert printed.err.count("\n") == 1 and "Traceback" not in printed.err and not out.exists()
+    assert "loading the policy" not in printed.out
+    return printed.err.removeprefix("stratagem: error: ").strip()
+
+
+def test_a_judge_url_without_v1_stops_the_run_at_once_with_a_hint(tmp_path, capsys, secret_key):
+    server = serve_judge.make_judge_server("127.0.0.1", 0, noise=0.0, seed=0)  # the stand-in: 404 off its routes
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        line = judge_check_fails(capsys, tmp_path, base, "--judge-model", "heuristic")
+        assert (
+            run(
+                SMALL
+                + ["--steps", "1", "--out", str(tmp_path / "ok"), "--judge", "openai"]
+                + ["--judge-base-url", base + "/v1", "--judge-model", "heuristic"]
+            )
+            == 0
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert line == (
+        f"the judge at {base}/chat/completions (--judge-model heuristic) failed its start-up check: HTTP 404: "
+        f"no route POST /chat/completions; did you mean --judge-base-url {base}/v1?"
+    )
+    assert f"judge check: {base}/v1/chat/completions answered a verdict in " in capsys.readouterr().out
+
+
+def test_a_wrong_model_name_or_a_judge_that_does_not_answer_a_verdict_stops_the_run(tmp_path, capsys, secret_key):
+    server = JudgeServer(vllm_like, answer_probe=False)
+    try:
+        wrong = judge_check_fails(capsys, tmp_path, server.url)  # --judge-model gpt-4o, the default
+        prose = judge_check_fails(capsys, tmp_path, server.url, "--judge-model", "judge-test")
+    finally:
+        server.close()
+    assert wrong == (
+        f"the judge at {server.url}/chat/completions (--judge-model gpt-4o) failed its start-up check: HTTP 404: "
+        "The model `gpt-4o` does not exist; it lists the models judge-test: pass one as --judge-model"
+    )
+    assert prose.startswith(f"the judge at {server.url}/chat/completions (--judge-model judge-test) failed its ")
+    assert "its reply is not a verdict ('Hello! How can I help you today?'); the judge must answer in JSON" in prose
+    assert len(server.requests) == 2 and all(r["body"]["max_tokens"] == 1024 for r in server.requests)
+
+
+@pytest.mark.parametrize(
+    "handler, came_back",
+    [
+        (HTMLServer, "bad response (not a chat completion: '<html><body><h1>Welcome to nginx!</h1></body></html>')"),
+        (FileServer, "HTTP 501: Error response Error response Error code: 501 Message: Unsupported method ('POST')"),
+    ],
+)
+def test_a_server_that_is_no_openai_chat_endpoint_stops_the_run(tmp_path, capsys, secret_key, handler, came_back):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        line = judge_check_fails(capsys, tmp_path, url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert line.startswith(f"the judge at {url}/chat/completions (--judge-model gpt-4o) failed its start-up check: ")
+    assert came_back in line and line.endswith(
+        "is it an OpenAI-compatible chat endpoint (POST /chat/completions under --judge-base-url)?"
+    )
+
+
+def test_the_probe_is_one_short_request_outside_the_budget_and_the_ledger(tmp_path, judge_server, secret_key, capsys):
+    out = tmp_path / "run"
+    flags = ["--judge", "openai", "--judge-base-url", judge_server.url, "--judge-price-in", "10"]
+    assert run(SMALL + ["--steps", "1", "--out", str(out)] + flags) == 0
+    [m] = read_jsonl(out / "metrics.jsonl")
+    assert judge_server.probes == 1 and len(read_jsonl(out / "judge_ledger.jsonl")) == m["judge_requests"]
+    lines = capsys.readouterr().out.splitlines()
+    check = next(k for k, x in enumerate(lines) if x.startswith("judge check: "))
+    assert lines[check].endswith("(30 + 12 tokens, outside the budget)") and lines[check + 1].startswith("loading")
+    probe = J.probe_messages()[0]["content"]
+    assert len(probe) < 200 and J.parse_scores(probe, "transferability") == J.probe_verdict()
+
+
+# ---- after the budget, A_mod keeps its scale: the unjudged get the recent judged means, not phi = 1, psi = 0
+def by_role(body: dict):
+    """Player 0's trajectories score phi 0.35, Player 1's phi 1: the batch means move with the mix of seats."""
+    levels = (1, 1, 1) if "The player is Player 1" in body["messages"][-1]["content"] else (1, 0, 0)
+    return 200, completion(json.dumps(dict(zip(("alpha", "sigma", "rho"), levels))))
+
+
+def test_after_the_budget_the_unjudged_get_the_recent_judged_means_and_resume_keeps_them(tmp_path, secret_key):
+    server = JudgeServer(by_role)
+    flags = ["--judge", "openai", "--judge-base-url", server.url, "--judge-sample-rate", "1", "--no-psi"]
+    flags += [
+        "--judge-concurrency",
+        "1",
+        "--judge-price-in",
+        "10",
+        "--judge-price-out",
+        "20",
+        "--judge-budget",
+        "0.029",
+    ]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    try:  # 0.0012 a request: the 25th, about step 3 of 12-transition steps, passes the budget
+        assert run(SMALL + ["--steps", "6", "--out", str(whole)] + flags) == 0
+        assert run(SMALL + ["--steps", "4", "--save-every", "1", "--out", str(part)] + flags) == 0
+        assert run(["--resume", "--out", str(part), "--steps", "6"]) == 0
+    finally:
+        server.close()
+    metrics, trajs = check_run(whole, 6, beta=0.2, no_psi=True)  # replays the rule: the last 10 judged steps' means
+    judged = [m for m in metrics if m["modulated"]]
+    spent = [m for m in metrics if "imputed_after_budget" in m]
+    last = len(judged)  # the step whose requests passed the budget: judged in part, the batch mean still
+    assert (
+        2 <= last <= 4
+        and judged == metrics[:last]
+        and spent == metrics[last:]
+        and metrics[last - 1]["judge_skipped_budget"]
+    )
+    mean = sum(m["phi_mean"] for m in judged) / last
+    assert all(m["imputed_after_budget"] == {"phi": pytest.approx(mean), "psi": 0.0} for m in spent)
+    for t in trajs:  # the scale of A_mod over A_game: phi, continuous across the switch (phi = 1 would jump)
+        if t["step"] > last and t["turns"]:
+            assert t["phi"] == pytest.approx(mean) and t["a_mod"] == pytest.approx(t["a_game"] * mean)
+    assert min(m["phi_mean"] for m in judged) <= mean <= max(m["phi_mean"] for m in judged) < 1
+    assert_resumed_exactly(whole, part, 6)  # the recent means ride in the checkpoint
+
+
+def test_the_budget_banner_is_said_once_when_stdout_and_stderr_share_a_log(tmp_path, judge_server):
+    flags = ["--judge", "openai", "--judge-base-url", judge_server.url, "--judge-sample-rate", "1"]
+    flags += ["--judge-price-in", "10", "--judge-budget", "0.001", "--steps", "2", "--out", str(tmp_path / "run")]
+    proc = python(["stratagem.py"] + SMALL + flags, HERE, stderr=subprocess.STDOUT, env={"OPENAI_API_KEY": "x"})
+    assert proc.returncode == 0 and proc.stdout.count("JUDGE BUDGET REACHED") == 1, proc.stdout[-3000:]
+    assert "so A_mod keeps its scale" in proc.stdout
+    assert "phi 0.525 psi 0.000 (recent judged steps' mean: budget spent)" in proc.stdout.splitlines()[-2]
+
+
+def test_the_projection_uses_the_runs_own_counts_after_step_1_and_on_resume(tmp_path, judge_server, secret_key, capsys):
+    """A random tiny policy loses every game on its first move: many more one-turn trajectories a step than the
+    random players of the dry render play. After step 1, and on --resume, the projection uses what it played."""
+    out = tmp_path / "run"
+    flags = ["--judge-base-url", judge_server.url]
+    assert (
+        run(SMALL + ["--steps", "2", "--out", str(out), "--judge", "openai", "--judge-model", "judge-test"] + flags)
+        == 0
+    )
+    printed = capsys.readouterr().out.splitlines()
+    estimates = [x for x in printed if x.startswith("judge requests: ")]
+    assert len(estimates) == 2 and estimates[0].endswith(
+        "a random player's games (the dry render): an estimate until this policy has played a step)"
+    )
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert printed.index(estimates[1]) == printed.index(next(x for x in printed if x.startswith("step 1/2"))) + 1
+    n = metrics[0]["trajectories"]
+    assert estimates[1].startswith(f"judge requests: ~{math.ceil(0.25 * n)} over 1 step (~{n:.1f} trajectories a step")
+    assert estimates[1].endswith("one-turn ones skip evolution: 100%; measured on this run's policy over 1 step)")
+    assert run(["--resume", "--out", str(out), "--steps", "4"] + flags) == 0
+    [resumed] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("judge requests: ")]
+    n = (metrics[0]["trajectories"] + metrics[1]["trajectories"]) / 2
+    assert resumed.startswith(f"judge requests: ~{2 * math.ceil(0.25 * n)} over 2 steps (~{n:.1f} trajectories a step")
+    assert resumed.endswith("measured on this run's policy over 2 steps)")
+
+
+def test_invalid_rate_counts_the_seats_that_moved():
+    """Every move invalid: a rate of 1, not 0.5 (the seat that never moved, because its opponent's first move lost
+    the game, made no move at all). A SpyRL step has no idle seat: its invalid votes over its seats."""
+    seats = {
+        "player0": {"win": 0, "draw": 0, "loss": 7, "invalid": 7},
+        "player1": dict(win=7, draw=0, loss=0, invalid=0),
+    }
+    assert plot.invalid_rate({"games": {"TicTacToe-v0": seats}, "idle_seats": 7}) == 1.0
+    roles = {"spy": dict(win=0, draw=1, loss=0, invalid=1), "civilian": dict(win=0, draw=4, loss=0, invalid=2)}
+    assert plot.invalid_rate({"games": {"WhoIsTheSpy-v0": roles}, "idle_seats": 0}) == 3 / 5
+
+
+def test_plots_keep_their_title_in_the_figure_and_draw_judge_figures_for_judged_runs_only(finished_runs, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    long = tmp_path / ("stratagem-distill-tiny-s1-20261201-072413-" + "x" * 40)
+    shutil.copytree(finished_runs["stratagem.py"][0], long)
+    spy = finished_runs["spyrl.py"][0]
+    runs = [(r, tools_runs.read_metrics(r)) for r in (long, spy)]
+    fig = plot.draw_plot(plt, "judge_requests", runs)
+    fig.canvas.draw()
+    title = next(t for t in (fig._suptitle, fig.axes[0].title) if t is not None and t.get_text())
+    box = title.get_window_extent()
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width  # not cut off at the left by a long legend
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels and all(long.name in x for x in labels)  # the SpyRL run has no judge: no line of zeros for it
+    plt.close(fig)
+    assert plot.draw_plot(plt, "judge_requests", runs[1:]) is None
+    assert tools_runs.run_label(spy) == f"{spy.name} (spyrl summarize)" and "beta" not in tools_runs.run_label(spy)
+
+
+def test_a_spy_game_shows_each_vote_with_its_own_label_and_no_negative_zero(finished_runs, capsys):
+    assert run(["show", str(finished_runs["spyrl.py"][0]), "--index", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "-0.0000" not in printed and show.signed(-0.0) == show.signed(-4e-9) == "+0.0000"
+    lines = printed.splitlines()
+    votes = [k for k, x in enumerate(lines) if x.startswith("[vote, detection] ")]
+    assert len(votes) == 4 and not any(x.startswith("[vote] invalid  |") for x in lines)
+    for k in votes:  # the vote's label, then its text, before the next player's block
+        assert re.match(r"\[vote, detection\] (Player \d|invalid \(it names no other player\))  \|  r\^D = ", lines[k])
+        assert lines[k - 1].startswith("[output, performance] votes drawn s = ")
+    assert sum(x.startswith("[vote] ") and "the spy's vote" in x for x in lines) == 1
+
+
+def test_agree_says_when_a_statistic_is_undefined_without_blaming_one_judge(varied_run, capsys, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert run(["agree", str(varied_run), "--judges", "heuristic", "heuristic", "--sample", "6"]) == 0
+    footnote = capsys.readouterr().out.splitlines()[-1]
+    assert footnote.endswith(
+        "n/a: undefined, for kappa when both judges of the pair gave every trajectory one and the same level (or "
+        "none was compared), for Spearman when either judge gave one value throughout"
+    )
+
+
+def test_a_mistyped_flag_gets_the_nearest_and_resume_of_a_folder_that_is_no_run_says_so(capsys, tmp_path):
+    assert error_of(capsys, ["--tiny", "--step", "3"]) == (
+        "stratagem: error: unrecognized arguments: --step 3 (did you mean --steps?)\n"
+    )
+    assert "(did you mean --judge-base-url?)" in error_of(capsys, ["--judge-base-ulr=http://x/v1"])
+    assert error_of(capsys, ["bench", "--tiny", "--stpes", "2"]).endswith("(did you mean --steps?)\n")
+    for folder, why in ((tmp_path, "it has no config.json"), (tmp_path / "missing", "it does not exist")):
+        assert error_of(capsys, ["--resume", "--out", str(folder)]) == (
+            f"stratagem: error: --resume --out {folder}: not a run folder ({why}); --out names the run to continue\n"
+        )
+
+
+def test_serve_judge_with_the_teacher_prints_nothing_before_its_ready_line(tmp_path):
+    import signal
+
+    proc = spawn(["serve-judge", "--teacher", "tokens", "--port", "0"], tmp_path)
+    try:
+        ready = proc.stdout.readline()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert ready.startswith("tokens judge on http://127.0.0.1:") and err == "serve-judge: stopped\n"
+
+
+# ---- the docs speak to users: no word they cannot resolve, no file the project does not ship
+def shipped_text() -> dict[str, str]:
+    """Every text a user reads: the README, docs/, --help of both scripts and of every command, the module
+    docstrings of the shipped code and the comments of the lm-eval task."""
+    import ast
+    import contextlib
+    import io
+
+    import spyrl
+
+    texts = {str(p.relative_to(HERE)): p.read_text() for p in [HERE / "README.md", *sorted(HERE.glob("docs/*.md"))]}
+    texts["stratagem.py --help"] = S.build_parser().format_help()
+    texts["spyrl.py --help"] = spyrl.build_parser().format_help()
+    for command in S.COMMANDS:
+        help_text = io.StringIO()
+        with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+            S.main([command, "--help"])
+        texts[f"stratagem.py {command} --help"] = help_text.getvalue()
+    for path in sorted(HERE.glob("*.py")) + sorted(HERE.glob("*/*.py")):
+        if not path.name.startswith("test_"):
+            texts[f"{path.relative_to(HERE)} docstring"] = ast.get_docstring(ast.parse(path.read_text())) or ""
+    for path in sorted(HERE.glob("lm_eval_tasks/*/*.yaml")):
+        texts[str(path.relative_to(HERE))] = "\n".join(x for x in path.read_text().splitlines() if x.startswith("#"))
+    return texts
+
+
+UNRESOLVABLE = {  # what a user of the project cannot look up
+    "an issue of our tracker": r"(?i)\bissues?\b",
+    "a bare seed number": r"(?i)\bseeds?\s+`?\d{3}\b",
+    "a source document as 'the seed'": r"(?i)\bfrom the seed\b|\bthe seed(?:'s)? (?:names|gives|does not|says|states|"
+    r"ablation|fraction)\b|\(the seed:|\| the seed \|",
+    "the project's source notes": r"(?i)\bseeds/|project's seeds|\b(PAPER|HOUSE|GUIDE|LEARNING-PROBE)\.md\b",
+    "a folder of this machine": r"/work/|\bnotes/",
+}
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_shipped_text_has_no_word_a_user_cannot_resolve_and_cites_papers_by_title_and_arxiv_id():
+    texts = shipped_text()
+    assert len(texts) > 40 and all(texts.values())
+    hits = [
+        f"{name}: {what}: {m.group(0)!r}"
+        for name, text in texts.items()
+        for what, pattern in UNRESOLVABLE.items()
+        for m in re.finditer(pattern, text)
+    ]
+    assert hits == []
+    missing = []  # every file a link or a docs/ reference names is shipped, and every anchor is a heading there
+    for name, text in texts.items():
+        folder = (HERE / name).parent if name.endswith(".md") else HERE
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text):
+            path = (folder / target) if target else HERE / name
+            if target.startswith(("http://", "https://")):
+                continue
+            if not path.exists():
+                missing.append(f"{name}: link {target}")
+            elif anchor and anchor not in map(github_anchor, re.findall(r"(?m)^#+ (.+)$", path.read_text())):
+                missing.append(f"{name}: link {target}#{anchor}")
+        missing += [f"{name}: {ref}" for ref in re.findall(r"\bdocs/[\w-]+\.md", text) if not (HERE / ref).exists()]
+    assert missing == []
+    readme = " ".join(texts["README.md"].split())  # as read, whatever the line breaks
+    assert "arXiv 2506.24119" in readme and "arXiv 2607.23802" in readme  # SPIRAL's, RLSVR's
+    assert "Stratagem: Learning Transferable Reasoning via Trajectory-Modulated Game Self-Play" in readme
+
+
+# ---- the README shows what the main job prints
+def line_shape(line: str) -> str:
+    """A printed line's fields in order, its values left out: numbers, paths and the explanations in parentheses
+    (which name this machine's cores, engine, ...)."""
+    line = re.sub(r"\([^()]*\)", "(…)", line)
+    line = re.sub(r"\S*/\S*", "<path>", line)
+    return re.sub(r"[-+]?\d[\d,.]*(?:e[-+]?\d+)?", "#", line)
+
+
+def shapes(lines: list[str]) -> list[str]:
+    """The shapes of the lines, a run of lines of one shape (the step lines) counted once."""
+    return [s for k, s in enumerate(map(line_shape, lines)) if k == 0 or s != line_shape(lines[k - 1])]
+
+
+def test_the_readme_shows_what_the_main_job_prints(tmp_path):
+    """The README's block was captured from the main job, `python stratagem.py --tiny --steps 20`; a real run of it
+    (2 steps here) prints lines of the same shapes: the same fields, in the same order. When this fails the output
+    has changed: capture the block again from that command (the start, loading and loaded lines, step 1, "...",
+    the last step line and the closing line) and replace it."""
+    readme = (HERE / "README.md").read_text()
+    intro, block = re.search(r"\nWhat the main job printed here ([^\n]*)\n\n```\n(.*?)\n```\n", readme, re.S).groups()
+    assert "python stratagem.py --tiny --steps 20                 # the main job" in readme and "at load " in intro
+    shown = [x for x in block.splitlines() if x != "..."]
+    assert shown[-2].startswith("step 20/20 | ") and shown[-1].startswith("done: 20 steps in runs/stratagem-tiny-s1-")
+    proc = python([str(HERE / "stratagem.py"), "--tiny", "--steps", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = proc.stdout.splitlines()
+    assert shapes(printed) == shapes(shown), "\n".join(["the main job now prints:", *printed])
+
+
+def test_the_resume_advice_of_a_stopped_run_is_a_command_that_works_as_printed(tmp_path):
+    for mode, script in (("stratagem", "stratagem.py"), ("spyrl", "spyrl.py")):
+        run_dir = tmp_path / f"my {mode} run"
+        (run_dir / "checkpoints" / "step-000002").mkdir(parents=True)
+        (run_dir / "config.json").write_text(json.dumps({"mode": mode}))
+        assert runfiles.resume_advice(run_dir) == (
+            f" (continue from step-000002 with: python {script} --resume --out {shlex.quote(str(run_dir))})"
+        )

@@ -1,4 +1,5 @@
-"""WhoIsTheSpy-v0: SpyRL's "who is the spy" game (RLSVR, seed 003 in ../shared/seeds/), as a TextArena
+"""WhoIsTheSpy-v0: SpyRL's "who is the spy" game (RLSVR: *From RLVR to RLSVR: Task Transformation Induces
+Self-Verifiable Rewards for Open-Ended LLM Self-Improvement*, Wang et al., 2026, arXiv 2607.23802), as a TextArena
 environment that any TextArena agent can play, and what spyrl.py needs of it.
 
 A game takes one task input x (a document to summarise, a writing prompt, a maths problem). n players,
@@ -13,7 +14,7 @@ Rewards (s_k: seat k's share of the valid votes, the spy's vote included; s_c: t
     detection    r_i^D = 1[v_i = u] for a civilian (an unparsable vote, or one for itself: 0, not counted);
                  the spy's vote is paid nothing and not trained
     performance  r_u^P = beta (s_c - s_u)  and  r_cj^P = -r_u^P / (n - 1) - lambda (s_cj - s_c)
-                 (RECONSTRUCTED: the seed names beta, lambda and the zero-sum property, its formula images are
+                 (RECONSTRUCTED: the paper names beta, lambda and the zero-sum property, its formula images are
                  missing), so the rewards of a game sum to exactly 0: the spy is paid for drawing less
                  suspicion than the civilians, the civilians as a team when it is found, and a civilian that
                  looks more suspicious than its peers is charged.
@@ -41,7 +42,7 @@ from machinery import UserError
 
 GAME = "WhoIsTheSpy-v0"
 PHASES = ("performance", "detection")
-MASKS = {"summarize": 0.2, "write": 0.2, "math": 0.4}  # the seed's fraction removed for the spy, per task
+MASKS = {"summarize": 0.2, "write": 0.2, "math": 0.4}  # the paper's fraction removed for the spy, per task
 # task -> (what every player is given, what it writes, its plural, the instruction); --spy-task
 TASKS = {
     "summarize": (

@@ -8,6 +8,11 @@ evolution rubric only of those with two turns or more (a one-turn trajectory is 
 A request's prompt is the rubric and the rendered trajectory: its observations and headers (measured on a
 dry render, at CHARS_PER_TOKEN) plus T responses of R tokens each. R is not known before the policy
 writes them: the plan gives the bound (R = --max-new-tokens, replies of --judge-max-tokens) and an example.
+
+The trajectory counts (trajectories a step, T, the one-turn share) come from the dry render's random players
+until the run has played: a resumed run, and every run after its step 1, project from what its own policy played
+(measured(): its metrics.jsonl lines). A policy that loses its games on the first move plays many more, shorter
+trajectories than random players do.
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ def project(
     response_tokens: float,
     reply_tokens: float,
     prices: tuple[float, float],
+    per_step: float | None = None,
 ) -> dict:
     """The judge's requests, prompt and completion tokens and money over `steps` steps. `turns`: mean turns of
     a player-trajectory; `one_turn`: the share with one turn; `chars[rubric]`: mean characters of a request
-    before the responses are added; `prices`: USD per million (prompt, completion) tokens."""
-    trajectories = batch_size / turns  # a step's player-trajectories
+    before the responses are added; `prices`: USD per million (prompt, completion) tokens; `per_step`: the
+    trajectories a step, where a run measured them (default: batch / turns)."""
+    trajectories = per_step or batch_size / turns  # a step's player-trajectories
     judged = math.ceil(sample_rate * trajectories)  # as sample_for_judging counts them
     asked = {r: judged * samples * (1 - one_turn if r == "evolution" else 1) for r in rubrics}  # requests a step
     requests = steps * sum(asked.values())
@@ -92,8 +99,27 @@ def sample_games(
     return out
 
 
-def judge_projection(args, games: list[str], make_env, steps: int) -> dict:
-    """This run's judge, projected from a dry render: the bound, the example, and what they rest on."""
+def measured(metrics: list[dict]) -> dict | None:
+    """The trajectory counts a run's own policy played, from its metrics.jsonl lines: trajectories a step (seats
+    that moved), their mean turns, and the share of one-turn ones among the validly judged (None when none was, or
+    the evolution rubric is off: judge_prompts' one_turn rule is counted only where it applies). None: no line."""
+    if not metrics:
+        return None
+    played = sum(m["trajectories"] for m in metrics)
+    valid = sum(m["judge_judged"] - m["judge_failed"] for m in metrics)
+    one_turn = sum(m["judge_evolution_rules"].get("one_turn", 0) for m in metrics)
+    return {
+        "steps": len(metrics),
+        "trajectories": played / len(metrics),
+        "turns": sum(m["transitions"] for m in metrics) / max(1, played),
+        "one_turn": one_turn / valid if valid and any(m["judge_evolution_rules"] for m in metrics) else None,
+    }
+
+
+def judge_projection(args, games: list[str], make_env, steps: int, counts: dict | None = None) -> dict:
+    """This run's judge, projected from a dry render (the requests' text) and `counts`, the trajectory counts its
+    own policy played (measured()), or without them the dry render's: the bound, the example, and what they rest
+    on."""
     rubrics = ["transferability"] + ([] if args.no_psi else ["evolution"])
     sampled = sample_games(make_env, games, args.seed, args.max_turns)
     chars = {
@@ -106,6 +132,10 @@ def judge_projection(args, games: list[str], make_env, steps: int) -> dict:
     }
     turns = sum(len(t) for _, _, t in sampled) / len(sampled)
     one_turn = sum(len(t) == 1 for _, _, t in sampled) / len(sampled)
+    per_step = None
+    if counts is not None:  # what this run's policy played replaces the random players' counts
+        turns, per_step = counts["turns"], counts["trajectories"]
+        one_turn = one_turn if counts["one_turn"] is None else counts["one_turn"]
     prices = (args.judge_price_in, args.judge_price_out) if args.judge == "openai" else (0.0, 0.0)
     common = (steps, args.batch_size, args.judge_sample_rate, rubrics, args.judge_samples, turns, one_turn, chars)
     example = (min(EXAMPLE[0], args.max_new_tokens), min(EXAMPLE[1], args.judge_max_tokens))  # never past the bound
@@ -114,11 +144,12 @@ def judge_projection(args, games: list[str], make_env, steps: int) -> dict:
         "turns": turns,
         "one_turn": one_turn,
         "steps": steps,
+        "measured_steps": counts["steps"] if counts else 0,
         "prices": prices,
         "base_tokens": {r: c / CHARS_PER_TOKEN for r, c in chars.items()},
         "example_tokens": example,
-        "bound": project(*common, args.max_new_tokens, args.judge_max_tokens, prices),
-        "example": project(*common, *example, prices),
+        "bound": project(*common, args.max_new_tokens, args.judge_max_tokens, prices, per_step),
+        "example": project(*common, *example, prices, per_step),
     }
 
 
@@ -136,10 +167,16 @@ def projection_lines(args, p: dict) -> list[str]:
             "judge money: $0",
         ]
     samples = "" if args.judge_samples == 1 else f", {args.judge_samples} verdicts each"
+    n = p["measured_steps"]
+    source = (
+        f"measured on this run's policy over {n} step{'' if n == 1 else 's'}"
+        if n
+        else "a random player's games (the dry render): an estimate until this policy has played a step"
+    )
     lines = [
-        f"judge requests: ~{b['requests']:,.0f} over {p['steps']} steps (~{b['trajectories']:.1f} trajectories "
-        f"a step, {b['judged']} judged: {' + '.join(p['rubrics'])}{samples}; one-turn ones skip evolution: "
-        f"{p['one_turn']:.0%} in the dry render)",
+        f"judge requests: ~{b['requests']:,.0f} over {p['steps']} step{'' if p['steps'] == 1 else 's'} "
+        f"(~{b['trajectories']:.1f} trajectories a step, {b['judged']} judged: {' + '.join(p['rubrics'])}{samples}; "
+        f"one-turn ones skip evolution: {p['one_turn']:.0%}; {source})",
         f"judge tokens a request: ~{sum(p['base_tokens'].values()) / len(p['base_tokens']):,.0f} + {p['turns']:.1f} "
         f"turns of responses: at most ~{b['prompt_tokens'] / b['requests']:,.0f} (--max-new-tokens "
         f"{args.max_new_tokens}), ~{e['prompt_tokens'] / e['requests']:,.0f} "

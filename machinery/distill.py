@@ -142,6 +142,16 @@ def features(
 
 
 # ------------------------------------------------------------------ the heads
+def features_of(run, mine: list, collate, timer) -> list | None:
+    """features() of this rank's trajectories `mine` in a run with --distill (every rank takes part: under FSDP
+    each pass is a collective); None without it."""
+    if not run.args.distill:
+        return None
+    return features(
+        run.model, mine, collate, run.tokenizer.pad_token_id, run.args.micro_batch_size, run.device, run.dist, timer
+    )
+
+
 class OrdinalHeads(torch.nn.Module):
     """Per dimension d: a score s_d = w_d . x and ordered cut points c_d0 < c_d1 (the second is the first plus
     a softplus, so the order always holds); P(level <= k) = sigmoid(c_dk - s_d). Zero weights at the start

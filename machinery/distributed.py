@@ -167,6 +167,24 @@ def pick_device(spec: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def pick_threads(device: torch.device) -> tuple[int, str]:
+    """torch's intra-op threads, set here, and why: OMP_NUM_THREADS when the user sets it; on a CPU learner half the
+    cores this process may use (at least 1), because the games, the tokenizer and the rest of the machine need the
+    others, and OpenMP threads that outnumber the free cores spin at every barrier (on the 2-core machine this
+    project is built on, at load 8, a tiny step took 52 s with 2 threads and 3.6 s with 1: docs/speed.md); on a GPU
+    torch's default (the GPU does the work)."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) >= 1:
+        threads, why = int(given), "OMP_NUM_THREADS"
+    elif device.type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads, why = max(1, cores // 2), f"half of {cores} cores; OMP_NUM_THREADS sets it"
+    else:
+        return torch.get_num_threads(), "torch's default"
+    torch.set_num_threads(threads)
+    return threads, why
+
+
 def pick_backend(spec: str, device: torch.device) -> tuple[str, str]:
     """--backend and why: 'auto' is vllm where vLLM is installed and the device is a GPU, else hf."""
     if spec != "auto":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import math
 import re
@@ -39,6 +40,11 @@ class FriendlyParser(argparse.ArgumentParser):
         super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message):
+        """One line; a mistyped flag gets the nearest real ones ("--step": did you mean --steps?)."""
+        if message.startswith("unrecognized arguments: "):
+            typed = [w.split("=")[0] for w in message.split(": ", 1)[1].split() if w.startswith("--")]
+            near = [m for w in typed for m in difflib.get_close_matches(w, self._option_string_actions, n=1)]
+            message += f" (did you mean {' or '.join(dict.fromkeys(near))}?)" if near else ""
         raise UserError(message)
 
 

@@ -5,7 +5,7 @@ this module renders, asks, caches, budgets, records the money and validates.
     parse_scores    the verdict in a judge's reply (the last JSON object with every key of the rubric)
     aggregate       several verdicts on one rubric (--judge-samples) combined into one
     HeuristicJudge  the offline stand-in (NOT the paper's judge), for CPU runs and tests
-    OpenAIJudge     any OpenAI-compatible chat endpoint (the paper: GPT-4)
+    OpenAIJudge     any OpenAI-compatible chat endpoint (the paper: GPT-4), checked at start-up with one probe
     JudgeRunner     the cache, the budget, the money ledger, concurrency; failures counted, never raised
 
 The rubrics themselves (keys, levels, weights, wording, the rules code decides) are judge_prompts.py's table.
@@ -18,11 +18,12 @@ import itertools
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import judge_prompts
-from machinery import runfiles, watch
+from machinery import UserError, runfiles, watch
 from machinery.openai_api import JudgeFailure, chat, check_reachable, concurrently, openai_client
 
 # Numbers as models write them but JSON forbids: a leading "+" ("d": +1, the rubric's own spelling)
@@ -126,6 +127,45 @@ class HeuristicJudge:
         return json.dumps(self.scores(rubric, trajectory_text)), 0, 0
 
 
+# The start-up check: ONE chat request of a few tokens, made as every judge request is made, whose reply must parse
+# as a verdict of the rubric PROBE_RUBRIC. It catches, before anything is spent, a base URL without its /v1, a model
+# name the server does not serve, a server that is no OpenAI-compatible chat endpoint, and a model that does not
+# answer in JSON. Its tokens are said at start-up and are not in the budget or the ledger.
+PROBE_RUBRIC = "transferability"
+PROBE_TEXT = (
+    "This is a connection check, not a trajectory to score. Reply with exactly this JSON object and nothing else:"
+)
+
+
+def probe_verdict() -> dict[str, float]:
+    """What the probe asks the judge to say back: every key of PROBE_RUBRIC at its middle level."""
+    levels = judge_prompts.RUBRICS[PROBE_RUBRIC]["levels"]
+    return dict.fromkeys(judge_prompts.keys(PROBE_RUBRIC), levels[len(levels) // 2])
+
+
+def probe_messages() -> list[dict]:
+    return [{"role": "user", "content": f"{PROBE_TEXT} {json.dumps(probe_verdict())}"}]
+
+
+def probe_hint(kind: str, status: int, base_url: str, model: str, served: list[str] | None, max_tokens: int) -> str:
+    """What to try when the probe fails as `kind` (HTTP `status`, 0 without one), from what is known: the URL's path
+    and the models the server lists."""
+    if status in (400, 404, 422) and served is not None and model not in served:
+        more = ", ..." if len(served) > 6 else ""
+        return f"it lists the models {', '.join(served[:6])}{more}: pass one as --judge-model"
+    if (status in (404, 405, 501) or kind == "bad_response") and not base_url.rstrip("/").endswith("/v1"):
+        return f"did you mean --judge-base-url {base_url.rstrip('/')}/v1?"
+    if status in (405, 501) or kind == "bad_response":
+        return "is it an OpenAI-compatible chat endpoint (POST /chat/completions under --judge-base-url)?"
+    return {
+        "http_404": "check --judge-base-url (the API's base, which /chat/completions follows) and --judge-model",
+        "finish_length": f"the reply was cut at --judge-max-tokens {max_tokens}: raise it",
+        "timeout": "a slow model needs a larger --judge-timeout; a dead one, a restart",
+        "rate_limit": "wait, or ask for a higher rate limit",
+        "not_a_verdict": "the judge must answer in JSON: a chat (instruction-following) model, not a base model",
+    }.get(kind, "check --judge-base-url, --judge-model and the server's log")
+
+
 class OpenAIJudge:
     """Any OpenAI-compatible chat endpoint (OpenAI, `vllm serve`, llama.cpp, SGLang, ...), through the
     `openai` client (machinery/openai_api.py: retries with backoff, failures as named kinds). The key
@@ -139,8 +179,42 @@ class OpenAIJudge:
             base_url, args.judge_timeout, args.judge_retries, "--judge openai", args.judge_max_tokens
         )
 
-    def check_reachable(self) -> None:
-        check_reachable(self.client, self.base_url, self.args.judge_timeout, "judge")
+    def check_reachable(self) -> str:
+        """The start-up check (see PROBE_TEXT): the server reachable and the key taken (GET /models), then one probe
+        request whose reply must parse as a verdict. A failure ends in one line naming the URL, what came back and
+        a hint; success returns the line that says so."""
+        served = check_reachable(self.client, self.base_url, self.args.judge_timeout, "judge")
+        url = f"{(self.base_url or 'https://api.openai.com/v1').rstrip('/')}/chat/completions"
+        t0 = time.perf_counter()
+        try:
+            reply, p_tok, c_tok = chat(
+                self.client,
+                model=self.name,
+                messages=probe_messages(),
+                temperature=self.args.judge_temperature,
+                max_tokens=self.args.judge_max_tokens,
+            )
+        except JudgeFailure as e:
+            status = int(re.match(r"HTTP (\d+)", e.detail).group(1)) if e.detail.startswith("HTTP ") else 0
+            what = e.detail if status else f"{e.kind.replace('_', ' ')} ({e.detail or e.kind})"
+            base = self.base_url or "https://api.openai.com/v1"
+            hint = probe_hint(e.kind, status, base, self.name, served, self.args.judge_max_tokens)
+            raise UserError(
+                f"the judge at {url} (--judge-model {self.name}) failed its start-up check: {what}; {hint}"
+            ) from None
+        try:
+            parse_scores(reply, PROBE_RUBRIC)
+        except JudgeFailure:
+            text = " ".join(reply.split())
+            raise UserError(
+                f"the judge at {url} (--judge-model {self.name}) failed its start-up check: its reply is not a "
+                f"verdict ({text[:120]!r}{'...' if len(text) > 120 else ''}); "
+                + probe_hint("not_a_verdict", 200, self.base_url, self.name, served, self.args.judge_max_tokens)
+            ) from None
+        return (
+            f"judge check: {url} answered a verdict in {time.perf_counter() - t0:.1f}s "
+            f"({p_tok} + {c_tok} tokens, outside the budget)"
+        )
 
     def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
         return chat(

@@ -5,7 +5,7 @@
     whole_batch     every rank's trajectories in one batch (rank 0 computes A_game and A_mod over it), and
     share_advantages    A_mod handed back to the rank that played each trajectory
     end_step        the step's metrics.jsonl line, trajectories.jsonl, the step line, the checkpoint
-    finish_run      the end-of-run alarm, the engines and the process group closed, the closing line
+    finish_run      the end-of-run alarm, the engines and the process group closed (main() prints the closing line)
 
 stratagem.py's train() (and spyrl.py's) call each of these in one line. What they need of the trainer (how the
 policy is loaded, how an env is made, how everything is seeded) is passed in: nothing here imports stratagem.py.
@@ -14,6 +14,7 @@ policy is loaded, how an env is made, how everything is seeded) is passed in: no
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import sys
@@ -26,7 +27,7 @@ import torch
 
 from games import check_ids
 from machinery import UserError, costs, distill, lora, memory, runfiles, watch
-from machinery.distributed import Dist, load_optimizer_state, pick_backend, pick_device
+from machinery.distributed import Dist, load_optimizer_state, pick_backend, pick_device, pick_threads
 from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
 
 
@@ -55,6 +56,8 @@ class Run:
     runner: JudgeRunner | None = None
     reporter: watch.Reporter | None = None
     announced: bool = False  # the judge budget's banner is shown once
+    recent: list = field(default_factory=list)  # [phi, psi] batch means of the steps judged: stratagem.after_budget
+    reproject: object = None  # the judge's projection again, (steps, counts) -> projection: made after step 1
     judged: int = 0  # trajectories judged and failures, over this process's steps: the end-of-run alarm
     failures: Counter = field(default_factory=Counter)
 
@@ -72,18 +75,26 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     games = check_ids(args.games)
     eval_games = check_ids(args.eval_games, "--eval-games") if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
+    threads = pick_threads(device)  # torch's intra-op threads: OMP_NUM_THREADS, else half the cores on a CPU
     requested = args.backend
     args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
     if args.resume and dist.main:  # another job on the run may be in the middle of a save: refused before a read
         runfiles.check_not_in_use(out)
     # the checkpoint to resume (None: no save yet); a LoRA run's holds its adapter in place of the model
     ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world, args.lora_rank > 0) if args.resume else None
-    steps_left = args.steps - (runfiles.checkpoint_step(ckpt) if ckpt is not None else 0)
-    projection = (
-        costs.judge_projection(args, games, make_env, steps_left)
+    done = runfiles.checkpoint_step(ckpt) if ckpt is not None else 0
+    steps_left = args.steps - done
+    reproject = (
+        functools.partial(costs.judge_projection, args, games, make_env)
         if args.mode == "stratagem" and dist.main and (args.dry_run or args.judge == "openai")
         else None
-    )  # before any money is spent
+    )
+    counts = (  # a resumed run projects from what its own policy played (its metrics up to the checkpoint)
+        costs.measured([m for m in runfiles.read_jsonl(out / "metrics.jsonl") if m.get("step", math.inf) <= done])
+        if done and reproject is not None and (out / "metrics.jsonl").exists()
+        else None
+    )
+    projection = reproject(steps_left, counts) if reproject is not None else None  # before any money is spent
     if args.dry_run:
         if dist.main:
             total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -110,22 +121,23 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None
     if dist.main:
         runfiles.claim_run(out, fresh=not args.resume)  # one job per run folder; released by main() or finish_run()
-        print(watch.start_line(args, out, device, engine), flush=True)
+        print(watch.start_line(args, out, device, engine, threads, dist.world), flush=True)
         if projection is not None:
             print("\n".join(costs.projection_lines(args, projection)), flush=True)
+        if isinstance(judge, OpenAIJudge):  # one probe request, before the policy is loaded or anything is paid
+            print(judge.check_reachable(), flush=True)
         print(
             f"loading the policy: {ckpt or ('a random tiny Qwen3, built offline' if args.tiny else args.model)} ...",
             flush=True,
         )
     t_load = time.perf_counter()
     model, tokenizer, policy, reference = load(args, ckpt, dist, device)
-    if isinstance(judge, OpenAIJudge):
-        judge.check_reachable()
     if dist.main:
         print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
     optimizer = torch.optim.Adam(lora.trainable(model), lr=args.lr, betas=args.betas)  # LoRA: the adapters only
     run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer, reference)
     run.beta = args.beta
+    run.reproject = reproject
     run.distiller = distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
     judge_totals = None
     if ckpt is not None:
@@ -138,6 +150,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             state["elapsed"],
             state["judge_totals"],
         )
+        run.recent = state.get("recent", [])  # a checkpoint written before it was kept has none
         run.lengths = own["lengths"]
         run.beta = state.get("beta", args.beta)  # (a checkpoint from before --beta-share: the flag's)
         if run.distiller is not None:
@@ -306,6 +319,8 @@ def end_step(
     step_time = time.perf_counter() - timer.start
     run.elapsed += step_time
     if run.dist.main:
+        if mod.get("modulated"):  # the judged means that stratagem.after_budget averages once the budget is spent
+            run.recent.append([mod["phi_mean"], mod["psi_mean"]])
         metrics = step_metrics(
             run, step, trajs, ranks, judged, usage, mod, update["grad_norm"], evaluation, timer, step_time, extra
         )
@@ -313,6 +328,9 @@ def end_step(
             watch.announce_budget(run.runner.totals["cost"], run.args.judge_budget, step)
             run.announced = True
         log_step(run, metrics, trajs)
+        if run.reproject is not None and step == 1 and step < run.args.steps:  # now on this policy's own counts
+            projection = run.reproject(run.args.steps - step, costs.measured([metrics]))
+            print("\n".join(costs.projection_lines(run.args, projection)), flush=True)
     if step % run.args.save_every == 0 or step == run.args.steps:
         save(run, step)
 
@@ -352,14 +370,16 @@ def save(run: Run, step: int) -> None:
             "beta": run.beta,
             "elapsed": run.elapsed,
             "judge_totals": run.runner.totals if run.runner else None,
+            "recent": run.recent,
             "distill": run.distiller.state_dict() if run.distiller else None,
         },
         own={"rng": runfiles.rng_states(run.rng), "lengths": run.lengths},
     )
 
 
-def finish_run(run: Run) -> Path:
-    """The end-of-run judge alarm, the engines and process group closed, and the closing line."""
+def finish_run(run: Run) -> Path | None:
+    """The end-of-run judge alarm, the engines and process group closed. Returns the run folder on rank 0 (main()
+    prints the closing line with the next commands for it; bench, whose folder is temporary, does not), else None."""
     if run.runner is not None and (line := watch.run_alarm(run.judged, run.failures, run.start + 1, run.args.steps)):
         print(line, file=sys.stderr, flush=True)
     if run.reporter is not None:
@@ -368,6 +388,4 @@ def finish_run(run: Run) -> Path:
     run.policy.close()
     run.dist.close()
     runfiles.release_runs()
-    if run.dist.main:
-        print(watch.closing_line(run.out, run.args.steps, run.args.mode), flush=True)
-    return run.out
+    return run.out if run.dist.main else None

@@ -8,9 +8,11 @@ password is refused (check_base_url).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import queue
+import re
 import threading
 from urllib.parse import urlsplit
 
@@ -23,7 +25,7 @@ class JudgeFailure(Exception):
 
     def __init__(self, kind: str, detail: str = "", tokens: tuple[int, int] = (0, 0)):
         super().__init__(f"{kind}: {detail}" if detail else kind)
-        self.kind, self.tokens = kind, tokens
+        self.kind, self.detail, self.tokens = kind, detail, tokens
 
 
 def check_base_url(url: str, what: str) -> None:
@@ -70,14 +72,16 @@ def judge_seconds(requests: int, concurrency: int, timeout: float, retries: int)
     return math.ceil(requests / concurrency) * ((retries + 1) * timeout + retries * RETRY_WAIT_MAX)
 
 
-def check_reachable(client, base_url: str, timeout: float, what: str) -> None:
-    """Fail at start-up, with one line, when the server cannot be reached or rejects the key."""
+def check_reachable(client, base_url: str, timeout: float, what: str) -> list[str] | None:
+    """Fail at start-up, with one line, when the server cannot be reached or rejects the key. Returns the ids of the
+    models it lists (GET /models), or None when it lists none (some compatible servers have no such route)."""
     import openai
 
     from machinery.judge_http import ReplyEncoded
 
     try:
-        client.with_options(max_retries=0, timeout=timeout).models.list()
+        listed = client.with_options(max_retries=0, timeout=timeout).models.list()
+        return [m.id for m in listed.data if isinstance(getattr(m, "id", None), str)] or None
     except ReplyEncoded as e:
         raise UserError(
             f"the {what} at {base_url or 'api.openai.com'} compressed its reply (Content-Encoding: {e.encoding}) "
@@ -90,8 +94,24 @@ def check_reachable(client, base_url: str, timeout: float, what: str) -> None:
         raise UserError(
             f"the {what} at {base_url or 'api.openai.com'} is unreachable; start the server or fix its base URL"
         ) from None
-    except openai.APIStatusError:
-        pass  # reachable; some compatible servers simply have no /models route
+    except (openai.APIStatusError, AttributeError, TypeError, ValueError):  # a 404, or a 200 that is not a list
+        return None  # reachable; what it is, the chat request that follows finds out
+
+
+def came_back(e) -> str:
+    """An HTTP error answer in a few words: its status and the server's own message (a JSON error's `message` or
+    `detail`, else the body's text without markup), cut to 160 characters."""
+    text = getattr(getattr(e, "response", None), "text", "") or ""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        text = str((error.get("message") if isinstance(error, dict) else error) or body.get("detail") or text)
+    text = " ".join(re.sub(r"<[^>]*>", " ", text).split()).rstrip(".")
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return f"HTTP {e.status_code}" + (f": {text}" if text else "")
 
 
 def chat(client, **request) -> tuple[str, int, int]:
@@ -119,7 +139,7 @@ def chat(client, **request) -> tuple[str, int, int]:
             (k for cls, k in kinds if isinstance(e, cls)),
             f"http_{e.status_code}" if isinstance(e, oa.APIStatusError) else "bad_response",
         )
-        raise JudgeFailure(kind, str(e)) from None
+        raise JudgeFailure(kind, came_back(e) if isinstance(e, oa.APIStatusError) else str(e)) from None
     return chat_reply(resp)
 
 

@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import random
+import shlex
 import shutil
 import socket
 import stat
@@ -340,13 +341,16 @@ def remove(path: Path) -> None:
 
 
 def resume_advice(run_dir: Path | None) -> str:
-    """What a stopped run says about continuing: the checkpoint it resumes from, or a fresh start."""
+    """What a stopped run says about continuing: the checkpoint it resumes from, or a fresh start, with the command
+    that does it as it is to be typed (a SpyRL run is resumed by spyrl.py; a path with a space is quoted)."""
     if run_dir is None or not (run_dir / "config.json").exists():
         return ""
+    script = "spyrl.py" if read_config(run_dir).get("mode") == "spyrl" else "stratagem.py"
+    command = f"python {script} --resume --out {shlex.quote(str(run_dir))}"
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
-        return f" (no checkpoint yet: python stratagem.py --resume --out {run_dir} starts it again from step 0)"
-    return f" (continue from {ckpt.name} with: python stratagem.py --resume --out {run_dir})"
+        return f" (no checkpoint yet: {command} starts it again from step 0)"
+    return f" (continue from {ckpt.name} with: {command})"
 
 
 # ------------------------------------------------------------------ one job per run folder

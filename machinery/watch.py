@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shlex
 import sys
 import time
@@ -48,8 +49,9 @@ def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def start_line(args, out: Path, device, engine: str) -> str:
-    """The first line of a run: where it writes and what it will do."""
+def start_line(args, out: Path, device, engine: str, threads: tuple[int, str] | None = None, world: int = 1) -> str:
+    """The first line of a run: where it writes and what it will do; `threads`: torch's intra-op threads and why
+    (distributed.pick_threads), `world`: the torchrun ranks."""
     if args.mode == "spyrl":
         detail = f", {args.spy_players} players, {args.spy_task}, mask {args.spy_mask}, alternate {args.spy_alternate}"
     else:
@@ -67,9 +69,12 @@ def start_line(args, out: Path, device, engine: str) -> str:
         else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
     )
     report = "" if args.report_to == "none" else f" + {args.report_to}"
+    where = f"{args.backend} on {device} ({engine})"
+    where += f", torch threads {threads[0]} ({threads[1]})" if threads else ""
+    where += f", {world} ranks (torchrun), each playing 1/{world} of the games" if world > 1 else ""
     return (
         f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
-        f"{args.backend} on {device} ({engine}) | judge {judge} | steps {args.steps}, "
+        f"{where} | judge {judge} | steps {args.steps}, "
         f"batch {args.batch_size} transitions | "
         f"logs metrics.jsonl{report}"
     )
@@ -88,10 +93,13 @@ def step_line(m: dict, args) -> str:
         else ""
     )
     kl = f" (KL {m['kl']:.2e})" if "kl" in m else ""
-    middle = (
-        f"judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | phi {fmt(m['phi_mean'])} "
-        f"psi {fmt(m['psi_mean'])}"
+    spent = m.get("imputed_after_budget")  # the budget is spent: the recent judged steps' means stand in
+    scores = (
+        f"phi {spent['phi']:.3f} psi {spent['psi']:.3f} (recent judged steps' mean: budget spent)"
+        if spent
+        else f"phi {fmt(m['phi_mean'])} psi {fmt(m['psi_mean'])}"
     )
+    middle = f"judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | {scores}"
     if (m.get("beta") or {}).get("target") is not None:  # --beta-share: beta this step, and the share it made
         middle += f" | beta {m['beta']['value']:.3f} share {fmt(m['beta']['share'])} (target {m['beta']['target']})"
     if "distill" in m:  # --distill: the heads' lowest kappa on the holdout, and who scored what
@@ -120,7 +128,8 @@ def closing_line(out: Path, steps: int, mode: str = "stratagem") -> str:
     """The last line of a run: where its outputs are, and the commands a newcomer runs next on them."""
     run = shlex.quote(str(out))
     return (
-        f"done: {steps} steps in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
+        f"done: {steps} step{'' if steps == 1 else 's'} in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). "
+        "Next: "
         f"python stratagem.py plot {run} --out {shlex.quote(str(out / 'plots'))}  |  "
         f"python stratagem.py show {run}{' --judged' if mode != 'spyrl' else ''}  |  "
         f"python stratagem.py eval {run} --n 20"
@@ -276,15 +285,25 @@ def run_alarm(judged: int, failures: dict[str, int], first: int, last: int) -> s
     )
 
 
+def same_file(a, b) -> bool:
+    """Whether two streams write to one file (`> log 2>&1`, or one terminal): a line for both is said once."""
+    try:
+        x, y = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both an OSError and a ValueError
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
 def announce_budget(cost: float, budget: float, step: int) -> None:
-    """Said once, loudly, on stdout and stderr: from here on the run is unmodulated (phi = 1, psi = 0).
-    A progress bar on the terminal steps aside for it."""
+    """Said once, loudly, on stdout and on stderr (once when both go to one file): from here on no trajectory is
+    judged, and the unjudged get the running mean of recent judged phi and psi (stratagem.after_budget), so A_mod
+    keeps its scale. A progress bar on the terminal steps aside for it."""
     bar = "!" * 100
     line = (
         f"JUDGE BUDGET REACHED at step {step}: estimated cost {cost:.4f} >= --judge-budget {budget}. "
-        f"No more judge requests; every trajectory now gets phi = 1, psi = 0 (with --distill: the heads' "
-        f"levels while they are trusted)."
+        f"No more judge requests; every trajectory now gets the mean phi and psi of the last judged steps (the "
+        f"step lines show them), so A_mod keeps its scale (with --distill: the heads' levels while they are trusted)."
     )
     with tqdm.external_write_mode(file=sys.stderr):
-        for stream in (sys.stdout, sys.stderr):
+        for stream in (sys.stdout,) if same_file(sys.stdout, sys.stderr) else (sys.stdout, sys.stderr):
             print(f"{bar}\n{line}\n{bar}", file=stream, flush=True)

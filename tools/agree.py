@@ -156,7 +156,11 @@ def main(argv: list[str]) -> int:
     print(f"{'':16}" + "".join(f"{c:>10}" for c in columns))
     for row, values in table.items():
         print(f"{row:16}" + "".join(f"{'n/a' if math.isnan(values[c]) else f'{values[c]:.3f}':>10}" for c in columns))
-    print("paper (Table 1): kappa > 0.60, Spearman > 0.70; n/a: a judge gave one level to every trajectory")
+    print(
+        "paper (Table 1): kappa > 0.60, Spearman > 0.70; n/a: undefined, for kappa when both judges of the pair gave "
+        "every trajectory one and the same level (or none was compared), for Spearman when either judge gave one "
+        "value throughout"
+    )
     if ns.json:
         Path(ns.json).write_text(
             json.dumps(

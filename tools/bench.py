@@ -18,6 +18,7 @@ import torch
 
 import judge_prompts
 from machinery import UserError
+from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser
 from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
 from machinery.runfiles import JudgeCache, check_writable_file, latest_checkpoint, load_state, read_jsonl
@@ -126,6 +127,8 @@ def main(argv: list[str]) -> int:
     if base.lora_rank and not spyrl and ns.rollout == "both":  # LoRA's figures beside full fine-tuning's, lockstep
         modes, trainers = ["lora", "full"], {"lora": train, "full": train}
         configs = {"lora": base, "full": resolve_args({k: v for k, v in explicit.items() if not k.startswith("lora_")})}
+    threads = pick_threads(pick_device(base.device))  # what each run's start_run sets again
+    machine = {"threads": threads[0], "why": threads[1], "cores": os.cpu_count(), "load_before": os.getloadavg()[0]}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
@@ -140,6 +143,7 @@ def main(argv: list[str]) -> int:
             }
         if ns.judgements > 0:
             results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
+    machine["load_after"] = os.getloadavg()[0]  # the 1-minute load average: a shared machine moves every figure
     print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
     rows = [
         ("s/step", "s_per_step", 2),
@@ -160,7 +164,11 @@ def main(argv: list[str]) -> int:
             f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes)
         )
     for m in modes:
-        print(f"{m}: 400 steps (the paper's run) at this rate would take {400 * results[m]['s_per_step'] / 3600:.2f} h")
+        print(
+            f"{m}: 400 steps of this configuration (batch {configs[m].batch_size}, up to {configs[m].max_new_tokens} "
+            f"new tokens a turn) would take {400 * results[m]['s_per_step'] / 3600:.2f} h at this rate "
+            f"(the paper's run: 400 steps of batch 128, up to 4096 new tokens, on GPUs)"
+        )
     if modes == ["lockstep", "sequential"]:
         speedup = results["lockstep"]["games_per_s"] / results["sequential"]["games_per_s"]
         rollout = results["lockstep"]["rollout_games_per_s"] / results["sequential"]["rollout_games_per_s"]
@@ -172,6 +180,11 @@ def main(argv: list[str]) -> int:
             f"judge: {j['judgements']} judgements ({j['requests']} requests, {j['failed']} failed) in "
             f"{j['seconds']:.2f} s with {j['concurrency']} in flight"
         )
+    print(
+        f"torch threads {threads[0]} ({threads[1]}); load average {machine['load_before']:.1f} before, "
+        f"{machine['load_after']:.1f} after (1 min, {machine['cores']} cores here)"
+    )
     with open(ns.json, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"argv": argv, "config": dataclasses.asdict(base), "results": results}) + "\n")
+        record = {"argv": argv, "config": dataclasses.asdict(base), "machine": machine, "results": results}
+        f.write(json.dumps(record) + "\n")
     return 0

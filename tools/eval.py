@@ -4,6 +4,7 @@ OpenAI-compatible model) on training and out-of-distribution games, each seat in
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 import time
@@ -11,11 +12,11 @@ from pathlib import Path
 
 from games import check_ids, first_last_ids
 from machinery import UserError
-from machinery.distributed import pick_device
+from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser, field_docs, number_pair
 from machinery.matches import RandomPlayer, summarize_matches
 from machinery.openai_api import check_base_url, check_reachable, concurrently, openai_client
-from machinery.runfiles import check_writable_file, latest_checkpoint
+from machinery.runfiles import check_writable_file, latest_checkpoint, read_config
 from machinery.vllm_engine import VLLMPolicy
 from machinery.watch import quiet_transformers
 from stratagem import (
@@ -93,6 +94,61 @@ def resolve_model_path(path: str) -> str:
     return str(ckpt) if ckpt else path
 
 
+def run_of(path: str) -> Path | None:
+    """The run folder a model path belongs to: the run directory itself, or the run of one of its checkpoints."""
+    for folder in (Path(path), Path(path).parent.parent):
+        if (folder / "config.json").is_file() and (folder / "checkpoints").is_dir():
+            return folder
+    return None
+
+
+# eval's flags that a run's config.json fills when they are not given: {eval flag: the run's config key}
+FROM_RUN = {
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "games": "eval_games",
+    "max_turns": "eval_max_turns",
+    "error_allowance": "error_allowance",
+    "action_rule": "action_rule",
+    "invalid_rewards": "invalid_rewards",
+    "rejected_rewards": "rejected_rewards",
+    "first_last": "eval_first_last",
+}
+# and where there is no run (a model directory, a hub id): the trainer's own defaults (the paper's run)
+DEFAULTS = {
+    "max_new_tokens": Args.max_new_tokens,
+    "temperature": Args.temperature,
+    "games": Args.eval_games,
+    "max_turns": Args.eval_max_turns,
+    "error_allowance": Args.error_allowance,
+    "action_rule": Args.action_rule,
+    "invalid_rewards": Args.invalid_rewards,
+    "rejected_rewards": Args.rejected_rewards,
+    "first_last": Args.eval_first_last,
+}
+
+
+def settings(ns, run: Path | None) -> list[str]:
+    """Fill each of FROM_RUN's flags not given on the command line: from the run's config.json where the model is
+    a run (its generation settings, how it reads and pays moves, its --eval-* games), else the trainer's
+    defaults. Returns the flags taken from the run, as `--flag value`, to be said."""
+    config = read_config(run) if run is not None else {}
+    taken = []
+    for flag, key in FROM_RUN.items():
+        if getattr(ns, flag) is None:
+            value = config.get(key, DEFAULTS[flag])
+            setattr(ns, flag, value)
+            if key in config:
+                taken.append(f"--{flag.replace('_', '-')} {value}")
+    return taken
+
+
+def free_name(folder: Path, seed: int) -> Path:
+    """eval-<seed>.json in `folder`, or eval-<seed>-2.json, -3, ...: the first name not taken."""
+    names = (f"eval-{seed}.json" if k == 1 else f"eval-{seed}-{k}.json" for k in itertools.count(1))
+    return next(folder / name for name in names if not (folder / name).exists())
+
+
 def main(argv: list[str]) -> int:
     p = FriendlyParser(
         prog="stratagem.py eval",
@@ -105,46 +161,70 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "model", help="a run directory (its newest checkpoint), a checkpoint or model directory, or a hub id"
     )
-    p.add_argument("--games", default=Args.eval_games, help=f"comma-separated ids (default: {Args.eval_games})")
+    p.add_argument(
+        "--games", help=f"comma-separated ids (default: the run's --eval-games; without a run: {Args.eval_games})"
+    )
     p.add_argument("--n", type=int, default=20, help="games per id, seats alternating (default: 20)")
     p.add_argument(
         "--opponent", default="random", help="random, openai:MODEL or openai:MODEL@BASE_URL (default: random)"
     )
     p.add_argument("--greedy", action="store_true", help="greedy decoding for the model (default: sampled)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=4096, help="longest response per turn (default: 4096)")
-    p.add_argument("--max-turns", type=int, default=200, help="turn cap; a capped game is a draw (default: 200)")
-    p.add_argument("--error-allowance", type=int, default=0, help="invalid moves allowed before losing (default: 0)")
-    docs = field_docs(Args)
+    run_default = "(default: the run's {}; without a run: {!r})"
+    p.add_argument("--temperature", type=float, help="sampling temperature " + run_default.format("--temperature", 1.0))
     p.add_argument(
-        "--action-rule", choices=CHOICES["action_rule"], default=Args.action_rule, help=docs["action_rule"][1]
+        "--max-new-tokens",
+        type=int,
+        help="longest response per turn " + run_default.format("--max-new-tokens", Args.max_new_tokens),
     )
-    p.add_argument("--invalid-rewards", default=Args.invalid_rewards, help=docs["invalid_rewards"][1])
-    p.add_argument("--rejected-rewards", default=Args.rejected_rewards, help=docs["rejected_rewards"][1])
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        help="turn cap; a capped game is a draw " + run_default.format("--eval-max-turns", Args.eval_max_turns),
+    )
+    p.add_argument(
+        "--error-allowance",
+        type=int,
+        help="invalid moves allowed before losing " + run_default.format("--error-allowance", Args.error_allowance),
+    )
+    docs = field_docs(Args)
+    for name in ("action_rule", "invalid_rewards", "rejected_rewards"):
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            choices=CHOICES.get(name),
+            help=f"{docs[name][1]} " + run_default.format("--" + name.replace("_", "-"), getattr(Args, name)),
+        )
     p.add_argument(
         "--first-last",
-        default="",
         help="comma-separated --games ids shown in SPIRAL's evaluation format, the first message and the latest one "
-        "(SPIRAL's: TicTacToe-v0); default: every game shows the whole history, as in training",
+        "(SPIRAL's: TicTacToe-v0); default: the run's --eval-first-last; without a run, every game shows the whole "
+        "history, as in training",
     )
     p.add_argument("--concurrency", type=int, default=64, help="games in flight (default: 64)")
     p.add_argument("--seed", type=int, default=1, help="seeds the games, the opponent and sampling (default: 1)")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
     p.add_argument("--device", default="auto", help="torch device (default: auto)")
     p.add_argument("--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1])
-    p.add_argument("--json", default="", help="write the results here (default: eval-<seed>.json, never overwritten)")
+    p.add_argument(
+        "--json",
+        default="",
+        help="write the results here, never over an existing file (default: eval-<seed>.json in the run directory, "
+        "else in the current one; eval-<seed>-2.json, -3, ... when it is taken)",
+    )
     ns = p.parse_args(argv)
+    run = run_of(ns.model)
+    taken = settings(ns, run)
     if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1:
         raise UserError("--n, --max-new-tokens, --max-turns and --concurrency must be >= 1")
     if not (ns.temperature == 0 or 1e-3 <= ns.temperature <= 100):  # below 0.001, logits / T overflow to inf
         raise UserError(f"--temperature must be 0 (greedy) or in [0.001, 100], got {ns.temperature}")
     if ns.error_allowance < 0:
         raise UserError("--error-allowance must be >= 0")
-    out = Path(ns.json or f"eval-{ns.seed}.json")
-    if out.exists():
-        raise UserError(f"{out} already exists; choose another --json")
+    if ns.json and Path(ns.json).exists():
+        raise UserError(f"{ns.json} already exists; choose another --json")
+    out = Path(ns.json) if ns.json else free_name(run if run is not None else Path("."), ns.seed)
     check_writable_file(out, "--json")  # now, not after every game is played
     device = pick_device(ns.device)  # an unknown or absent device fails before any work
+    pick_threads(device)  # as in training: OMP_NUM_THREADS, else half the cores on a CPU
     games = check_ids(ns.games)
     first_last = first_last_ids(ns.first_last, ns.games)
     payouts = (
@@ -167,6 +247,8 @@ def main(argv: list[str]) -> int:
         else LLMPlayer(*openai_spec(ns.opponent, "random"), args)
     )
     path = resolve_model_path(ns.model)
+    if taken:
+        print(f"eval: as {run} was trained (its config.json; a flag given wins): {', '.join(taken)}", flush=True)
     model, tokenizer = load_policy(path, device)
     policy = (
         VLLMPolicy(path, tokenizer, stop_ids(tokenizer, model), args, device)
@@ -201,6 +283,9 @@ def main(argv: list[str]) -> int:
                 "seed": ns.seed,
                 "action_rule": ns.action_rule,
                 "first_last": first_last,
+                "max_new_tokens": ns.max_new_tokens,
+                "temperature": args.temperature,
+                "max_turns": ns.max_turns,
                 "invalid_rewards": payouts[0],
                 "rejected_rewards": payouts[1],
                 "summary": summary,

@@ -7,7 +7,7 @@ from pathlib import Path
 from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.runfiles import check_writable_dir, refuse_link
-from tools.runs import read_metrics, run_label
+from tools.runs import read_metrics, run_label, run_mode
 
 PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None: not there)])
     "eval_win_rate": (
@@ -17,18 +17,8 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
     ),
     "invalid_rate": (
         "Invalid-action rate in self-play",
-        "invalid moves per seat",
-        [
-            (
-                "",
-                lambda m: (
-                    sum(c[p]["invalid"] for c in m["games"].values() for p in c)
-                    / max(1, sum(c[p][k] for c in m["games"].values() for p in c for k in ("win", "draw", "loss")))
-                    if isinstance(m.get("games"), dict)
-                    else None
-                ),
-            )
-        ],
+        "lost by an invalid move, per seat that moved",
+        [("", lambda m: invalid_rate(m))],
     ),
     "response_length": ("Mean response length", "tokens", [("", lambda m: m.get("response_tokens_mean"))]),
     "phi_psi": (
@@ -96,6 +86,19 @@ NEEDS = {
 }  # what a run needs for the figures that only some runs have data for
 
 
+JUDGED = ("judge_requests",)  # figures drawn only for runs that have a judge (--mode stratagem)
+
+
+def invalid_rate(m: dict) -> float | None:
+    """The share of the step's seats that moved and lost by an invalid move (a SpyRL seat: voted invalidly). A seat
+    that never moved (its opponent lost on the first move) made no move, valid or not: it is not counted. None for
+    a line without outcome counts."""
+    if not isinstance(m.get("games"), dict):
+        return None
+    seats = sum(c[p][k] for c in m["games"].values() for p in c for k in ("win", "draw", "loss"))
+    return sum(c[p]["invalid"] for c in m["games"].values() for p in c) / max(1, seats - m.get("idle_seats", 0))
+
+
 def min_kappa(report: dict | None) -> float | None:
     """The lowest kappa over the dimensions the run uses (None: not measured yet, or nothing to measure)."""
     report = report or {}
@@ -123,6 +126,8 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     n = len(runs) * len(series)
     drawn = 0
     for r, (run, metrics) in enumerate(runs):
+        if name in JUDGED and run_mode(run) != "stratagem":  # no judge: its zeros would read as "asked nothing"
+            continue
         for s, (label, value) in enumerate(series):
             k = r * len(series) + s  # draw order
             points = [(m["step"], value(m)) for m in metrics if isinstance(m.get("step"), int) and value(m) is not None]
@@ -145,7 +150,8 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     if not drawn:
         plt.close(fig)
         return None
-    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.set(xlabel="step", ylabel=ylabel)
+    fig.suptitle(title)  # over the whole figure, legend included: a long legend cannot push it off the left edge
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     if name in ("eval_win_rate", "invalid_rate", "spy"):
         ax.set_ylim(-0.02, 1.02)

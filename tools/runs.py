@@ -40,10 +40,23 @@ def read_trajectories(run: Path) -> list[Trajectory]:
     return out
 
 
+def run_config(run: Path) -> dict:
+    return read_config(run) if (run / "config.json").exists() else {}
+
+
+def run_mode(run: Path) -> str:
+    return run_config(run).get("mode", "?")
+
+
 def run_label(run: Path) -> str:
-    config = read_config(run) if (run / "config.json").exists() else {}
+    """The run's name and what sets it apart: beta (or w/o psi) for STRATAGEM, the task for SpyRL."""
+    config = run_config(run)
     mode = config.get("mode", "?")
-    detail = "" if mode == "spiral" else (" w/o psi" if config.get("no_psi") else f" beta={config.get('beta')}")
+    detail = {
+        "spiral": "",
+        "spyrl": f" {config.get('spy_task')}",
+        "stratagem": " w/o psi" if config.get("no_psi") else f" beta={config.get('beta')}",
+    }.get(mode, "")
     return f"{run.name} ({mode}{detail})"
 
 

@@ -21,7 +21,8 @@ import torch
 import judge_prompts
 from machinery import UserError
 from machinery.flags import FriendlyParser
-from machinery.judge import HeuristicJudge
+from machinery.judge import PROBE_TEXT, HeuristicJudge, probe_verdict
+from machinery.watch import quiet_transformers
 from stratagem import TINY_DEFAULTS, Args, HFPolicy, build_random_model, format_prompt, load_policy, make_env
 
 
@@ -105,7 +106,8 @@ def make_judge_server(
     judge: HeuristicJudge | TokenTeacher | None = None,
 ) -> JudgeHTTPServer:
     """`judge` (default: the heuristic stand-in) behind an OpenAI-compatible API (GET /v1/models,
-    POST /v1/chat/completions).
+    POST /v1/chat/completions; any other path is a 404, as on a real server), answering whatever model is named
+    and the trainer's start-up probe (machinery/judge.py) as a real judge would.
     With `noise`, each level is replaced by a random one with that probability (seeded by the request),
     so it can play a second, disagreeing judge; `delay` seconds before each answer imitate a slow
     model. Usage counts ~4 characters per token."""
@@ -122,7 +124,16 @@ def make_judge_server(
             self.end_headers()
             self.wfile.write(data)
 
+        def _no_route(self) -> bool:
+            """A path the API does not have gets a 404, as from a real server (a base URL without /v1, say)."""
+            if self.path.split("?")[0] in ("/v1/models", "/v1/chat/completions"):
+                return False
+            self._send(404, {"error": {"message": f"no route {self.command} {self.path}", "code": 404}})
+            return True
+
         def do_GET(self):
+            if self._no_route():
+                return
             self._send(
                 200, {"object": "list", "data": [{"id": "heuristic", "object": "model", "owned_by": "stratagem"}]}
             )
@@ -141,8 +152,12 @@ def make_judge_server(
             return (body, content) if isinstance(content, str) else None
 
         def do_POST(self):
+            if self._no_route():
+                return
             request = self._chat_request()
             body, content = request or ({}, "")
+            if content.startswith(PROBE_TEXT):  # the trainer's start-up check: it asks for a verdict, and gets it
+                return self._answer(body, json.dumps(probe_verdict()))
             rubric = next((r for r in judge_prompts.RUBRICS if judge_prompts.rubric_text(r) in content), None)
             if rubric is None or judge_prompts.TRAJECTORY_OPEN not in content:
                 return self._send(
@@ -162,7 +177,9 @@ def make_judge_server(
             draw = random.Random(hashlib.sha256(f"{seed}:{content}".encode()).digest())
             levels = judge_prompts.RUBRICS[rubric]["levels"]
             scores = {k: (draw.choice(levels) if draw.random() < noise else v) for k, v in scores.items()}
-            reply = json.dumps(scores)
+            self._answer(body, json.dumps(scores))
+
+        def _answer(self, body: dict, reply: str) -> None:
             time.sleep(delay)
             prompt_tokens = sum(len(str(m.get("content", ""))) for m in body["messages"] if isinstance(m, dict)) // 4
             self._send(
@@ -215,6 +232,7 @@ def main(argv: list[str]) -> int:
         raise UserError("--noise must be in [0, 1] and --delay >= 0")
     if not 0 <= ns.port <= 65535:
         raise UserError(f"--port must be in [0, 65535] (0: any free port), got {ns.port}")
+    quiet_transformers()  # --teacher tokens loads a model: no progress bars before the ready line
     try:
         server = make_judge_server(
             ns.host,

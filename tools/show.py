@@ -32,6 +32,11 @@ def say(text: str) -> None:
     print(visible(text))
 
 
+def signed(x: float) -> str:
+    """x as +0.1234: a value that rounds to zero is +0.0000, never -0.0000."""
+    return f"{round(x, 4) + 0.0:+.4f}"
+
+
 def main(argv: list[str]) -> int:
     p = FriendlyParser(
         prog="stratagem.py show",
@@ -181,20 +186,22 @@ def show_spy_game(ns, rows: list[dict]) -> int:
     say(f"\n--- the {thing} (civilians' copy; [-...-]: removed from the spy's) ---\n{marked(text, g['removed'])}")
     for k in range(n):
         out, vote = outputs[k], votes.get(k)
-        say(f"\n--- Player {k} ({out['info']['role']}) ---\n{out['turns'][0]['response'].strip()}")
         say(
-            f"[vote] {'Player ' + str(g['votes'][k]) if g['votes'][k] is not None else 'invalid'}  |  "
-            f"vote share s = {g['shares'][k]:.3f}  |  r^P = {out['reward']:+.4f}, b = {out['baseline']:+.4f}, "
-            f"A = {out['a_mod']:+.4f}"
+            f"\n--- Player {k} ({out['info']['role']}) ---\n[output]\n{out['turns'][0]['response'].strip()}\n"
+            f"[output, performance] votes drawn s = {g['shares'][k]:.3f}  |  r^P = {signed(out['reward'])}, "
+            f"b = {signed(out['baseline'])}, A = {signed(out['a_mod'])}"
             + (f"  |  ROUGE-L {out['info']['rouge_l']:.3f}" if "rouge_l" in out["info"] else "")
         )
-        if vote is not None:
+        voted = f"Player {g['votes'][k]}" if g["votes"][k] is not None else "invalid (it names no other player)"
+        if vote is not None:  # the vote's own line, then the text it was read from
             say(
-                f"[vote, detection] r^D = {vote['reward']:g}, A (group-relative) = {vote['a_mod']:+.4f}\n"
-                f"{vote['turns'][0]['response'].strip()}"
+                f"[vote, detection] {voted}  |  r^D = {vote['reward']:g}, A (group-relative) = "
+                f"{signed(vote['a_mod'])}\n{vote['turns'][0]['response'].strip()}"
             )
         else:
-            say("[vote, detection] the spy's vote: counted in the tally, paid nothing, not trained (not logged)")
+            say(
+                f"[vote] {voted}: the spy's vote, counted in the tally, paid nothing, not trained (its text not logged)"
+            )
     tally = ", ".join(f"Player {k}: {g['votes'].count(k)}" for k in range(n))
     say(
         f"\ntally: {tally} | "
