@@ -31,6 +31,7 @@ from pathlib import Path
 import stratagem as S
 from games import spy
 from machinery import lifecycle, watch
+from machinery.distributed import leave
 
 
 @dataclass
@@ -182,4 +183,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    S.leave(main())
+    leave(main())

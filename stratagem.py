@@ -54,7 +54,17 @@ import judge_prompts
 from games import first_last_ids, spiral  # noqa: F401  (importing it registers SPIRAL's own ids with TextArena)
 from games.actions import INVALID_ACTION, spiral_action, spiral_moves
 from machinery import UserError, costs, distill, lifecycle, lora, runfiles, watch
-from machinery.distributed import Dist, full_weights, pick_device, shard, stop_within
+from machinery.distributed import (
+    STOP_SIGNALS,
+    Dist,
+    Terminated,
+    full_weights,
+    leave,
+    pick_device,
+    shard,
+    stop_handler,
+    stop_within,
+)
 from machinery.flags import dataclass_parser, number_pair
 from machinery.judge import Judgement
 from machinery.matches import RandomPlayer, summarize_matches
@@ -1009,11 +1019,11 @@ ARCHS = {
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,  # head_dim 32:
+        num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=32,  # vLLM's CPU attention minimum
         max_position_embeddings=16384,
-    ),  # vLLM's CPU attention minimum
+    ),
     "qwen3-4b": dict(
         vocab_size=151936,
         hidden_size=2560,
@@ -1083,21 +1093,18 @@ def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
 def model_shape(args: Args) -> dict | None:
     """The policy's config fields, read without loading it (--dry-run's memory projection): --tiny's, a local
     folder's or the Hugging Face cache's config.json, or ARCHS for Qwen3-4B(-Base); None where none is at hand."""
-    import json
-
     if args.tiny:
         return {**ARCHS["tiny"], "vocab_size": len(tiny_tokenizer(args.seed)), "tie_word_embeddings": True}
-    local = Path(os.path.expanduser(args.model)) / "config.json"
-    if local.is_file():
-        return json.loads(local.read_text())
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        cached = try_to_load_from_cache(args.model, "config.json")
-    except ValueError:  # not a hub id (HFValidationError)
-        cached = None
-    if isinstance(cached, str):
-        return json.loads(Path(cached).read_text())
+        local = Path(os.path.expanduser(args.model)) / "config.json"
+        path = local if local.is_file() else try_to_load_from_cache(args.model, "config.json")
+        if isinstance(path, str | Path):
+            config = json.loads(Path(path).read_text())
+            return config if isinstance(config, dict) else None
+    except (OSError, ValueError):  # not a hub id (HFValidationError), a damaged config.json
+        return None
     if args.model.lower().removesuffix("-base").endswith("qwen3-4b"):
         return {**ARCHS["qwen3-4b"], "tie_word_embeddings": True}
     return None
@@ -1133,21 +1140,12 @@ def load_policy(path: str, device: torch.device, dtype: torch.dtype = torch.floa
 
 
 def context_length(args: Args) -> int | None:
-    """Tokens the policy's context holds, read before anything is loaded or downloaded: the tiny model's, or
-    max_position_embeddings in --model's config.json where that is on disk (a local folder or the hub's cache);
-    None where it is not."""
+    """Tokens the policy's context holds, read before anything is loaded or downloaded (model_shape); None where
+    no config is at hand."""
     if args.tiny:
         return ARCHS["tiny"]["max_position_embeddings"]
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        local = Path(os.path.expanduser(args.model)) / "config.json"
-        path = local if local.is_file() else try_to_load_from_cache(args.model, "config.json")
-        return (
-            int(json.loads(Path(path).read_text())["max_position_embeddings"]) if isinstance(path, str | Path) else None
-        )
-    except (OSError, ValueError, KeyError, TypeError):  # not a repo id (ValueError), a config without the field
-        return None
+    value = (model_shape(args) or {}).get("max_position_embeddings")
+    return value if isinstance(value, int) else None
 
 
 def stop_ids(tokenizer, model) -> list[int]:
@@ -1396,29 +1394,6 @@ COMMANDS = {
 }
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's stop, `kill`) or SIGHUP (a closed terminal or ssh session), raised where the program
-    is, so it stops like Ctrl-C. Its argument is the signal's name."""
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def stop_handler():
-    """The handler of STOP_SIGNALS: the first raises where the program is (KeyboardInterrupt for Ctrl-C, else
-    Terminated); later ones are ignored, so a second Ctrl-C cannot break the stop under way (releasing the run,
-    saying how to resume, exiting) into a traceback. stop_within() still ends a run that cannot stop. The
-    handler's `stopping` lists the signals received."""
-
-    def handler(signum, frame):
-        handler.stopping.append(signum)
-        if len(handler.stopping) == 1:
-            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signal.Signals(signum).name)
-
-    handler.stopping = []
-    return handler
-
-
 def parse_args(argv: list[str], cls=Args, parser=None, resolve=resolve_args) -> Args:
     """The run's Args from a command line: the flags given, on top of the saved config.json with --resume.
     spyrl.py passes its own Args class, parser and resolve."""
@@ -1452,7 +1427,7 @@ def main(argv: list[str] | None = None, parse=parse_args, run=None, commands=COM
     `parse` and `run` (its train) through here, for the same one-line errors and stop signals."""
     argv = sys.argv[1:] if argv is None else argv
     in_main_thread = threading.current_thread() is threading.main_thread()
-    on_stop = stop_handler()
+    on_stop = stop_handler()  # machinery/distributed.py: the first stop signal stops, later ones wait for it
     previous = {s: signal.signal(s, on_stop) for s in STOP_SIGNALS} if in_main_thread else {}
     run_dir = None  # set once a training run is resolved: the resume advice names it
     try:
@@ -1496,17 +1471,5 @@ def main(argv: list[str] | None = None, parse=parse_args, run=None, commands=COM
     return 0
 
 
-def leave(code: int) -> None:
-    """The process's exit. A torchrun rank whose run has ended (its files closed, its process group destroyed)
-    leaves without the interpreter's teardown: gloo's threads are still running then (torch's caches keep the
-    group after destroy_process_group), and tearing down around them has aborted a rank ("terminate called
-    without an active exception") on a busy machine."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    leave(main())
+    leave(main())  # machinery/distributed.py: a finished torchrun rank leaves without the teardown

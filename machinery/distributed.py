@@ -1,4 +1,5 @@
-"""Data parallelism and the choice of device and generation engine.
+"""Data parallelism, the choice of device and generation engine, and stopping: the stop signals' handler, a
+stuck collective that must not hold a stop up (stop_within), and a finished rank's exit.
 
 `torchrun --nproc-per-node N stratagem.py ...` shards the learner with PyTorch's own FSDP2 and gives every
 rank 1/N of the games; steps 2-3 of Algorithm 1 (RAE, judge, A_mod) run on rank 0 over the whole batch.
@@ -236,3 +237,38 @@ def stop_within(seconds: float):
     finally:
         _inside.clear()
         signal.set_wakeup_fd(previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, `kill`) or SIGHUP (a closed terminal or ssh session), raised where the program
+    is, so it stops like Ctrl-C. Its argument is the signal's name."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_handler():
+    """The handler of STOP_SIGNALS: the first raises where the program is (KeyboardInterrupt for Ctrl-C, else
+    Terminated); later ones are ignored, so a second Ctrl-C cannot break the stop under way (releasing the run,
+    saying how to resume, exiting) into a traceback. stop_within() still ends a run that cannot stop. The
+    handler's `stopping` lists the signals received."""
+
+    def handler(signum, frame):
+        handler.stopping.append(signum)
+        if len(handler.stopping) == 1:
+            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signal.Signals(signum).name)
+
+    handler.stopping = []
+    return handler
+
+
+def leave(code: int) -> None:
+    """The process's exit. A torchrun rank whose run has ended (its files closed, its process group destroyed)
+    leaves without the interpreter's teardown: gloo's threads are still running then (torch's caches keep the
+    group after destroy_process_group), and tearing down around them has aborted a rank ("terminate called
+    without an active exception") on a busy machine."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
