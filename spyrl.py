@@ -40,6 +40,9 @@ class Args(S.Args):
 
     mode: str = "spyrl"
     """spyrl: who is the spy (recorded in config.json, read by plot and show)"""
+    tiny_init: str = "random"
+    """--tiny's weights: random (built from --seed), or warm (stratagem.py's default: the warm start taught SPIRAL's
+    two-player games, not who is the spy)"""
     ppo_epochs: int = 2
     """Adam steps per batch; the clipped objective binds from the second (RLSVR: 'a GRPO-style clipped objective';
     the number is not given: 2, as SPIRAL's code)"""

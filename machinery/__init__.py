@@ -16,6 +16,8 @@
     judge_http.py    the HTTP under that client: a deadline per request attempt, a cap on the reply's size
     matches.py       the evaluation's random legal opponent and the statistics of a set of matches
     costs.py         what the judge will cost, known before it is paid: the price table, the projection, --dry-run
+    warmstart.py     the warm start: the tiny Qwen3 taught the games' rules by supervised learning on games of the
+                     random legal player (`stratagem.py warmstart`; the shipped one is warmstart/tiny)
     distill.py       --distill: heads on the policy's hidden states that learn the judge, their holdout and trust;
                      Cohen's kappa and Spearman's rho (also `agree`'s)
 

@@ -21,6 +21,7 @@ import math
 import random
 
 import judge_prompts
+from machinery import watch
 from machinery.matches import accepts, candidate_actions
 
 PRICES_DATE = "2025-06"
@@ -213,7 +214,7 @@ def plan(args, out, games: list[str], device, engine: str, projection: dict | No
         "stratagem --dry-run: the plan; nothing is loaded, run or written",
         f"run directory: {out}"
         + (" (exists: a run needs --resume or another --out)" if out.exists() and not args.resume else ""),
-        f"model: {'a random tiny Qwen3, built offline' if args.tiny else args.model}",
+        f"model: {watch.tiny_model(args) if args.tiny else args.model}",
         f"engine: {args.backend} on {device} ({engine})",
         f"games: {', '.join(games)}, one sampled uniformly per episode, turn cap {args.max_turns}",
         f"steps: {args.steps}, batch {args.batch_size} transitions ({args.steps * args.batch_size:,} in all), "

@@ -4,7 +4,8 @@
                     a resumed run's state read back from its checkpoint
     whole_batch     every rank's trajectories in one batch (rank 0 computes A_game and A_mod over it), and
     share_advantages    A_mod handed back to the rank that played each trajectory
-    end_step        the step's metrics.jsonl line, trajectories.jsonl, the step line, the checkpoint
+    first_eval      --eval-every's point before the first update (step 0), the start of the learning curve
+    end_step        the step's metrics.jsonl line, trajectories.jsonl, the step line, the checkpoint; --keep-best
     finish_run      the end-of-run alarm, the engines and the process group closed (main() prints the closing line)
 
 stratagem.py's train() (and spyrl.py's) call each of these in one line. What they need of the trainer (how the
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import random
+import shutil
 import sys
 import time
 from collections import Counter
@@ -72,6 +75,8 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     model's config fields or None (--dry-run's memory projection)."""
     watch.quiet_transformers()
     dist, out = Dist(args), Path(args.out)
+    if args.keep_best and dist.world > 1:
+        raise UserError("--keep-best saves rank 0's evaluated policy: run it without torchrun")
     games = check_ids(args.games)
     eval_games = check_ids(args.eval_games, "--eval-games") if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
@@ -127,7 +132,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
         if isinstance(judge, OpenAIJudge):  # one probe request, before the policy is loaded or anything is paid
             print(judge.check_reachable(), flush=True)
         print(
-            f"loading the policy: {ckpt or ('a random tiny Qwen3, built offline' if args.tiny else args.model)} ...",
+            f"loading the policy: {ckpt or (watch.tiny_model(args) if args.tiny else args.model)} ...",
             flush=True,
         )
     t_load = time.perf_counter()
@@ -275,6 +280,8 @@ def step_metrics(
         "judge_failures": failures,
         "judge_skipped_budget": sum(j.skipped for j in judged.values()),
         "judge_evolution_rules": Counter(j.rule for j in judged.values() if j.rule),
+        "judged_multi_turn": sum(t.judged and len(t.turns) > 1 for t in played),  # psi has turns to compare
+        "psi_nonzero": sum(t.judged and t.psi != 0 for t in played),
         **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
         "judge_cost": usage.get("cost", 0.0),
         "judge_cost_total": runner.totals["cost"] if runner else 0.0,
@@ -331,8 +338,41 @@ def end_step(
         if run.reproject is not None and step == 1 and step < run.args.steps:  # now on this policy's own counts
             projection = run.reproject(run.args.steps - step, costs.measured([metrics]))
             print("\n".join(costs.projection_lines(run.args, projection)), flush=True)
+    if evaluation:
+        keep_best(run, step, evaluation)
     if step % run.args.save_every == 0 or step == run.args.steps:
         save(run, step)
+
+
+def first_eval(run: Run, evaluate) -> None:
+    """A fresh run's evaluation before any update, `evaluate(step=0)` (None without --eval-every): its own
+    metrics.jsonl line {"step": 0, "eval": ...} and step line, so that a learning curve starts where the policy
+    started."""
+    evaluation = evaluate(0) if run.start == 0 else None
+    if evaluation:
+        runfiles.append_jsonl(run.out / "metrics.jsonl", {"step": 0, "eval": evaluation})
+        print(f"step 0/{run.args.steps} | before any update | {watch.eval_text(evaluation)}", flush=True)
+        keep_best(run, 0, evaluation)
+
+
+def keep_best(run: Run, step: int, evaluation: dict) -> None:
+    """--keep-best: the policy goes to <out>/best (written aside, then an atomic rename) whenever its evaluation win
+    rate beats best.json's, so that a peak survives self-play's drift away from it. The best is picked on the
+    evaluation itself, so its win rate there is biased upwards: measure it again on fresh games
+    (`stratagem.py eval <out>/best`)."""
+    best = run.out / "best"
+    if not run.args.keep_best or (
+        (best / "best.json").exists()
+        and json.loads((best / "best.json").read_text())["win_rate"] >= evaluation["win_rate"]
+    ):
+        return
+    tmp = run.out / ".best-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during an earlier write
+    run.model.save_pretrained(tmp)
+    run.tokenizer.save_pretrained(tmp)
+    (tmp / "best.json").write_text(json.dumps({"step": step, **evaluation}, indent=1))
+    shutil.rmtree(best, ignore_errors=True)
+    tmp.rename(best)
 
 
 def log_step(run: Run, metrics: dict, trajs: list) -> None:

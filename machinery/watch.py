@@ -37,6 +37,13 @@ class Timer:
             self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
 
 
+def tiny_model(args) -> str:
+    """--tiny's policy in words: the shipped warm start, or a random model built offline (--tiny-init)."""
+    if args.tiny_init == "warm":
+        return "the warm start warmstart/tiny, taught the games' rules"
+    return "a random tiny Qwen3, built offline"
+
+
 def quiet_transformers() -> None:
     """No progress bars or advice from transformers in the run's log."""
     from transformers.utils import logging as hf_logging
@@ -57,7 +64,7 @@ def start_line(args, out: Path, device, engine: str, threads: tuple[int, str] | 
     else:
         detail = "" if args.mode == "spiral" else " w/o psi" if args.no_psi else f", beta {args.beta}"
     detail += f", KL {args.kl_coef}" if args.kl_coef else ""
-    model = "tiny (a random Qwen3 built offline)" if args.tiny else args.model
+    model = f"tiny ({tiny_model(args)})" if args.tiny else args.model
     judge = (
         "heuristic stand-in (offline, NOT the paper's judge)"
         if args.judge == "heuristic"
@@ -99,7 +106,10 @@ def step_line(m: dict, args) -> str:
         if spent
         else f"phi {fmt(m['phi_mean'])} psi {fmt(m['psi_mean'])}"
     )
-    middle = f"judged {m['judge_judged']} (failed {m['judge_failed']}){cost} | {scores}"
+    middle = (
+        f"judged {m['judge_judged']} (failed {m['judge_failed']}, multi-turn {m.get('judged_multi_turn', 0)}){cost}"
+        f" | {scores}"
+    )
     if (m.get("beta") or {}).get("target") is not None:  # --beta-share: beta this step, and the share it made
         middle += f" | beta {m['beta']['value']:.3f} share {fmt(m['beta']['share'])} (target {m['beta']['target']})"
     if "distill" in m:  # --distill: the heads' lowest kappa on the holdout, and who scored what
@@ -117,11 +127,18 @@ def step_line(m: dict, args) -> str:
             f"invalid votes {fmt(s['invalid_vote_rate'])}, zero-sum residual {s['zero_sum_residual']:.1e}"
             + (f", ROUGE-L {s['rouge_l']:.3f}" if s["rouge_l"] is not None else "")
         )
+    evaluation = f" | {eval_text(m['eval'])}" if "eval" in m else ""
     return (
         f"step {m['step']}/{args.steps} | {m['episodes']} games, {m['trajectories']} trajectories, "
         f"{m['transitions']} transitions | {middle} | A_mod {m['a_mod_mean']:+.3f}±{m['a_mod_std']:.3f} | "
-        f"loss {m['loss']:+.4f}{ppo}{kl} | {m['time_s']:.1f}s"
+        f"loss {m['loss']:+.4f}{ppo}{kl}{evaluation} | {m['time_s']:.1f}s"
     )
+
+
+def eval_text(e: dict) -> str:
+    """--eval-every's result in a step line: the win rate against the random player with its 95 % interval."""
+    low, high = e["win_ci95"]
+    return f"eval: win {e['win_rate']:.3f} [{low:.3f}, {high:.3f}] of {e['n']} vs random"
 
 
 def closing_line(out: Path, steps: int, mode: str = "stratagem") -> str:

@@ -13,7 +13,7 @@ from machinery import UserError, lora
 from machinery.flags import FriendlyParser
 from machinery.runfiles import check_writable_dir, latest_checkpoint, read_config
 from machinery.watch import quiet_transformers
-from stratagem import build_random_model, load_policy
+from stratagem import WARM_START, build_random_model, load_policy
 
 
 def adapter_and_run(path: Path) -> tuple[Path, Path | None]:
@@ -42,8 +42,8 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--base",
         default="",
-        help="the base model, a hub id or a directory (default: the run's --model; --tiny's is "
-        "rebuilt offline from the run's seed)",
+        help="the base model, a hub id or a directory (default: the run's --model; --tiny's is the shipped warm "
+        "start, or with --tiny-init random rebuilt offline from the run's seed)",
     )
     ns = p.parse_args(argv)
     ckpt, run = adapter_and_run(Path(ns.adapter))
@@ -57,10 +57,13 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     base = ns.base or config["model"]
+    rebuild = not ns.base and config.get("tiny") and config.get("tiny_init", "random") == "random"
+    if not ns.base and config.get("tiny") and not rebuild:
+        base = str(WARM_START)  # --tiny-init warm: the shipped warm start is the run's base
     with tempfile.TemporaryDirectory() as tiny_dir:
-        if not ns.base and config.get("tiny"):
+        if rebuild:
             build_random_model(tiny_dir, config["seed"])  # the run's base, rebuilt from its seed as the run built it
-        model, _ = load_policy(tiny_dir if not ns.base and config.get("tiny") else base, torch.device("cpu"))
+        model, _ = load_policy(tiny_dir if rebuild else base, torch.device("cpu"))
         merged = lora.load_adapters(model, ckpt, trainable=False).merge_and_unload()  # fp32: nothing rounds
     merged.save_pretrained(ns.out)
     AutoTokenizer.from_pretrained(ckpt).save_pretrained(ns.out)  # the run's own, saved beside the adapter

@@ -9,11 +9,33 @@ from machinery.flags import FriendlyParser
 from machinery.runfiles import check_writable_dir, refuse_link
 from tools.runs import read_metrics, run_label, run_mode
 
+TRAINING_GAMES = ("TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1")  # SPIRAL's, the evaluation's series
+
+
+def eval_cell(m: dict, game: str, key: str) -> float | None:
+    """One game's figure in a line's --eval-every result (both seats): a rate (win, invalid) or turns_mean. A win rate
+    of the only game evaluated is the "all games" line already: None."""
+    games = m.get("eval", {}).get("games", {})
+    cell = None if key == "win" and len(games) == 1 else games.get(game, {}).get("both")
+    return None if cell is None or key not in cell else cell[key] if key == "turns_mean" else cell[key]["rate"]
+
+
 PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None: not there)])
     "eval_win_rate": (
-        "Win rate against a random legal player (--eval-every)",
+        "Win rate against a random legal player (--eval-every; step 0: before any update)",
         "win rate",
-        [("", lambda m: m.get("eval", {}).get("win_rate"))],
+        [("all games", lambda m: m.get("eval", {}).get("win_rate"))]
+        + [(game, lambda m, g=game: eval_cell(m, g, "win")) for game in TRAINING_GAMES],
+    ),
+    "eval_invalid_rate": (
+        "Evaluation games the model lost by an invalid move (--eval-every)",
+        "share of games",
+        [(game, lambda m, g=game: eval_cell(m, g, "invalid")) for game in TRAINING_GAMES],
+    ),
+    "eval_game_length": (
+        "Mean evaluation game length (--eval-every)",
+        "moves, both players",
+        [(game, lambda m, g=game: eval_cell(m, g, "turns_mean")) for game in TRAINING_GAMES],
     ),
     "invalid_rate": (
         "Invalid-action rate in self-play",
@@ -79,6 +101,8 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
 
 NEEDS = {
     "eval_win_rate": " (train with --eval-every N)",
+    "eval_invalid_rate": " (train with --eval-every N)",
+    "eval_game_length": " (train with --eval-every N)",
     "distill": " (--distill)",
     "judge_requests": " (a judge)",
     "beta": " (a judge)",
@@ -147,13 +171,16 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
                     label=" ".join(x for x in (run_label(run), label) if x),
                 )
                 drawn += 1
+                if name == "eval_win_rate" and s == 0:  # the 95 % Wilson interval of every point, shaded
+                    band = [(m["step"], *m["eval"]["win_ci95"]) for m in metrics if "win_ci95" in m.get("eval", {})]
+                    ax.fill_between(*zip(*band), color=f"C{r % 10}", alpha=0.15, linewidth=0, zorder=1)
     if not drawn:
         plt.close(fig)
         return None
     ax.set(xlabel="step", ylabel=ylabel)
     fig.suptitle(title)  # over the whole figure, legend included: a long legend cannot push it off the left edge
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    if name in ("eval_win_rate", "invalid_rate", "spy"):
+    if name in ("eval_win_rate", "eval_invalid_rate", "invalid_rate", "spy"):
         ax.set_ylim(-0.02, 1.02)
     if name == "distill":
         ax.set_ylim(-0.22, 1.02)
@@ -166,7 +193,8 @@ def main(argv: list[str]) -> int:
         prog="stratagem.py plot",
         description=(
             "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
-            "spiral vs --no-psi): win rate against a random player, invalid-action rate, response length, "
+            "spiral vs --no-psi): win rate against a random player (with its invalid-move rate and game length), "
+            "invalid-action rate in self-play, response length, "
             "phi and psi, A_mod spread, loss, the distilled heads' agreement and the judge's requests, and SpyRL's "
             "detection figures. Needs matplotlib."
         ),

@@ -1,0 +1,157 @@
+"""`stratagem.py ablation`: the paper's ablation in miniature, on a CPU (docs/learning.md). The learning recipe
+(LEARNING: the warm-started tiny policy on Kuhn Poker, evaluated against the random legal player) is run for each
+arm of ARMS and each seed, on the same budget; then one table says what each arm reached. The stand-in judge scores
+surface features: the table shows that every path of the method runs end to end and how beta moves the advantage,
+not the paper's transfer claim, which needs a real model and a real judge."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from machinery import UserError
+from machinery.flags import FriendlyParser
+from machinery.matches import wilson
+from machinery.runfiles import check_writable_dir, read_jsonl
+
+HERE = Path(__file__).resolve().parent.parent
+
+# The learning recipe (docs/learning.md): `python stratagem.py <LEARNING> --seed S --out DIR`. Its budget, --steps,
+# is LEARNING's too; the evaluation every 5 steps plays 200 Kuhn Poker games (100 a seat) and is the curve's point.
+LEARNING = (
+    "--tiny --games KuhnPoker-v1 --steps 30 --lr 1e-3 --batch-size 128 --micro-batch-size 32 --num-envs 32 "
+    "--eval-games KuhnPoker-v1 --eval-every 5 --eval-n 200 --keep-best"
+).split()
+ARMS = {  # name -> the flags that make the arm; the names are the run folders' and the table's rows
+    "spiral": ["--mode", "spiral"],
+    "stratagem": [],
+    "no-psi": ["--no-psi"],
+    "beta-0.5": ["--beta", "0.5"],
+    "beta-share": ["--beta-share", "0.075"],  # the share beta = 0.2 has at the start (docs/learning.md), held
+}
+WHAT = {
+    "spiral": "SPIRAL: A_game, no judge",
+    "stratagem": "STRATAGEM, beta 0.2, the stand-in judge",
+    "no-psi": "STRATAGEM without psi (A_game * phi)",
+    "beta-0.5": "STRATAGEM, beta 0.5",
+    "beta-share": "STRATAGEM, --beta-share 0.075 (adaptive beta)",
+}
+
+
+def finished(run: Path, steps: int) -> bool:
+    path = run / "metrics.jsonl"
+    return path.is_file() and any(m.get("step") == steps and "loss" in m for m in read_jsonl(path))
+
+
+def train(run: Path, arm: str, seed: int, steps: int) -> int:
+    """One arm and seed: a fresh run, or the rest of an interrupted one (--resume); its output in <run>.log."""
+    cmd = [sys.executable, str(HERE / "stratagem.py"), *LEARNING, *ARMS[arm], "--seed", str(seed)]
+    cmd += ["--steps", str(steps)]
+    cmd += ["--out", str(run)] + (["--resume"] if (run / "config.json").exists() else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread a run: two runs at once use the two cores
+    with open(f"{run}.log", "a") as log:
+        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE).returncode
+
+
+def arm_row(arm: str, runs: list[Path]) -> dict:
+    """An arm over its seeds: the final evaluation pooled (wins over games, with its Wilson interval), each seed's
+    final and best win rates, the mean over steps of the spread (std) of A_game and A_mod, and the share of
+    judged trajectories whose psi was not 0."""
+    metrics = [read_jsonl(r / "metrics.jsonl") for r in runs]
+    finals = [[m["eval"] for m in ms if "eval" in m][-1] for ms in metrics]
+    starts = [[m["eval"] for m in ms if "eval" in m][0] for ms in metrics]
+    steps = [m for ms in metrics for m in ms if "loss" in m]
+    wins, n = sum(round(e["win_rate"] * e["n"]) for e in finals), sum(e["n"] for e in finals)
+    judged = sum(m["judge_judged"] for m in steps)
+    return {
+        "arm": arm,
+        "start": sum(e["win_rate"] * e["n"] for e in starts) / sum(e["n"] for e in starts),
+        "final": wins / n,
+        "final_ci95": wilson(wins, n),
+        "seeds_final": [e["win_rate"] for e in finals],
+        "seeds_best": [max(m["eval"]["win_rate"] for m in ms if "eval" in m) for ms in metrics],
+        "a_game_std": sum(m["a_game_std"] for m in steps) / len(steps),
+        "a_mod_std": sum(m["a_mod_std"] for m in steps) / len(steps),
+        "psi_nonzero": sum(m.get("psi_nonzero", 0) for m in steps) / judged if judged else None,
+        "beta_share": [mean_of(metrics, k, key) for k in (0, -1) for key in ("value", "share")],  # first, last step
+        "multi_turn": sum(m.get("judged_multi_turn", 0) for m in steps) / judged if judged else None,
+    }
+
+
+def mean_of(runs: list[list[dict]], k: int, key: str) -> float | None:
+    """The seeds' mean of the k-th step's beta entry `key` (value: beta, share: the evolution term's share of A_mod);
+    None without a judge (or before a judged step)."""
+    values = [[m for m in ms if "loss" in m][k].get("beta") or {} for ms in runs]
+    values = [v[key] for v in values if v.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def table(rows: list[dict], seeds: list[int], steps: int) -> str:
+    """The markdown table of docs/learning.md."""
+    pct = "{:.2f}".format
+    lines = [
+        f"Kuhn Poker against the random legal player; {steps} steps, seeds {', '.join(map(str, seeds))}; the final "
+        "evaluation pooled over the seeds (95 % Wilson interval); the spreads are means over the steps; beta and the "
+        "evolution term's share of A_mod, RMS(beta*psi) / (RMS(A_game*phi) + RMS(beta*psi)), are the seeds' means.",
+        "",
+        "| arm | start | final, pooled | final per seed | best per seed | std A_game | std A_mod | psi != 0 | "
+        "beta, share: first step -> last |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        low, high = r["final_ci95"]
+        nonzero = "n/a (no judge)" if r["psi_nonzero"] is None else f"{r['psi_nonzero']:.0%}"
+        lines.append(
+            f"| {WHAT[r['arm']]} | {pct(r['start'])} | {pct(r['final'])} [{pct(low)}, {pct(high)}] | "
+            f"{' '.join(map(pct, r['seeds_final']))} | {' '.join(map(pct, r['seeds_best']))} | "
+            f"{r['a_game_std']:.3f} | {r['a_mod_std']:.3f} | {nonzero} | {drift(r['beta_share'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def drift(values: list[float | None]) -> str:
+    """beta and the share at the first step -> at the last, or "n/a" without a judge."""
+    if None in values:
+        return "n/a"
+    beta0, share0, beta1, share1 = values
+    return f"{beta0:.3f}, {share0:.3f} -> {beta1:.3f}, {share1:.3f}"
+
+
+def main(argv: list[str]) -> int:
+    p = FriendlyParser(prog="stratagem.py ablation", description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="folder of the runs (<arm>-s<seed>, each with its .log) and of table.md")
+    p.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (1,2,3)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=int(LEARNING[LEARNING.index("--steps") + 1]),
+        help="the budget: steps a run (LEARNING's: %(default)s)",
+    )
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms ({','.join(ARMS)})")
+    p.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (2: a 2-core machine)")
+    ns = p.parse_args(argv)
+    try:
+        seeds = [int(s) for s in ns.seeds.split(",")]
+    except ValueError:
+        raise UserError(f"--seeds must be comma-separated integers, got {ns.seeds!r}") from None
+    arms = ns.arms.split(",")
+    if unknown := [a for a in arms if a not in ARMS]:
+        raise UserError(f"--arms: unknown {', '.join(unknown)} (known: {', '.join(ARMS)})")
+    if ns.steps < 1 or ns.jobs < 1:
+        raise UserError("--steps and --jobs must be >= 1")
+    out = Path(ns.out)
+    check_writable_dir(out, "out")
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [(out / f"{a}-s{s}", a, s) for a in arms for s in seeds if not finished(out / f"{a}-s{s}", ns.steps)]
+    print(f"{len(todo)} run(s) to train, {ns.jobs} at a time; their output in {out}/<arm>-s<seed>.log", flush=True)
+    with ThreadPoolExecutor(ns.jobs) as pool:
+        codes = list(pool.map(lambda job: train(job[0], job[1], job[2], ns.steps), todo))
+    if failed := [str(run) for (run, _, _), code in zip(todo, codes) if code]:
+        raise UserError(f"{len(failed)} run(s) failed; see {failed[0]}.log")
+    text = table([arm_row(a, [out / f"{a}-s{s}" for s in seeds]) for a in arms], seeds, ns.steps)
+    (out / "table.md").write_text(text)
+    print(text, end="")
+    return 0
