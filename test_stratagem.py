@@ -557,6 +557,9 @@ def check_run(out: Path, steps: int, beta: float, mode: str = "stratagem", no_ps
     """Every logged value satisfies the formulas, replayed from the files alone."""
     config = json.loads((out / "config.json").read_text())
     metrics, trajs = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "trajectories.jsonl")
+    if config["eval_every"]:  # the evaluation before any update comes first, alone
+        first, *metrics = metrics
+        assert first == {"step": 0, "eval": first["eval"]}
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     baselines: dict = {}
     for t in trajs:  # RAE, in file order
@@ -1928,7 +1931,7 @@ def test_start_lines_name_the_run_and_logs_stay_clean_lines(tmp_path, capsys):
     lines = printed.out.splitlines()
     threads, why = distributed.pick_threads(torch.device("cpu"))
     assert lines[0] == (
-        f"stratagem: new run in {out} | mode stratagem, beta 0.2 | model tiny (a random Qwen3 built "
+        f"stratagem: new run in {out} | mode stratagem, beta 0.2 | model tiny (a random tiny Qwen3, built "
         f"offline), hf on cpu (auto: cpu, not a GPU), torch threads {threads} ({why}) | judge heuristic stand-in "
         f"(offline, NOT the paper's judge) "
         f"on 25% of "
@@ -6472,7 +6475,13 @@ def test_lora_memory_projection_against_an_independent_count_and_the_tiny_model_
         args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1)
         S.policy_update(model, optimizer, toy_batch(), args, S.torch.device("cpu"), 0, 24.0, distributed.Dist())
         m = memory.project(
-            S.model_shape(S.Args(tiny=True, seed=0)), rank, list(memory.LORA_MODULES), 1, 8, False, gpu=False
+            S.model_shape(S.Args(tiny=True, tiny_init="random", seed=0)),
+            rank,
+            list(memory.LORA_MODULES),
+            1,
+            8,
+            False,
+            gpu=False,
         )
         held = {id(p): p for p in model.parameters()}.values()
         assert m["parameters"] == sum(p.numel() for p in held if not rank or not p.requires_grad)
