@@ -3775,20 +3775,26 @@ def fifty_mb_reply(chunked: bool):
     return answer
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["announced", "chunked"])
-def test_a_50_mb_judge_reply_is_refused_as_too_large_without_reading_it_into_memory(secret_key, chunked):
+def judged_once_with_peak_memory(server) -> tuple:
+    """One trajectory judged by `server` (2 retries allowed), then the server closed: (judgement, usage, the peak of
+    Python's memory while judging, tracemalloc's count)."""
     import tracemalloc
 
-    server = RawJudgeServer(fifty_mb_reply(chunked))
     args = judge_args(server.url, judge_retries=2)
     runner = J.JudgeRunner(J.OpenAIJudge("judge-test", server.url, args), args, runfiles.JudgeCache(None))
     tracemalloc.start()
     try:
         [j], usage = runner.judge([S.Trajectory("G", 0, [S.Turn("o", "r", "[1]", [], [])], 0.0)], ["transferability"])
-        peak = tracemalloc.get_traced_memory()[1]
+        return j, usage, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
         server.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["announced", "chunked"])
+def test_a_50_mb_judge_reply_is_refused_as_too_large_without_reading_it_into_memory(secret_key, chunked):
+    server = RawJudgeServer(fifty_mb_reply(chunked))
+    j, usage, peak = judged_once_with_peak_memory(server)
     assert j.failure == "too_large" and usage["requests"] == 1
     assert server.posts == 1  # not retried: the same server would send the same reply
     assert peak < 30e6, peak  # the body is capped at 4 MiB (--judge-max-tokens 1024)
@@ -5682,19 +5688,9 @@ def bomb(encoding: str) -> bytes:
 def test_a_compressed_judge_reply_is_refused_unread_whatever_it_would_inflate_to(secret_key, encoding):
     """The client asks for no compression; a reply compressed anyway is refused before a byte of it is decoded
     (the cap counts what is parsed), counted as `encoded` and not retried (the same server would do it again)."""
-    import tracemalloc
-
     body = bomb(encoding.split(",")[0])
     server = RawJudgeServer(lambda conn, _: conn.sendall(http_reply(200, body, f"Content-Encoding: {encoding}")))
-    args = judge_args(server.url, judge_retries=2)
-    runner = J.JudgeRunner(J.OpenAIJudge("judge-test", server.url, args), args, runfiles.JudgeCache(None))
-    tracemalloc.start()
-    try:
-        [j], usage = runner.judge([S.Trajectory("G", 0, [S.Turn("o", "r", "[1]", [], [])], 0.0)], ["transferability"])
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-        server.close()
+    j, usage, peak = judged_once_with_peak_memory(server)
     assert j.failure == "encoded" and usage["requests"] == 1 and server.posts == 1
     assert peak < 8e6, peak  # a normal reply's request takes about 1 MB; the bomb inflates to 200 MB
 
