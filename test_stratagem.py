@@ -1322,6 +1322,8 @@ S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args,
 after = distributed.full_weights(model)
 if dist.main:
     torch.save({{n: after[n] - before[n] for n in before}}, {out!r})
+dist.close()
+distributed.leave(0)  # as a run's rank leaves: gloo's threads can abort the interpreter's teardown
 """
 
 
@@ -4962,6 +4964,8 @@ mine = trajs[:2] if dist.main else trajs[2:]  # rank 1: one trajectory, one micr
 feats = distill.features(model, mine, S.collate, 0, 1, torch.device("cpu"), dist, watch.Timer())
 if dist.main:
     torch.save(feats, {out!r})
+dist.close()
+distributed.leave(0)  # as a run's rank leaves: gloo's threads can abort the interpreter's teardown
 """
 
 
@@ -6427,6 +6431,8 @@ if dist.main:
     torch.save(merged, {out!r})
     (Path({run!r}) / "checkpoints").mkdir(parents=True)
 runfiles.save_checkpoint(Path({run!r}), 1, model, tok, optimizer, shared={{}}, own={{}}, dist=dist)
+dist.close()
+distributed.leave(0)  # as a run's rank leaves: gloo's threads can abort the interpreter's teardown
 """
 
 
