@@ -1,10 +1,13 @@
-"""The two rubric prompts of the STRATAGEM judge, and how a trajectory is shown to it.
+"""The rubrics of the STRATAGEM judge, what each score does in the advantage, and how a trajectory
+is shown to the judge.
 
 A judge scores one *player-trajectory* (one player's whole game: what it saw, what it wrote,
-which action was taken) on two rubrics:
+which action was taken) on the rubrics of the RUBRICS table; the paper's two are
 
-- transferability, giving phi = 0.35*alpha + 0.35*sigma + 0.30*rho, each level in {0, 0.5, 1};
-- evolution, giving psi = 0.35*d + 0.25*a + 0.40*c, each level in {-1, 0, 1}.
+- transferability, giving phi = 0.35*alpha + 0.35*sigma + 0.30*rho, each level in {0, 0.5, 1},
+  which multiplies A_game;
+- evolution, giving psi = 0.35*d + 0.25*a + 0.40*c, each level in {-1, 0, 1}, added with beta:
+  A_mod = A_game * phi + beta * psi. A rubric of role "logged" is asked and recorded, never used.
 
 The trajectory is *data*, never instructions. It is placed between the TRAJECTORY_OPEN and
 TRAJECTORY_CLOSE tags. Every piece of text that comes from the game or the policy is first cleaned
@@ -63,12 +66,17 @@ SYSTEM = (
     "come last."
 )
 
-# The rubric table: each rubric's allowed levels, its preamble, and per dimension its key, its weight in phi or
-# psi and its prompt lines. Everything else derives from it: the prompt (rubric_text), the validator (level),
-# stratagem.phi / psi (weighted), the stand-in judge, the distilled heads, `show` and `agree`. A new dimension is
-# one entry here (docs/hacking.md).
+# The rubric table. Per rubric: the name of its score, its role in A_mod ("multiplies" A_game, as phi;
+# "adds" with beta, as psi; "logged": asked and recorded only), the fewest turns a trajectory needs to
+# be asked it, its allowed levels, its preamble, and per dimension its key, its weight in the score and
+# its prompt lines. Everything else derives from it: the prompt (rubric_text), the validator (level),
+# stratagem.modulate (weighted, role), the stand-in judge, the distilled heads, the cost projection,
+# `show` and `agree`. A new dimension is one entry here, a new rubric one more (docs/hacking.md).
 RUBRICS = {
     "transferability": {
+        "score": "phi",
+        "role": "multiplies",
+        "turns": 1,
         "levels": (0.0, 0.5, 1.0),
         "preamble": """\
 Grade how TRANSFERABLE the player's reasoning is: would the same way of thinking help on a maths,
@@ -107,6 +115,9 @@ rho - principle orientation
         },
     },
     "evolution": {
+        "score": "psi",
+        "role": "adds",
+        "turns": 2,  # a one-turn trajectory has no course to judge: 0 by rule, never asked
         "levels": (-1.0, 0.0, 1.0),
         "preamble": """\
 Grade how the player's reasoning EVOLVES over its turns (two or more: a one-turn game is never sent
@@ -160,6 +171,30 @@ def keys(rubric: str) -> tuple[str, ...]:
 
 ALL_KEYS = tuple(k for rubric in RUBRICS for k in keys(rubric))  # alpha, sigma, rho, d, a, c
 RUBRIC_OF = {k: rubric for rubric in RUBRICS for k in keys(rubric)}  # "alpha" -> "transferability"
+SCORES = tuple(spec["score"] for spec in RUBRICS.values())  # "phi", "psi"
+NEUTRAL = {"multiplies": 1.0, "adds": 0.0, "logged": None}  # a score's value where no verdict is known
+
+
+def role(rubric: str) -> str:
+    """What the rubric's score does in A_mod: "multiplies" A_game, "adds" (with beta), or "logged"."""
+    return RUBRICS[rubric]["role"]
+
+
+def entering(args) -> list[str]:
+    """The rubrics whose scores enter A_mod: none in --mode spiral (or spyrl), the multiplying ones
+    with --no-psi, else every rubric but the logged ones."""
+    if args.mode != "stratagem":
+        return []
+    return [r for r in RUBRICS if role(r) == "multiplies" or (role(r) == "adds" and not args.no_psi)]
+
+
+def asked(args) -> list[str]:
+    """The rubrics a run's judge is asked, in table order: those entering A_mod and the logged ones; with
+    --judge-shadow (a judged control for --mode spiral or --no-psi), every one."""
+    if args.judge_shadow:
+        return list(RUBRICS)
+    used = entering(args)
+    return [r for r in RUBRICS if r in used or (args.mode == "stratagem" and role(r) == "logged")]
 
 
 def weighted(rubric: str, scores: dict[str, float]) -> float:
@@ -185,6 +220,25 @@ def rubric_text(rubric: str) -> str:
             + "}"
         ]
     )
+
+
+def verdict_schema(rubric: str) -> dict:
+    """The JSON schema of a rubric's verdict: every key required, each one of the rubric's levels, no other key.
+    With --judge-structured the server constrains the reply to it (OpenAI's and vLLM's response_format)."""
+    levels = [int(v) if v == int(v) else v for v in RUBRICS[rubric]["levels"]]
+    return {
+        "type": "object",
+        "properties": {k: {"type": "number", "enum": levels} for k in keys(rubric)},
+        "required": list(keys(rubric)),
+        "additionalProperties": False,
+    }
+
+
+def response_format(rubric: str) -> dict:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": f"{rubric}_verdict", "strict": True, "schema": verdict_schema(rubric)},
+    }
 
 
 def level(rubric: str, key: str, value) -> float:
@@ -344,10 +398,25 @@ def typical_level(levels: list[float]) -> float:
     return sorted(levels)[(len(levels) - 1) // 2]
 
 
+def reasoning_text(response: str) -> str:
+    """A response without its final answer: the text outside its last \\boxed{...} (braces matched; an
+    unclosed box takes the rest). The evolution rules compare this, the reasoning, not the move."""
+    start = response.rfind("\\boxed{")
+    if start < 0:
+        return response
+    depth = 0
+    for j in range(start + len("\\boxed"), len(response)):
+        depth += {"{": 1, "}": -1}.get(response[j], 0)
+        if depth == 0:
+            return response[:start] + response[j + 1 :]
+    return response[:start]
+
+
 def same_reasoning(a: str, b: str) -> bool:
-    """Two responses that say the same thing: equal once case, spacing and numbers are set aside (so
-    "I take cell 4" and "I take cell 2" are the same reasoning)."""
-    return re.sub(r"\d+", "#", " ".join(a.lower().split())) == re.sub(r"\d+", "#", " ".join(b.lower().split()))
+    """Two responses that reason alike: their reasoning (reasoning_text: the move left out) equal once case,
+    spacing and numbers are set aside (so "I take cell 4" and "I take cell 2" are the same reasoning)."""
+    x, y = (re.sub(r"\d+", "#", " ".join(reasoning_text(t).lower().split())) for t in (a, b))
+    return x == y
 
 
 def stagnant(observations: list[str], responses: list[str]) -> bool:
@@ -368,3 +437,6 @@ def evolution_rules(observations: list[str], responses: list[str], scores: dict)
     if stagnant(observations, responses):
         return {**scores, "d": -1.0, "a": -1.0}, "stagnant"
     return scores, None
+
+
+RULES = {"evolution": evolution_rules}  # per rubric, what code decides of its verdict

@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import stratagem as S
 from games import spy
-from machinery import lifecycle, watch
+from machinery import cli, flags, lifecycle, watch
 from machinery.distributed import leave
 
 
@@ -71,10 +71,11 @@ class Args(S.Args):
 HIDDEN = {
     *(name for name in Args.__dataclass_fields__ if name.startswith(("judge", "distill"))),
     *"mode beta no_psi games max_turns error_allowance invalid_rewards rejected_rewards action_rule".split(),
+    *"beta_share beta_horizon beta_min beta_max".split(),
 }
-CHOICES = {**S.CHOICES, "spy_task": tuple(spy.TASKS)}
-FLAG_DEFAULTS = {("spy_task", "math"): dict(spy_mask=spy.MASKS["math"])}  # RLSVR's maths mask
-BOUNDS = S.BOUNDS + [
+CHOICES = {**S.CHOICES, "mode": ("spyrl",), "spy_task": tuple(spy.TASKS)}
+PRESETS = {("tiny", True): S.TINY_DEFAULTS, ("spy_task", "math"): dict(spy_mask=spy.MASKS["math"])}  # RLSVR's mask
+BOUNDS = [
     (("spy_beta", "spy_lambda", "spy_alternate"), lambda v: v >= 0, ">= 0"),
     (("spy_players",), lambda v: v >= 3, ">= 3"),
     (("spy_players",), lambda v: v <= 1000, "<= 1000"),
@@ -85,14 +86,25 @@ BOUNDS = S.BOUNDS + [
 
 
 def validate(args: Args) -> None:
-    S.validate(args, BOUNDS, modes=("spyrl",))
+    """stratagem.py's checks of the flags shared, then SpyRL's own bounds."""
+    S.validate(args)
+    flags.check_bounds(args, BOUNDS)
 
 
 def build_parser():
-    return S.build_parser(Args, CHOICES, FLAG_DEFAULTS, HIDDEN, prog="spyrl.py", description=__doc__.split("\n\n")[0])
+    presets = {"--tiny": S.TINY_DEFAULTS, "--spy-task math": PRESETS[("spy_task", "math")]}
+    doc = __doc__.split("\n\n")[0]
+    return flags.dataclass_parser(Args, CHOICES, presets, HIDDEN, prog="spyrl.py", description=doc)
 
 
-resolve_args = partial(S.resolve_args, cls=Args, flag_defaults=FLAG_DEFAULTS, check=validate)
+def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
+    return flags.resolve(Args, explicit, saved, S.RESUMABLE, PRESETS, validate)
+
+
+def parse_args(argv: list[str]) -> Args:
+    """The run's Args, as stratagem.py's parse_args, with SpyRL's own flags, presets and checks."""
+    explicit = vars(build_parser().parse_args(argv))
+    return resolve_args(explicit, flags.saved_config(explicit, Args, "spyrl.py"))
 
 
 def spy_play(policy, tokenizer, args: Args, texts: list[dict], rng: random.Random, timer, target: int, phases):
@@ -181,8 +193,7 @@ def train(args: Args) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parse = partial(S.parse_args, cls=Args, parser=build_parser(), resolve=resolve_args)
-    return S.main(argv, parse=parse, run=train, commands={}, prog="spyrl")
+    return cli.main("spyrl", sys.argv[1:] if argv is None else argv, parse_args, train, {})
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ from textarena.envs.registration import ENV_REGISTRY
 
 from games import spiral, spy  # noqa: F401  (importing registers the ids)
 from machinery import UserError
+from machinery.flags import items
 
 
 def check_ids(spec: str, flag: str = "--games") -> list[str]:
     """A comma-separated list of game ids (ours or TextArena's), checked against TextArena's registry and for
     two-player play offline: a bad id ends the run in one line before any work."""
-    ids = [g.strip() for g in spec.split(",") if g.strip()]
+    ids = items(spec)
     if not ids:
         raise UserError(f"{flag} is empty")
     for gid in ids:
@@ -52,7 +53,7 @@ def check_ids(spec: str, flag: str = "--games") -> list[str]:
 
 def first_last_ids(spec: str, games: str, flag: str = "--first-last") -> list[str]:
     """The ids of `spec` (comma-separated) to show in SPIRAL's first/last format, each one of `games`."""
-    ids = [g.strip() for g in spec.split(",") if g.strip()]
+    ids = items(spec)
     played = {g.strip() for g in games.split(",")}
     if stray := [g for g in ids if g not in played]:
         raise UserError(f"{flag} names {', '.join(stray)}, which is not evaluated here ({', '.join(sorted(played))})")

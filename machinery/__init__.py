@@ -4,7 +4,8 @@
                      checkpoint, the end of the run (train() in stratagem.py and spyrl.py calls each in one line)
     judge.py         the judge's machinery: the stand-in and OpenAI-compatible judges, verdict parsing, and
                      JudgeRunner (cache, budget, money ledger, concurrency)
-    flags.py         the Args dataclass as a command line: field docstrings become --help text
+    flags.py         the Args dataclass as a command line (field docstrings become --help text), the layering of
+                     defaults, presets and a resumed run's config, bounds, a resumed folder's checks
     distributed.py   torchrun / FSDP2 data parallelism and the choice of device
     vllm_engine.py   the vLLM generation engine and the weight sync into it
     runfiles.py      run files: JSONL logs and their repair, atomic writes, checkpoints, resume state,
@@ -16,8 +17,8 @@
     judge_http.py    the HTTP under that client: a deadline per request attempt, a cap on the reply's size
     matches.py       the evaluation's random legal opponent and the statistics of a set of matches
     costs.py         what the judge will cost, known before it is paid: the price table, the projection, --dry-run
-    warmstart.py     the warm start: the tiny Qwen3 taught the games' rules by supervised learning on games of the
-                     random legal player (`stratagem.py warmstart`; the shipped one is warmstart/tiny)
+    cli.py           a script's entry point (stratagem.py's and spyrl.py's main): one-line errors, stop signals
+    adaptive_beta.py --beta-share: the controller that holds the evolution term's share of A_mod
     distill.py       --distill: heads on the policy's hidden states that learn the judge, their holdout and trust;
                      Cohen's kappa and Spearman's rho (also `agree`'s)
 
@@ -25,6 +26,21 @@ Imports walk one way, tools/ and spyrl.py -> stratagem.py -> machinery/: nothing
 what a module needs of the trainer (its arguments, a validator) is passed in.
 """
 
+import unicodedata
+
 
 class UserError(Exception):
-    """Something the user can fix (a flag, a path, a server). stratagem.main() prints it as one line."""
+    """Something the user can fix (a flag, a path, a server). machinery/cli.main() prints it as one line."""
+
+
+def visible(text: str, lines: bool = True) -> str:
+    """`text` with its control and format characters written as escapes (ESC as \\x1b, a bidi override as
+    \\u202e), so that what a file or a policy holds cannot move the cursor, recolour or retitle the terminal;
+    newlines and tabs stay where `lines` (a page of `show`), else they are escaped too (an error line)."""
+    keep = "\n\t" if lines else ""
+    return "".join(
+        ch
+        if ch in keep or unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Zl", "Zp")
+        else ch.encode("unicode_escape", "backslashreplace").decode()
+        for ch in text
+    )

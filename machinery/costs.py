@@ -64,7 +64,8 @@ def project(
     trajectories a step, where a run measured them (default: batch / turns)."""
     trajectories = per_step or batch_size / turns  # a step's player-trajectories
     judged = math.ceil(sample_rate * trajectories)  # as sample_for_judging counts them
-    asked = {r: judged * samples * (1 - one_turn if r == "evolution" else 1) for r in rubrics}  # requests a step
+    multi = {r: judge_prompts.RUBRICS[r]["turns"] > 1 for r in rubrics}  # not asked of one-turn trajectories
+    asked = {r: judged * samples * (1 - one_turn if multi[r] else 1) for r in rubrics}  # requests a step
     requests = steps * sum(asked.values())
     prompt = steps * sum(n * (chars[r] / CHARS_PER_TOKEN + turns * response_tokens) for r, n in asked.items())
     completion = requests * reply_tokens
@@ -121,7 +122,7 @@ def judge_projection(args, games: list[str], make_env, steps: int, counts: dict 
     """This run's judge, projected from a dry render (the requests' text) and `counts`, the trajectory counts its
     own policy played (measured()), or without them the dry render's: the bound, the example, and what they rest
     on."""
-    rubrics = ["transferability"] + ([] if args.no_psi else ["evolution"])
+    rubrics = judge_prompts.asked(args)
     sampled = sample_games(make_env, games, args.seed, args.max_turns)
     chars = {
         r: sum(
@@ -205,11 +206,12 @@ def plan(args, out, games: list[str], device, engine: str, projection: dict | No
     lines). Nothing is loaded, run or written."""
     judge = (
         "none (--mode spiral)"
-        if args.mode == "spiral"
+        if not judge_prompts.asked(args)
         else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
         if args.judge == "openai"
         else "heuristic stand-in (offline, NOT the paper's judge)"
     )
+    judge += " (--judge-shadow: scores logged only)" if args.judge_shadow else ""
     lines = [
         "stratagem --dry-run: the plan; nothing is loaded, run or written",
         f"run directory: {out}"
@@ -219,6 +221,6 @@ def plan(args, out, games: list[str], device, engine: str, projection: dict | No
         f"games: {', '.join(games)}, one sampled uniformly per episode, turn cap {args.max_turns}",
         f"steps: {args.steps}, batch {args.batch_size} transitions ({args.steps * args.batch_size:,} in all), "
         f"lr {args.lr:g}, mode {args.mode}" + ("" if args.mode == "spiral" else f", beta {args.beta}"),
-        f"judge: {judge}" + ("" if args.mode == "spiral" else f", {args.judge_sample_rate:.0%} of trajectories"),
+        f"judge: {judge}" + (f", {args.judge_sample_rate:.0%} of trajectories" if judge_prompts.asked(args) else ""),
     ]
     return "\n".join(lines + (projection_lines(args, projection) if projection else []) + list(memory))

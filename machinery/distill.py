@@ -190,14 +190,14 @@ class Distiller:
 
     def __init__(self, dim: int, args):
         self.args = args
-        self.used = [k for k in KEYS if RUBRIC_OF[k] == "transferability" or not args.no_psi]
+        self.used = [k for k in KEYS if RUBRIC_OF[k] in judge_prompts.entering(args)]  # trust is judged on these
         self.heads = OrdinalHeads(dim)
         self.optimizer = torch.optim.Adam(self.heads.parameters(), lr=args.distill_lr)
         self.rng = random.Random(f"distill:{args.seed}")  # the holdout split; the run's own streams stay untouched
         span = round(args.distill_window * (1 - HOLDOUT) / HOLDOUT)  # the training window covers the holdout's steps
         self.train_x: deque = deque(maxlen=span)  # [H] features of judged, not held-out trajectories
         self.train_y: deque = deque(maxlen=span)  # their verdicts (levels; None where a rule decided)
-        self.pairs = {k: deque(maxlen=args.distill_window) for k in (*KEYS, "phi", "psi")}  # (heads, judge)
+        self.pairs = {k: deque(maxlen=args.distill_window) for k in (*KEYS, *judge_prompts.SCORES)}  # (heads, judge)
         self.trusted = False
         self.report: dict = {}
 
@@ -238,15 +238,16 @@ class Distiller:
         return loss.item()
 
     def agreement(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Kappa per dimension and Spearman of phi and psi on the held-out window."""
+        """Kappa per dimension and Spearman of each rubric's score (phi, psi) on the held-out window."""
         kappas = {k: cohen_kappa([p for p, _ in self.pairs[k]], [v for _, v in self.pairs[k]]) for k in KEYS}
-        rhos = {k: spearman([p for p, _ in self.pairs[k]], [v for _, v in self.pairs[k]]) for k in ("phi", "psi")}
+        rhos = {k: spearman([p for p, _ in self.pairs[k]], [v for _, v in self.pairs[k]]) for k in judge_prompts.SCORES}
         return kappas, rhos
 
     def file(self, x: torch.Tensor, predicted: dict, judgement) -> bool:
-        """One valid verdict: held out (a seeded HOLDOUT share: a (heads, judge) pair per dimension, and of phi and
-        psi) or kept to train on. d, a, c count only where no rule decided them. Returns whether it trains."""
-        free = {k: RUBRIC_OF[k] == "transferability" or judgement.rule is None for k in KEYS}
+        """One valid verdict: held out (a seeded HOLDOUT share: a (heads, judge) pair per dimension, and of each
+        rubric's score) or kept to train on. The keys of a rubric with rules (evolution's d, a, c) count only where no
+        rule decided them. Returns whether it trains."""
+        free = {k: RUBRIC_OF[k] not in judge_prompts.RULES or judgement.rule is None for k in KEYS}
         verdict = {k: judgement.scores[k] if free[k] and k in judgement.scores else None for k in KEYS}
         if self.rng.random() >= HOLDOUT:
             self.train_x.append(x)
@@ -255,7 +256,8 @@ class Distiller:
         for k in KEYS:
             if verdict[k] is not None:
                 self.pairs[k].append((predicted[k], verdict[k]))
-        for name, rubric in (("phi", "transferability"), ("psi", "evolution")):  # weighted: phi, psi of the table
+        for rubric, spec in judge_prompts.RUBRICS.items():  # each score, weighted as the table says
+            name = spec["score"]
             if all(verdict[k] is not None for k in judge_prompts.keys(rubric)):
                 pair = (judge_prompts.weighted(rubric, predicted), judge_prompts.weighted(rubric, verdict))
                 self.pairs[name].append(pair)
@@ -273,10 +275,10 @@ class Distiller:
         x = torch.stack([feats[i] for i in usable]) if usable else torch.zeros(0, self.heads.weight.shape[1])  # [P, H]
         predicted = {}
         for i, raw in zip(usable, self.predict(x)):
-            turns = trajs[i].turns
-            predicted[i] = judge_prompts.evolution_rules(
-                [t.observation for t in turns], [t.response for t in turns], raw
-            )[0]
+            observations, responses = [t.observation for t in trajs[i].turns], [t.response for t in trajs[i].turns]
+            for rules in judge_prompts.RULES.values():  # the rules bind the heads as they bind a judge
+                raw = rules(observations, responses, raw)[0]
+            predicted[i] = raw
             trajs[i].predicted = {"levels": predicted[i], "used": False}
         valid = {i: j for i, j in sorted(judged.items()) if j.scores is not None and i in played}
         trained = sum(

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+import judge_prompts
 from machinery import UserError
 from machinery.openai_api import judge_seconds
 
@@ -31,10 +32,10 @@ def collective_timeout(args, world: int) -> float:
     transitions <= world * (ceil(batch / world) + num_envs * max_turns) (games running at the target play
     on to their end). A --dist-timeout shorter than that judging is refused."""
     most = world * (math.ceil(args.batch_size / world) + args.num_envs * args.max_turns)
-    requests = math.ceil(args.judge_sample_rate * most) * (1 if args.no_psi else 2) * args.judge_samples
+    requests = math.ceil(args.judge_sample_rate * most) * len(judge_prompts.asked(args)) * args.judge_samples
     judging = (
         judge_seconds(requests, args.judge_concurrency, args.judge_timeout, args.judge_retries)
-        if args.mode == "stratagem" and args.judge == "openai"
+        if judge_prompts.asked(args) and args.judge == "openai"
         else 0.0
     )
     if world > 1 and 0 < args.dist_timeout < judging:

@@ -80,6 +80,7 @@ class HeuristicJudge:
 
     name = "heuristic"
     cacheable = False  # free and deterministic: caching it would only grow the file
+    structured = False  # its replies are the rubric's JSON by construction
     _ABSTRACT = re.compile(
         r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
         r"outcome\w*|if|then|compare\w*)\b",
@@ -105,23 +106,34 @@ class HeuristicJudge:
         return levels[len(levels) // 2]
 
     def scores(self, rubric: str, trajectory_text: str) -> dict[str, float]:
+        """The rubric's verdict, by the rubric's name; a rubric it has no features for (a new one in
+        the table) gets its middle level on every key."""
         turns = judge_prompts.read_turns(trajectory_text)  # the renderer's turns; quoted text cannot add one
+        features = {"transferability": self._transferability, "evolution": self._evolution}.get(rubric, dict)(turns)
+        return {k: features.get(k, self._middle(rubric)) for k in judge_prompts.keys(rubric)}
+
+    def _transferability(self, turns: list[dict]) -> dict[str, float]:
+        """Each level is the typical turn's (the rubric's rule): counts of general words, structure, reasons."""
+        texts = [t["response"] for t in turns]
+        return {k: judge_prompts.typical_level([self._level(n(x)) for x in texts]) for k, n in self._COUNTS.items()}
+
+    @staticmethod
+    def _new_words(texts: list[str]) -> bool:
+        """Deepening as new content, not more characters: the last turn's reasoning (its move left out) has a word
+        of three letters or more that no earlier turn's had."""
+        words = [set(re.findall(r"[a-z]{3,}", judge_prompts.reasoning_text(x).lower())) for x in texts]
+        return bool(words[-1] - set().union(*words[:-1]))
+
+    def _evolution(self, turns: list[dict]) -> dict[str, float]:
         texts, actions = [t["response"] for t in turns], [t["action"] for t in turns]
-        if rubric == "transferability":  # each level is the typical turn's
-            return {
-                k: judge_prompts.typical_level([self._level(self._COUNTS[k](x)) for x in texts])
-                if k in self._COUNTS
-                else self._middle(rubric)
-                for k in judge_prompts.keys(rubric)
-            }
         repeated = any(judge_prompts.same_reasoning(x, y) for k, x in enumerate(texts) for y in texts[:k])
         verdict = {
-            "d": -1.0 if repeated else (1.0 if len(texts) > 1 and len(texts[-1]) > len(texts[0]) else 0.0),
+            "d": -1.0 if repeated else (1.0 if len(texts) > 1 and self._new_words(texts) else 0.0),
             "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
             "c": 1.0 if all(actions) else (-1.0 if not actions[-1] else 0.0),
         }
-        verdict = {k: verdict.get(k, self._middle(rubric)) for k in judge_prompts.keys(rubric)}
-        return judge_prompts.evolution_rules([t["observation"] for t in turns], texts, verdict)[0]
+        full = {k: verdict.get(k, self._middle("evolution")) for k in judge_prompts.keys("evolution")}
+        return judge_prompts.evolution_rules([t["observation"] for t in turns], texts, full)[0]
 
     def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
         return json.dumps(self.scores(rubric, trajectory_text)), 0, 0
@@ -132,6 +144,7 @@ class HeuristicJudge:
 # name the server does not serve, a server that is no OpenAI-compatible chat endpoint, and a model that does not
 # answer in JSON. Its tokens are said at start-up and are not in the budget or the ledger.
 PROBE_RUBRIC = "transferability"
+PROBES = 3  # replies the check reads before it says that a judge which answers does not answer verdicts
 PROBE_TEXT = (
     "This is a connection check, not a trajectory to score. Reply with exactly this JSON object and nothing else:"
 )
@@ -175,54 +188,87 @@ class OpenAIJudge:
 
     def __init__(self, model: str, base_url: str, args):
         self.name, self.base_url, self.args = model, base_url, args
+        self.structured = args.judge_structured == "on"  # auto: decided by the start-up check
         self.client = openai_client(
             base_url, args.judge_timeout, args.judge_retries, "--judge openai", args.judge_max_tokens
         )
 
     def check_reachable(self) -> str:
-        """The start-up check (see PROBE_TEXT): the server reachable and the key taken (GET /models), then one probe
-        request whose reply must parse as a verdict. A failure ends in one line naming the URL, what came back and
-        a hint; success returns the line that says so."""
+        """The start-up check (see PROBE_TEXT): the server reachable and the key taken (GET /models), then probe
+        requests whose reply must parse as a verdict, structured first (--judge-structured auto or on: with the
+        rubric's schema as response_format; auto falls back to free text where that fails). A failure ends in one
+        line naming the URL, what came back and a hint; success returns the line that says so, and how verdicts
+        come."""
         served = check_reachable(self.client, self.base_url, self.args.judge_timeout, "judge")
-        url = f"{(self.base_url or 'https://api.openai.com/v1').rstrip('/')}/chat/completions"
-        t0 = time.perf_counter()
-        try:
-            reply, p_tok, c_tok = chat(
-                self.client,
-                model=self.name,
-                messages=probe_messages(),
-                temperature=self.args.judge_temperature,
-                max_tokens=self.args.judge_max_tokens,
-            )
-        except JudgeFailure as e:
-            status = int(re.match(r"HTTP (\d+)", e.detail).group(1)) if e.detail.startswith("HTTP ") else 0
-            what = e.detail if status else f"{e.kind.replace('_', ' ')} ({e.detail or e.kind})"
-            base = self.base_url or "https://api.openai.com/v1"
-            hint = probe_hint(e.kind, status, base, self.name, served, self.args.judge_max_tokens)
-            raise UserError(
-                f"the judge at {url} (--judge-model {self.name}) failed its start-up check: {what}; {hint}"
-            ) from None
-        try:
-            parse_scores(reply, PROBE_RUBRIC)
-        except JudgeFailure:
-            text = " ".join(reply.split())
-            raise UserError(
-                f"the judge at {url} (--judge-model {self.name}) failed its start-up check: its reply is not a "
-                f"verdict ({text[:120]!r}{'...' if len(text) > 120 else ''}); "
-                + probe_hint("not_a_verdict", 200, self.base_url, self.name, served, self.args.judge_max_tokens)
-            ) from None
+        t0, mode = time.perf_counter(), self.args.judge_structured
+        if mode != "off":
+            try:
+                tries, tokens = self._probe(served, structured=True)
+                self.structured = True
+            except UserError:
+                if mode == "on":
+                    raise
+        if not self.structured:
+            tries, tokens = self._probe(served, structured=False)
+        how = "structured (response_format: the rubric's JSON schema)" if self.structured else "free text, parsed"
+        how += f"; --judge-structured {mode}" + (
+            ": the server refused the schema" if mode == "auto" and not self.structured else ""
+        )
         return (
-            f"judge check: {url} answered a verdict in {time.perf_counter() - t0:.1f}s "
-            f"({p_tok} + {c_tok} tokens, outside the budget)"
+            f"judge check: {self.url} answered a verdict{tries} in {time.perf_counter() - t0:.1f}s "
+            f"({tokens[0]} + {tokens[1]} tokens, outside the budget); verdicts: {how}"
         )
 
+    @property
+    def url(self) -> str:
+        return f"{(self.base_url or 'https://api.openai.com/v1').rstrip('/')}/chat/completions"
+
+    def _probe(self, served: list[str] | None, structured: bool) -> tuple[str, list[int]]:
+        """Up to PROBES probe requests until one reply is a verdict: (" at try k of N" or "", tokens spent)."""
+        tokens = [0, 0]
+        fmt = {"response_format": judge_prompts.response_format(PROBE_RUBRIC)} if structured else {}
+        where = f"the judge at {self.url} (--judge-model {self.name}{', structured' if structured else ''})"
+        for attempt in range(1, PROBES + 1):  # a server that cuts one reply short under load is not refused for it
+            try:
+                reply, p_tok, c_tok = chat(
+                    self.client,
+                    model=self.name,
+                    messages=probe_messages(),
+                    temperature=self.args.judge_temperature,
+                    max_tokens=self.args.judge_max_tokens,
+                    **fmt,
+                )
+            except JudgeFailure as e:
+                status = int(re.match(r"HTTP (\d+)", e.detail).group(1)) if e.detail.startswith("HTTP ") else 0
+                what = e.detail if status else f"{e.kind.replace('_', ' ')} ({e.detail or e.kind})"
+                base = self.base_url or "https://api.openai.com/v1"
+                hint = probe_hint(e.kind, status, base, self.name, served, self.args.judge_max_tokens)
+                raise UserError(f"{where} failed its start-up check: {what}; {hint}") from None
+            tokens = [tokens[0] + p_tok, tokens[1] + c_tok]
+            try:
+                parse_scores(reply, PROBE_RUBRIC)
+                return ("" if attempt == 1 else f" at try {attempt} of {PROBES}"), tokens
+            except JudgeFailure:
+                if attempt < PROBES:
+                    continue
+                text = " ".join(reply.split())
+                hint = probe_hint("not_a_verdict", 200, self.base_url, self.name, served, self.args.judge_max_tokens)
+                shown = f"{text[:120]!r}{'...' if len(text) > 120 else ''}"
+                raise UserError(
+                    f"{where} failed its start-up check: its reply is not a verdict ({shown}; {PROBES} replies "
+                    f"tried, none a verdict); {hint}"
+                ) from None
+        raise AssertionError("unreachable")  # the loop returns or raises
+
     def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
+        fmt = {"response_format": judge_prompts.response_format(rubric)} if self.structured else {}
         return chat(
             self.client,
             model=self.name,
             messages=judge_prompts.build_messages(rubric, trajectory_text),
             temperature=self.args.judge_temperature,
             max_tokens=self.args.judge_max_tokens,
+            **fmt,
         )
 
 
@@ -266,7 +312,13 @@ class JudgeRunner:
 
     def _request(self, rubric: str, sample: int, text: str, step: dict) -> tuple[dict | None, str | None]:
         key = runfiles.JudgeCache.key(
-            self.client.name, rubric, self.args.judge_temperature, self.args.judge_max_tokens, sample, text
+            self.client.name,
+            rubric,
+            self.args.judge_temperature,
+            self.args.judge_max_tokens,
+            sample,
+            text,
+            getattr(self.client, "structured", False),
         )
         if self.client.cacheable and (hit := self.cache.entries.get(key)) is not None:
             self._count(step, cache_hits=1)
@@ -313,9 +365,10 @@ class JudgeRunner:
     ) -> tuple[list[Judgement], dict]:
         """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits).
         `progress` hears of every request answered (cache hits and failures included). A one-turn
-        trajectory is not asked the evolution rubric; the evolution rules apply to every verdict."""
+        trajectory is not asked a rubric that needs more turns (evolution); a rubric's rules (judge_prompts.RULES)
+        apply to every verdict."""
         texts = [render_for_judge(t) for t in trajs]
-        asked = [[r for r in rubrics if r != "evolution" or len(t.turns) > 1] for t in trajs]
+        asked = [[r for r in rubrics if len(t.turns) >= judge_prompts.RUBRICS[r]["turns"]] for t in trajs]
         jobs = [(i, r, s) for i in range(len(trajs)) for r in asked[i] for s in range(self.args.judge_samples)]
         step: dict = {}
         done = itertools.count(1)  # next() on a count is atomic under the GIL: a thread-safe tally
@@ -337,10 +390,9 @@ class JudgeRunner:
                     scores.update(aggregate(valid, self.args.judge_aggregate))
                 else:
                     kinds.append(next(k for _, k in mine if k))
-            if "evolution" in rubrics and not kinds:
-                scores, rule = judge_prompts.evolution_rules(
-                    [x.observation for x in t.turns], [x.response for x in t.turns], scores
-                )
+            for rubric in (r for r in rubrics if r in judge_prompts.RULES and not kinds):
+                observations, responses = [x.observation for x in t.turns], [x.response for x in t.turns]
+                scores, rule = judge_prompts.RULES[rubric](observations, responses, scores)
             failure = next((k for k in kinds if k != "budget"), None)
             skipped = bool(kinds) and failure is None
             judgements.append(Judgement(None if kinds else scores, failure, skipped, rule))

@@ -19,7 +19,6 @@ import functools
 import json
 import math
 import random
-import shutil
 import sys
 import time
 from collections import Counter
@@ -27,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
-from games import check_ids
-from machinery import UserError, costs, distill, lora, memory, runfiles, watch
+import judge_prompts
+from machinery import UserError, costs, distill, flags, lora, memory, runfiles, watch
 from machinery.distributed import Dist, load_optimizer_state, pick_backend, pick_device, pick_threads
 from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
 
@@ -59,7 +59,7 @@ class Run:
     runner: JudgeRunner | None = None
     reporter: watch.Reporter | None = None
     announced: bool = False  # the judge budget's banner is shown once
-    recent: list = field(default_factory=list)  # [phi, psi] batch means of the steps judged: stratagem.after_budget
+    recent: list = field(default_factory=list)  # {score: batch mean} of the steps judged: stratagem.after_budget
     reproject: object = None  # the judge's projection again, (steps, counts) -> projection: made after step 1
     judged: int = 0  # trajectories judged and failures, over this process's steps: the end-of-run alarm
     failures: Counter = field(default_factory=Counter)
@@ -77,8 +77,8 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     dist, out = Dist(args), Path(args.out)
     if args.keep_best and dist.world > 1:
         raise UserError("--keep-best saves rank 0's evaluated policy: run it without torchrun")
-    games = check_ids(args.games)
-    eval_games = check_ids(args.eval_games, "--eval-games") if args.eval_every else []
+    games = flags.items(args.games)  # checked by the trainer's validate()
+    eval_games = flags.items(args.eval_games) if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
     threads = pick_threads(device)  # torch's intra-op threads: OMP_NUM_THREADS, else half the cores on a CPU
     requested = args.backend
@@ -91,7 +91,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     steps_left = args.steps - done
     reproject = (
         functools.partial(costs.judge_projection, args, games, make_env)
-        if args.mode == "stratagem" and dist.main and (args.dry_run or args.judge == "openai")
+        if judge_prompts.asked(args) and dist.main and (args.dry_run or args.judge == "openai")
         else None
     )
     counts = (  # a resumed run projects from what its own policy played (its metrics up to the checkpoint)
@@ -108,7 +108,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
         dist.close()
         return None
     rng = seed(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
-    judge = make_judge(args) if args.mode == "stratagem" and dist.main else None
+    judge = make_judge(args) if judge_prompts.asked(args) and dist.main else None  # SPIRAL: none, unless shadowed
     if ckpt is not None and steps_left == 0:  # a re-queued job ends cleanly
         if dist.main:
             print(
@@ -120,17 +120,22 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     if dist.main:
         runfiles.check_writable_dir(out, "--out")  # first: a file or a dangling link is said as such
         if not args.resume and out.exists():
-            raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
+            if (out / "config.json").exists():
+                raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
+            raise UserError(f"{out} already exists and is no run folder (no config.json): choose another --out")
         if judge is not None and args.judge_cache:
             runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
     reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None
     if dist.main:
+        # the judge's probe first, before the run folder exists or anything is said of the run or paid
+        checked = judge.check_reachable() if isinstance(judge, OpenAIJudge) else None
         runfiles.claim_run(out, fresh=not args.resume)  # one job per run folder; released by main() or finish_run()
-        print(watch.start_line(args, out, device, engine, threads, dist.world), flush=True)
+        structured = judge.structured if isinstance(judge, OpenAIJudge) else None
+        print(watch.start_line(args, out, device, engine, threads, dist.world, structured), flush=True)
         if projection is not None:
             print("\n".join(costs.projection_lines(args, projection)), flush=True)
-        if isinstance(judge, OpenAIJudge):  # one probe request, before the policy is loaded or anything is paid
-            print(judge.check_reachable(), flush=True)
+        if checked:
+            print(checked, flush=True)
         print(
             f"loading the policy: {ckpt or (watch.tiny_model(args) if args.tiny else args.model)} ...",
             flush=True,
@@ -146,20 +151,25 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     run.distiller = distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
     judge_totals = None
     if ckpt is not None:
-        state = runfiles.load_state(ckpt / "trainer_state.pt")
-        own = runfiles.load_state(ckpt / f"rank{dist.rank}.pt")
-        load_optimizer_state(model, optimizer, state["optimizer"])
+        state = runfiles.load_state(ckpt / "trainer_state.pt", runfiles.TRAINER_STATE)
+        own = runfiles.load_state(ckpt / f"rank{dist.rank}.pt", runfiles.RANK_STATE)
         run.baselines, run.start, run.elapsed, judge_totals = (
             state["baselines"],
             state["step"],
             state["elapsed"],
             state["judge_totals"],
         )
-        run.recent = state.get("recent", [])  # a checkpoint written before it was kept has none
+        recent = state.get("recent", [])  # a checkpoint written before it was kept has none
+        run.recent = [dict(zip(("phi", "psi"), r)) if isinstance(r, list) else r for r in recent]  # old: pairs
         run.lengths = own["lengths"]
         run.beta = state.get("beta", args.beta)  # (a checkpoint from before --beta-share: the flag's)
-        if run.distiller is not None:
-            run.distiller.load_state_dict(state["distill"])
+        try:  # what the schema cannot see: an optimizer or heads' state of another shape
+            load_optimizer_state(model, optimizer, state["optimizer"])
+            if run.distiller is not None:
+                run.distiller.load_state_dict(state["distill"])
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+            why = " ".join(str(e).split())[:160]
+            raise UserError(f"--resume: {ckpt} does not fit this run ({type(e).__name__}: {why}); restore it") from None
         runfiles.set_rng_states(rng, own["rng"])
         policy.sync(model)
     elif dist.main:
@@ -167,8 +177,8 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     if not dist.main:
         return run
     if args.resume:  # lines logged after the checkpoint are replayed; without one, from step 0 with the saved config
-        for name in ("metrics.jsonl", "trajectories.jsonl"):
-            runfiles.truncate_jsonl(out / name, run.start)
+        for name in ("metrics.jsonl", "trajectories.jsonl"):  # no checkpoint: step 0's evaluation is played again
+            runfiles.truncate_jsonl(out / name, run.start if ckpt else -1)
         print(
             f"resuming {out} from step {run.start}"
             if ckpt
@@ -223,6 +233,16 @@ def summarize(values: list[float]) -> tuple[float, float]:
         return 0.0, 0.0
     mean = sum(values) / len(values)
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def levels_mean(trajs: list) -> dict[str, float | None]:
+    """Per rubric dimension (alpha, sigma, rho, d, a, c: the table's), the mean level over the judged trajectories
+    that have it; None where none has."""
+    out = {}
+    for key in judge_prompts.ALL_KEYS:
+        known = [t.scores[key] for t in trajs if t.scores is not None and t.scores.get(key) is not None]
+        out[key] = sum(known) / len(known) if known else None
+    return out
 
 
 def ppo_summary(epochs_by_rank: list[list[dict]], world: int) -> dict:
@@ -282,6 +302,7 @@ def step_metrics(
         "judge_evolution_rules": Counter(j.rule for j in judged.values() if j.rule),
         "judged_multi_turn": sum(t.judged and len(t.turns) > 1 for t in played),  # psi has turns to compare
         "psi_nonzero": sum(t.judged and t.psi != 0 for t in played),
+        "levels_mean": levels_mean(played),
         **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
         "judge_cost": usage.get("cost", 0.0),
         "judge_cost_total": runner.totals["cost"] if runner else 0.0,
@@ -327,7 +348,8 @@ def end_step(
     run.elapsed += step_time
     if run.dist.main:
         if mod.get("modulated"):  # the judged means that stratagem.after_budget averages once the budget is spent
-            run.recent.append([mod["phi_mean"], mod["psi_mean"]])
+            means = {s: mod.get(f"{s}_mean") for s in judge_prompts.SCORES}
+            run.recent.append({s: v for s, v in means.items() if v is not None})
         metrics = step_metrics(
             run, step, trajs, ranks, judged, usage, mod, update["grad_norm"], evaluation, timer, step_time, extra
         )
@@ -344,35 +366,73 @@ def end_step(
         save(run, step)
 
 
-def first_eval(run: Run, evaluate) -> None:
-    """A fresh run's evaluation before any update, `evaluate(step=0)` (None without --eval-every): its own
-    metrics.jsonl line {"step": 0, "eval": ...} and step line, so that a learning curve starts where the policy
-    started."""
-    evaluation = evaluate(0) if run.start == 0 else None
+def first_eval(run: Run, evaluation: dict | None) -> None:
+    """A fresh run's evaluation before any update (None without --eval-every): its own metrics.jsonl line
+    {"step": 0, "eval": ...} and step line, so that a learning curve starts where the policy started."""
     if evaluation:
         runfiles.append_jsonl(run.out / "metrics.jsonl", {"step": 0, "eval": evaluation})
         print(f"step 0/{run.args.steps} | before any update | {watch.eval_text(evaluation)}", flush=True)
         keep_best(run, 0, evaluation)
 
 
+BEST = {  # what best/best.json must hold: (in words, the test)
+    "step": ("a step number", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "win_rate": ("a rate", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1),
+}
+
+
+def read_best(out: Path) -> dict | None:
+    """best/best.json of a --keep-best run (the step and evaluation it was kept on, its fresh games once measured),
+    or None where nothing was kept yet. A best/ left half-swapped by a kill is put back first (.best-old); a best/
+    that is no folder, or a best.json that is malformed or no plain file, ends in one line."""
+    best, old = out / "best", out / ".best-old"
+    if not best.exists() and old.is_dir() and not old.is_symlink():
+        old.rename(best)  # killed between the two renames of keep_best: the previous best is whole
+    if not best.exists():
+        return None
+    runfiles.refuse_link(best)
+    if not best.is_dir():
+        raise UserError(f"{best} is not a folder; --keep-best keeps its policy there: move it away")
+    try:
+        record = json.loads(runfiles.read_small(best / "best.json"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{best / 'best.json'} is unreadable ({type(e).__name__}); move {best} away") from None
+    bad = [k for k, (_, ok) in BEST.items() if not isinstance(record, dict) or k not in record or not ok(record[k])]
+    if bad:
+        raise UserError(f"{best / 'best.json'} is malformed ({bad[0]!r} is not {BEST[bad[0]][0]}); move {best} away")
+    return record
+
+
+def write_best(out: Path, record: dict) -> None:
+    runfiles.write_atomic(out / "best" / "best.json", json.dumps(record, indent=1).encode())
+
+
 def keep_best(run: Run, step: int, evaluation: dict) -> None:
-    """--keep-best: the policy goes to <out>/best (written aside, then an atomic rename) whenever its evaluation win
-    rate beats best.json's, so that a peak survives self-play's drift away from it. The best is picked on the
-    evaluation itself, so its win rate there is biased upwards: measure it again on fresh games
-    (`stratagem.py eval <out>/best`)."""
-    best = run.out / "best"
-    if not run.args.keep_best or (
-        (best / "best.json").exists()
-        and json.loads((best / "best.json").read_text())["win_rate"] >= evaluation["win_rate"]
-    ):
+    """--keep-best: the policy goes to <out>/best whenever its evaluation win rate beats best.json's (a tie keeps
+    the earlier), so that a peak survives self-play's drift away from it. Written aside, then swapped in; a full disk
+    is one warning and best/ keeps the previous one. The pick is biased upwards: at the end,
+    stratagem.best_on_fresh_games measures it again on fresh games."""
+    best = read_best(run.out) if run.args.keep_best else None
+    if not run.args.keep_best or (best is not None and best["win_rate"] >= evaluation["win_rate"]):
         return
-    tmp = run.out / ".best-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during an earlier write
-    run.model.save_pretrained(tmp)
-    run.tokenizer.save_pretrained(tmp)
-    (tmp / "best.json").write_text(json.dumps({"step": step, **evaluation}, indent=1))
-    shutil.rmtree(best, ignore_errors=True)
-    tmp.rename(best)
+    tmp, old, final = run.out / ".best-tmp", run.out / ".best-old", run.out / "best"
+    try:
+        runfiles.remove(tmp)  # left by a kill during an earlier write; a link there goes, not what it points to
+        tmp.mkdir(mode=0o700)
+        run.model.save_pretrained(tmp)
+        run.tokenizer.save_pretrained(tmp)
+        runfiles.write_atomic(tmp / "best.json", json.dumps({"step": step, **evaluation}, indent=1).encode())
+        runfiles.follow_umask(tmp)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: safetensors raises its own error
+        runfiles.remove(tmp)
+        kept = f"step {best['step']}'s" if best else "nothing yet"
+        watch.warn(f"could not keep step {step}'s policy in {final} ({str(e).strip()[:120]}); it holds {kept}")
+        return
+    runfiles.remove(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    runfiles.remove(old)
 
 
 def log_step(run: Run, metrics: dict, trajs: list) -> None:

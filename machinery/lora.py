@@ -18,11 +18,13 @@ only when adapters are asked for.
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import torch
 
-from machinery import UserError
+from machinery import UserError, runfiles
 from machinery.distributed import full_weights
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
@@ -67,14 +69,55 @@ def add_adapters(model, args, checkpoint=None):
     return model
 
 
-def load_adapters(model, checkpoint, trainable: bool):
-    """The base `model` with the adapter saved in `checkpoint` (PEFT's format)."""
-    from peft import PeftModel
+def check_adapter_config(checkpoint) -> dict:
+    """adapter_config.json read as untrusted: a JSON object whose rank is a whole number in [1, 4096], whose alpha a
+    finite number and whose targets names, else one line naming the file."""
+    path = Path(checkpoint) / "adapter_config.json"
+    try:
+        config = json.loads(runfiles.read_small(path))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is unreadable ({type(e).__name__}); restore it") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a LoRA adapter's config (not a JSON object)")
+    r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
+    if not (isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= 4096):
+        raise UserError(f"{path}: r must be a whole number in [1, 4096], got {r!r:.40}")
+    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < abs(alpha) <= 65536):
+        raise UserError(f"{path}: lora_alpha must be a number in (0, 65536], got {alpha!r:.40}")
+    if not (isinstance(targets, (list, str)) and all(isinstance(t, str) for t in targets)):
+        raise UserError(f"{path}: target_modules must be layer names, got {targets!r:.60}")
+    return config
 
+
+def load_adapters(model, checkpoint, trainable: bool):
+    """The base `model` with the adapter saved in `checkpoint` (PEFT's format), checked whole: its config, and every
+    adapter tensor the config makes there in the file, none more, each of its shape."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    check_adapter_config(checkpoint)
     model.requires_grad_(False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=trainable)
+    weights = Path(checkpoint) / "adapter_model.safetensors"
+    try:
+        runfiles.refuse_special(weights)
+        with safe_open(str(weights), "pt") as f:
+            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft_model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=trainable)
+    except Exception as e:  # noqa: BLE001 - whatever a damaged adapter makes PEFT raise is one line
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"{checkpoint}: its LoRA adapter cannot be loaded ({type(e).__name__}: {first})") from None
+    wanted = {
+        k.replace(f".{ADAPTER}.", "."): tuple(v.shape) for k, v in peft_model.state_dict().items() if ".lora_" in k
+    }
+    problems = [f"{k} is missing" for k in sorted(set(wanted) - set(saved))]
+    problems += [f"{k} is not one of the adapter's" for k in sorted(set(saved) - set(wanted))]
+    problems += [f"{k} has shape {saved[k]}, the adapter's is {v}" for k, v in wanted.items() if saved.get(k, v) != v]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"{weights} does not fit its adapter_config.json: tensor {problems[0]}{more}")
+    return peft_model
 
 
 def adapter_scalings(model) -> dict[str, float]:

@@ -21,6 +21,8 @@ the bf16 copy of the (merged) weights being loaded into it, machinery/vllm_engin
 
 from __future__ import annotations
 
+from machinery import UserError
+
 GiB = 2**30
 # An assumption: a turn's prompt (the game so far). The longest of 20 games of each training game played by random legal
 # players was 2,850 characters, ~710 tokens at 4 a token; negotiators who write long messages can pass it.
@@ -33,6 +35,49 @@ DEVICES = {
     "141 GB (H200)": 143771,
 }
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# The sizes a model's config.json gives, checked before anything is allocated: each a positive integer below a bound
+# no real model reaches (a hostile config of 10**12 vocabulary entries or 2 million layers ends in one line, not in
+# a hang while memory grows). GPT-2-style names (n_embd, ...) are read as their Llama-style equivalents.
+SIZES = {
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 24,
+}
+ALIASES = {
+    "n_embd": "hidden_size",
+    "n_inner": "intermediate_size",
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_positions": "max_position_embeddings",
+}
+
+
+def shape_of(config: dict, where: str) -> dict:
+    """A config.json's sizes under Llama-style names, checked: positive integers within SIZES, the attention heads a
+    multiple of the KV heads and, without head_dim, a divisor of the width; anything else is one line (UserError)."""
+    shape = {**config, **{ALIASES[k]: v for k, v in config.items() if k in ALIASES and v is not None}}
+    if shape.get("intermediate_size") is None and "n_embd" in config:
+        shape["intermediate_size"] = 4 * shape.get("hidden_size", 0)  # GPT-2's MLP: 4 x the width by default
+    for key, bound in SIZES.items():
+        value = shape.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= bound):
+            raise UserError(f"{where}: {key} must be a whole number in [1, {bound:,}], got {value!r:.40}")
+    heads, kv = shape.get("num_attention_heads"), shape.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise UserError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if heads and shape.get("hidden_size") and not shape.get("head_dim") and shape["hidden_size"] % heads:
+        raise UserError(f"{where}: hidden_size {shape['hidden_size']} is not divisible by num_attention_heads {heads}")
+    return shape
+
+
+NEEDED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
 def linear_shapes(shape: dict) -> dict[str, tuple[int, int]]:
@@ -143,6 +188,10 @@ def plan_lines(args, shape: dict | None, device, world: int, device_total: float
     24 / 48 / 80 / 141 GB cards (none here: vLLM is their engine unless --backend hf was `requested`)."""
     if shape is None:
         return [f"memory: {args.model}'s shape is not known offline (no config.json here): no projection"]
+    shape = shape_of(shape, f"{args.model}'s config.json")
+    if missing := [k for k in NEEDED if shape.get(k) is None]:
+        return [f"memory: {args.model}'s config.json gives no {missing[0]} (nor a known alias): no projection"]
+    shape.setdefault("num_key_value_heads", shape["num_attention_heads"])  # no grouped-query attention
     gpu = device.type == "cuda" or device_total is None  # no GPU here: the cards' figures
     m = project(
         shape,

@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import random
+import re
 import shlex
 import shutil
 import socket
@@ -31,8 +32,14 @@ import torch
 from safetensors import SafetensorError
 
 import judge_prompts
-from machinery import UserError
+from machinery import UserError, visible
 from machinery.distributed import full_weights, optimizer_state
+
+
+def warn(text: str) -> None:
+    """A warning line on stderr (machinery/watch.py says its own through here): what a run survives."""
+    print(f"stratagem: warning: {visible(text, lines=False)}", file=sys.stderr, flush=True)
+
 
 # ------------------------------------------------------------------ never through a link
 # Whoever can write in a shared run folder could plant a link where the trainer writes (run.lock -> ~/thesis.tex)
@@ -48,7 +55,7 @@ RUN_FILES = (
     "judge_ledger.jsonl",
     "wandb_run_id",
 )
-RUN_FOLDERS = ("checkpoints", "tensorboard", "wandb")
+RUN_FOLDERS = ("checkpoints", "tensorboard", "wandb", "best", ".best-tmp", ".best-old")
 
 
 def refuse_link(path: Path) -> None:
@@ -82,6 +89,21 @@ def _no_link(path, flags: int, mode: int = 0o666) -> int:
     return fd
 
 
+def refuse_special(path: Path) -> None:
+    """`path` opened as the run's own files are (no link, nothing but a plain file, never blocking on a fifo) and
+    closed again: the check before a library (torch, safetensors) opens it in its own way."""
+    os.close(_no_link(path, os.O_RDONLY))
+
+
+def read_small(path: Path, limit: int = 1 << 20) -> bytes:
+    """A small file of a run (config.json, best.json) read whole, if it is a plain file of at most `limit` bytes."""
+    with open(path, "rb", opener=lambda p, flags: _no_link(p, flags)) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UserError(f"{path} is larger than {limit:,} bytes: not a file of this project")
+    return data
+
+
 def _new_file(path, flags: int) -> int:
     """os.open of a file that must not exist yet (O_EXCL: a link at the name fails too)."""
     return _no_link(path, flags | os.O_EXCL)
@@ -92,9 +114,10 @@ def check_no_links(out: Path) -> None:
     its folders and anything in checkpoints/ (every entry of which the trainer may delete)."""
     for name in (*RUN_FILES, *(f".tmp-{n}" for n in RUN_FILES), *RUN_FOLDERS):
         refuse_link(out / name)
-    if (out / "checkpoints").is_dir():
-        for entry in sorted((out / "checkpoints").iterdir()):
-            refuse_link(entry)
+    for folder in ("checkpoints", "best"):
+        if (out / folder).is_dir():
+            for entry in sorted((out / folder).iterdir()):
+                refuse_link(entry)
 
 
 # ------------------------------------------------------------------ JSONL logs and atomic files
@@ -114,13 +137,28 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+LINE_LIMIT = 32 << 20  # bytes: a longer line is no record of this project's (a 4096-token, 50-turn trajectory is ~1 MB)
+
+
+def lines(f, limit: int = LINE_LIMIT):
+    """(line, whole) for every line of a binary file, each read in at most `limit` bytes: a longer one is skipped in
+    chunks (whole False, its bytes not kept), so memory never grows with a hostile line."""
+    while raw := f.readline(limit + 1):
+        if len(raw) <= limit:
+            yield raw, True
+            continue
+        while raw and not raw.endswith(b"\n"):  # the rest of the long line, in bounded chunks
+            raw = f.readline(limit)
+        yield b"", False
+
+
 def iter_jsonl(path: Path):
-    """(raw line, record) for every readable line of a JSONL file, read line by line: the memory it takes
-    does not grow with the file. A line that is not UTF-8 or not a JSON object (a crash or a full disk in
-    the middle of an append leaves a torn last line) is skipped with one warning on stderr, never fatal."""
-    bad = 0
-    with open(path, "rb") as f:
-        for raw in f:
+    """(raw line, record) for every readable line of a JSONL file, read line by line in bounded memory. A line that
+    is not UTF-8, not a JSON object (a crash or a full disk in the middle of an append tears the last one) or longer
+    than LINE_LIMIT is skipped with one warning on stderr, never fatal."""
+    bad = long = 0
+    with open(path, "rb", opener=lambda p, flags: _no_link(p, flags)) as f:
+        for raw, whole in lines(f):
             raw = raw.rstrip(b"\r\n")
             try:
                 record = json.loads(raw.decode("utf-8")) if raw.strip() else None
@@ -128,13 +166,14 @@ def iter_jsonl(path: Path):
                 record = "unreadable"
             if isinstance(record, dict):
                 yield raw, record
+            elif not whole:
+                long += 1
             elif record is not None:
                 bad += 1
     if bad:
-        print(
-            f"stratagem: warning: skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)",
-            file=sys.stderr,
-        )
+        warn(f"skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)")
+    if long:
+        warn(f"skipped {long} line(s) of {path} longer than {LINE_LIMIT >> 20} MiB: no record of a run")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -186,7 +225,7 @@ def read_config(run: Path, fields=None) -> dict:
     """A run's config.json; a damaged one, or one with keys outside `fields` (when given), ends in one line."""
     path = run / "config.json"
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(read_small(path).decode("utf-8"))
     except ValueError as e:
         raise UserError(f"{path} is damaged ({e}); restore it from a copy") from None
     unknown = (set(config) - set(fields or config)) if isinstance(config, dict) else {"(not an object)"}
@@ -213,8 +252,18 @@ def write_config(out: Path, config: dict, step: int) -> str | None:
 
 
 # ------------------------------------------------------------------ checkpoints and exact resume
+CHECKPOINT = re.compile(r"step-\d{6}")  # the name save_checkpoint gives; anything else in checkpoints/ is none
+
+
 def latest_checkpoint(out: Path) -> Path | None:
-    ckpts = sorted((out / "checkpoints").glob("step-*"))
+    """The newest checkpoint of a run: the highest folder named exactly step-NNNNNN (others are warned of)."""
+    found = sorted((out / "checkpoints").glob("step-*"))
+    if strays := [p.name for p in found if not CHECKPOINT.fullmatch(p.name)]:
+        warn(
+            f"{out / 'checkpoints'} holds {', '.join(strays[:3])}{', ...' if len(strays) > 3 else ''}: not "
+            "checkpoints of this project (a checkpoint is named step-NNNNNN); ignored"
+        )
+    ckpts = [p for p in found if CHECKPOINT.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
     return ckpts[-1] if ckpts else None
 
 
@@ -255,33 +304,72 @@ def check_checkpoint(ckpt: Path, world: int, adapter: bool = False) -> None:
         )
 
 
-def load_state(path: Path) -> dict:
-    """torch.load of a trainer_state.pt / rank<r>.pt, a damaged file ending in one line."""
+# What each checkpoint file must hold, key by key: (what it must be, in words; the test). A file that lacks a key or
+# holds the wrong kind of value there ends the resume in one line naming it, before any of it is used.
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _numbers(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and _number(x) for k, x in v.items())
+
+
+TRAINER_STATE = {
+    "step": ("a step number", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "optimizer": ("an optimizer state", lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v)),
+    "baselines": ("RAE's baselines, {key: number}", _numbers),
+    "elapsed": ("seconds, a number", _number),
+    "judge_totals": ("the judge's totals or null", lambda v: v is None or _numbers(v)),
+}
+RANK_STATE = {
+    "rng": ("the RNG states", lambda v: isinstance(v, dict) and {"rng", "python", "numpy", "torch", "cuda"} <= set(v)),
+    "lengths": ("game lengths, {game: number}", _numbers),
+}
+
+
+def load_state(path: Path, schema: dict, what: str = "--resume") -> dict:
+    """A trainer_state.pt / rank<r>.pt, read with weights_only=True: tensors and plain containers only, so a planted
+    pickle cannot run code (torch's own default since 2.6). A damaged file, or one without a key of `schema` (or
+    with the wrong kind of value there), ends in one line naming the file and the key."""
     try:
-        return torch.load(path, weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:  # a torn zip is a RuntimeError
-        first = str(e).strip().split(". ")[0] if str(e).strip() else "empty file"
+        refuse_special(path)
+        state = torch.load(path, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:  # a torn zip: RuntimeError
+        first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else "empty file"
         raise UserError(
-            f"--resume: {path} is damaged ({type(e).__name__}: {first}); restore it, or delete "
-            f"{path.parent} to start the run again from step 0"
+            f"{what}: {path} is damaged ({type(e).__name__}: {first[:200]}); restore it, or delete {path.parent} to "
+            "start the run again from step 0"
         ) from None
+    bad = "it is not a dictionary" if not isinstance(state, dict) else None
+    for key, (kind, ok) in schema.items():
+        if bad is None and (key not in state or not ok(state[key])):
+            bad = f"{key!r} is {'missing' if key not in state else 'not ' + kind}"
+    if bad:
+        raise UserError(f"{what}: {path} is not a checkpoint of this project: {bad}; restore it")
+    return state
 
 
 def rng_states(rng: random.Random) -> dict:
+    """Every RNG's state in plain values and tensors (NumPy's key array as a list), so that weights_only reads it."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "rng": rng.getstate(),
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [name, keys.tolist(), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
 
 
 def set_rng_states(rng: random.Random, s: dict) -> None:
-    rng.setstate(s["rng"])
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
+    try:
+        rng.setstate(s["rng"])
+        random.setstate(s["python"])
+        name, keys, pos, has_gauss, cached = s["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(s["torch"])
+    except (TypeError, ValueError, RuntimeError) as e:  # a hand-made state: not what setstate takes
+        raise UserError(f"--resume: a rank file's RNG states cannot be set ({type(e).__name__}); restore it") from None
     if s["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
 
@@ -310,14 +398,10 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
             model.save_pretrained(tmp, state_dict=weights, **adapter)
             tokenizer.save_pretrained(tmp)
             torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
-            mask = os.umask(0)
-            os.umask(mask)
-            for f in tmp.iterdir():  # some writers create 0600 files; a checkpoint follows the umask like the logs
-                os.chmod(f, 0o666 & ~mask)
-            os.chmod(tmp, 0o777 & ~mask)
+            follow_umask(tmp)
             os.replace(tmp, final)
-            for old in root.iterdir():
-                if old != final:
+            for old in root.iterdir():  # older checkpoints and leftovers of ours; nothing else a user put there
+                if old != final and (CHECKPOINT.fullmatch(old.name) or old.name.startswith(".tmp-step-")):
                     remove(old)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
@@ -330,6 +414,16 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     dist.gather(None)  # nobody runs ahead of the rename
+
+
+def follow_umask(folder: Path) -> None:
+    """A folder's files and itself given the modes the user's umask gives (some writers create 0600 files; a
+    checkpoint follows the umask like the logs)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~mask)
+    os.chmod(folder, 0o777 & ~mask)
 
 
 def remove(path: Path) -> None:
@@ -479,25 +573,36 @@ class JudgeCache:
         self.path, self.entries, self.skipped = path, {}, 0
         self.lock = threading.Lock()
         if path is not None and path.exists():
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    record = json.loads(line)
-                    keys = judge_prompts.keys(record["rubric"])
-                    if set(record["scores"]) != set(keys) or not isinstance(record["key"], str):
-                        raise ValueError("not the rubric's keys")
-                    self.entries[record["key"]] = {
-                        k: judge_prompts.level(record["rubric"], k, record["scores"][k]) for k in keys
-                    }
-                except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # a line of any shape
-                    self.skipped += 1
+            with open(path, "rb", opener=lambda p, flags: _no_link(p, flags)) as f:
+                self.read(f)
             end_torn_line(path)
 
+    def read(self, f) -> None:
+        """Every valid verdict of the file; the others counted in `skipped`."""
+        for line, whole in lines(f):
+            try:
+                if not whole:
+                    raise ValueError("longer than any verdict")
+                record = json.loads(line.decode("utf-8", errors="replace"))
+                keys = judge_prompts.keys(record["rubric"])
+                if set(record["scores"]) != set(keys) or not isinstance(record["key"], str):
+                    raise ValueError("not the rubric's keys")
+                self.entries[record["key"]] = {
+                    k: judge_prompts.level(record["rubric"], k, record["scores"][k]) for k in keys
+                }
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # a line of any shape
+                self.skipped += 1
+
     @staticmethod
-    def key(model: str, rubric: str, temperature: float, max_tokens: int, sample: int, trajectory_text: str) -> str:
+    def key(
+        model: str, rubric: str, temperature: float, max_tokens: int, sample: int, text: str, structured: bool = False
+    ) -> str:
         """Every parameter of the request (model; messages: prompt version, rubric, trajectory; temperature;
-        max_tokens) and the sample index: a verdict is reused only for the very request that produced it."""
+        max_tokens; the schema with --judge-structured) and the sample index: a verdict is reused only for the very
+        request that produced it (a free-text request's key is what it was before structured verdicts existed)."""
+        schema = [judge_prompts.response_format(rubric)] if structured else []
         ident = json.dumps(
-            [model, judge_prompts.PROMPT_VERSION, rubric, temperature, max_tokens, sample, trajectory_text]
+            [model, judge_prompts.PROMPT_VERSION, rubric, temperature, max_tokens, sample, text, *schema]
         )
         return hashlib.sha256(ident.encode()).hexdigest()
 
@@ -518,6 +623,7 @@ def ledger_totals(path: Path) -> dict:
     for _, row in iter_jsonl(path) if path.exists() else ():
         totals["requests"] += 1
         for k in ("prompt_tokens", "completion_tokens", "cost"):
-            totals[k] += row.get(k, 0)
+            value = row.get(k, 0)
+            totals[k] += value if isinstance(value, (int, float)) and math.isfinite(value) else 0  # hand-edited
     end_torn_line(path)
     return totals

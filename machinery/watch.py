@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import sys
@@ -17,7 +18,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import judge_prompts
 from machinery import UserError
+from machinery.runfiles import warn as runfiles_warn
 from machinery.runfiles import write_atomic
 
 
@@ -56,31 +59,40 @@ def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def start_line(args, out: Path, device, engine: str, threads: tuple[int, str] | None = None, world: int = 1) -> str:
+warn = runfiles_warn  # a warning line on stderr: something went wrong that the run survives
+
+
+def start_line(
+    args, out: Path, device, engine: str, threads: tuple[int, str] | None = None, world: int = 1, structured=None
+) -> str:
     """The first line of a run: where it writes and what it will do; `threads`: torch's intra-op threads and why
     (distributed.pick_threads), `world`: the torchrun ranks."""
     if args.mode == "spyrl":
         detail = f", {args.spy_players} players, {args.spy_task}, mask {args.spy_mask}, alternate {args.spy_alternate}"
     else:
         detail = "" if args.mode == "spiral" else " w/o psi" if args.no_psi else f", beta {args.beta}"
+        detail += ", psi centred" if args.centre_psi else ""
     detail += f", KL {args.kl_coef}" if args.kl_coef else ""
     model = f"tiny ({tiny_model(args)})" if args.tiny else args.model
     judge = (
         "heuristic stand-in (offline, NOT the paper's judge)"
         if args.judge == "heuristic"
         else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
+        + ("" if structured is None else f", {'structured' if structured else 'free-text'} verdicts")
     )
     judge = (
         f"none ({args.mode})"
-        if args.mode != "stratagem"
+        if not judge_prompts.asked(args)
         else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
+        + (" (--judge-shadow: scores logged, not in A_mod)" if args.judge_shadow else "")
     )
     report = "" if args.report_to == "none" else f" + {args.report_to}"
     where = f"{args.backend} on {device} ({engine})"
     where += f", torch threads {threads[0]} ({threads[1]})" if threads else ""
     where += f", {world} ranks (torchrun), each playing 1/{world} of the games" if world > 1 else ""
+    script = "spyrl" if args.mode == "spyrl" else "stratagem"
     return (
-        f"stratagem: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
+        f"{script}: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
         f"{where} | judge {judge} | steps {args.steps}, "
         f"batch {args.batch_size} transitions | "
         f"logs metrics.jsonl{report}"
@@ -102,9 +114,9 @@ def step_line(m: dict, args) -> str:
     kl = f" (KL {m['kl']:.2e})" if "kl" in m else ""
     spent = m.get("imputed_after_budget")  # the budget is spent: the recent judged steps' means stand in
     scores = (
-        f"phi {spent['phi']:.3f} psi {spent['psi']:.3f} (recent judged steps' mean: budget spent)"
+        " ".join(f"{name} {value:.3f}" for name, value in spent.items()) + " (recent judged steps' mean: budget spent)"
         if spent
-        else f"phi {fmt(m['phi_mean'])} psi {fmt(m['psi_mean'])}"
+        else " ".join(f"{name} {fmt(m.get(f'{name}_mean'))}" for name in judge_prompts.SCORES)
     )
     middle = (
         f"judged {m['judge_judged']} (failed {m['judge_failed']}, multi-turn {m.get('judged_multi_turn', 0)}){cost}"
@@ -141,15 +153,33 @@ def eval_text(e: dict) -> str:
     return f"eval: win {e['win_rate']:.3f} [{low:.3f}, {high:.3f}] of {e['n']} vs random"
 
 
-def closing_line(out: Path, steps: int, mode: str = "stratagem") -> str:
-    """The last line of a run: where its outputs are, and the commands a newcomer runs next on them."""
-    run = shlex.quote(str(out))
+def best_text(out: Path) -> str:
+    """--keep-best's policy in words: its step, its fresh games' win rate (and the biased one it was kept on)."""
+    try:
+        best = json.loads((out / "best" / "best.json").read_text())
+        fresh, kept = best["fresh"], best["win_rate"]
+        low, high = fresh["win_ci95"]
+        return (
+            f"; best/: step {best['step']}, win {fresh['win_rate']:.3f} [{low:.3f}, {high:.3f}] on {fresh['n']} fresh "
+            f"games ({kept:.3f} on the games it was kept on)"
+        )
+    except (OSError, ValueError, KeyError, TypeError):  # none kept, or not measured
+        return ""
+
+
+def closing_line(out: Path, args) -> str:
+    """The last line of a run: where its outputs are, and the commands a newcomer runs next on them (a SpyRL run's:
+    those that read its games, and spyrl.py to train it further)."""
+    run, steps, mode = shlex.quote(str(out)), args.steps, args.mode
+    best = best_text(out) if args.keep_best else ""
+    then = [f"python stratagem.py plot {run} --out {shlex.quote(str(out / 'plots'))}"]
+    if mode == "spyrl":
+        then += [f"python stratagem.py show {run}", f"python spyrl.py --resume --out {run} --steps {2 * steps}"]
+    else:
+        then += [f"python stratagem.py show {run} --judged", f"python stratagem.py eval {run} --n 20"]
     return (
-        f"done: {steps} step{'' if steps == 1 else 's'} in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). "
-        "Next: "
-        f"python stratagem.py plot {run} --out {shlex.quote(str(out / 'plots'))}  |  "
-        f"python stratagem.py show {run}{' --judged' if mode != 'spyrl' else ''}  |  "
-        f"python stratagem.py eval {run} --n 20"
+        f"done: {steps} step{'' if steps == 1 else 's'} in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/"
+        f"{best}). Next: " + "  |  ".join(then)
     )
 
 
@@ -159,7 +189,7 @@ class Progress:
     (disable=None), so logs stay clean lines."""
 
     def __init__(self, step: int, steps: int, target: int, show: bool):
-        self.games = 0
+        self.games, self.step = 0, step
         self.bar = tqdm(
             total=target,
             desc=f"step {step}/{steps}",
@@ -195,7 +225,7 @@ NAMESPACES = {
         "response_tokens_mean",
         "games",
     ),
-    "judge": ("modulated", "phi_mean", "psi_mean"),
+    "judge": ("modulated", *(f"{name}_mean" for name in judge_prompts.SCORES), "levels_mean", "psi_centre"),
     "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines", "beta"),
     "update": ("loss", "grad_norm", "kl"),
     "time": ("time_s", "elapsed_s", "time_split_s"),

@@ -16,6 +16,8 @@ from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.matches import wilson
 from machinery.runfiles import check_writable_dir, read_jsonl
+from tools.runs import evaluation_ok, keep, read_metrics
+from tools.runs import number as runs_number
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -60,10 +62,16 @@ def arm_row(arm: str, runs: list[Path]) -> dict:
     """An arm over its seeds: the final evaluation pooled (wins over games, with its Wilson interval), each seed's
     final and best win rates, the mean over steps of the spread (std) of A_game and A_mod, and the share of
     judged trajectories whose psi was not 0."""
-    metrics = [read_jsonl(r / "metrics.jsonl") for r in runs]
-    finals = [[m["eval"] for m in ms if "eval" in m][-1] for ms in metrics]
-    starts = [[m["eval"] for m in ms if "eval" in m][0] for ms in metrics]
-    steps = [m for ms in metrics for m in ms if "loss" in m]
+    metrics = [read_metrics(r) for r in runs]
+    evals = [
+        keep([m for m in ms if "eval" in m], r / "metrics.jsonl", lambda m: evaluation_ok(m["eval"]), "evaluation")
+        for r, ms in zip(runs, metrics)
+    ]
+    if missing := [str(r) for r, e in zip(runs, evals) if not e]:
+        raise UserError(f"{missing[0]} has no evaluation in its metrics.jsonl: the ablation's runs use --eval-every")
+    finals, starts = [e[-1]["eval"] for e in evals], [e[0]["eval"] for e in evals]
+    step_ok = lambda m: all(runs_number(m[k]) for k in ("a_game_std", "a_mod_std", "judge_judged"))  # noqa: E731
+    steps = keep([m for ms in metrics for m in ms if "loss" in m], runs[0].parent, step_ok, "whole step")
     wins, n = sum(round(e["win_rate"] * e["n"]) for e in finals), sum(e["n"] for e in finals)
     judged = sum(m["judge_judged"] for m in steps)
     return {
@@ -72,7 +80,7 @@ def arm_row(arm: str, runs: list[Path]) -> dict:
         "final": wins / n,
         "final_ci95": wilson(wins, n),
         "seeds_final": [e["win_rate"] for e in finals],
-        "seeds_best": [max(m["eval"]["win_rate"] for m in ms if "eval" in m) for ms in metrics],
+        "seeds_best": [max(m["eval"]["win_rate"] for m in e) for e in evals],
         "a_game_std": sum(m["a_game_std"] for m in steps) / len(steps),
         "a_mod_std": sum(m["a_mod_std"] for m in steps) / len(steps),
         "psi_nonzero": sum(m.get("psi_nonzero", 0) for m in steps) / judged if judged else None,

@@ -19,7 +19,7 @@ from machinery.distributed import Dist, pick_device
 from machinery.flags import FriendlyParser, field_docs
 from machinery.judge import HeuristicJudge, JudgeRunner, OpenAIJudge, render_for_judge
 from machinery.runfiles import JudgeCache, check_writable_file, latest_checkpoint, load_state, read_config
-from stratagem import Args, Trajectory, collate, format_prompt, load_policy, phi, psi, validate
+from stratagem import Args, Trajectory, collate, format_prompt, load_policy, validate
 from tools.eval import openai_spec
 from tools.runs import read_trajectories
 
@@ -36,7 +36,8 @@ class DistilledJudge:
         ckpt = latest_checkpoint(run) if (run / "config.json").exists() else None
         if ckpt is None:
             raise UserError(f"{spec}: {run} is not a run with a checkpoint")
-        state = load_state(ckpt / "trainer_state.pt").get("distill")
+        heads = {"distill": ("the heads of a --distill run (or null)", lambda v: v is None or isinstance(v, dict))}
+        state = load_state(ckpt / "trainer_state.pt", heads, spec).get("distill")
         if state is None:
             raise UserError(f"{spec}: {run} was trained without --distill; it has no heads to ask")
         args = Args(**read_config(run, Args.__dataclass_fields__))
@@ -74,7 +75,8 @@ def main(argv: list[str]) -> int:
         prog="stratagem.py agree",
         description=(
             "Re-score a sample of a run's trajectories with two or more judges and print, per rubric dimension, "
-            "Cohen's kappa on the discrete levels and Spearman's rho for phi and psi (as in the paper's Table 1)."
+            "Cohen's kappa on the discrete levels and Spearman's rho for each rubric's score, phi and psi (as in the "
+            "paper's Table 1)."
         ),
     )
     p.add_argument("run", help="run directory (its trajectories.jsonl is read, its judge_cache.jsonl reused)")
@@ -133,18 +135,21 @@ def main(argv: list[str]) -> int:
     names = [chr(ord("A") + k) for k in range(len(ns.judges))]
     pairs = [(x, y) for x in range(len(names)) for y in range(x + 1, len(names))]
     table: dict[str, dict[str, float]] = {}
-    free = [i for i in keep if i not in ruled]  # evolution agrees only where the judges decided
+    free = [i for i in keep if i not in ruled]  # a rubric with rules (evolution) agrees where the judges decided
     for dim in judge_prompts.ALL_KEYS:
-        rows = keep if judge_prompts.RUBRIC_OF[dim] == "transferability" else free
+        rows = keep if judge_prompts.RUBRIC_OF[dim] not in judge_prompts.RULES else free
         table[f"kappa {dim}"] = {
             f"{names[x]}~{names[y]}": cohen_kappa(
                 [verdicts[x][i][dim] for i in rows], [verdicts[y][i][dim] for i in rows]
             )
             for x, y in pairs
         }
-    for label, fn, rows in (("phi", phi, keep), ("psi", psi, free)):
-        values = [[fn(v[i]) for i in rows] for v in verdicts]
-        table[f"spearman {label}"] = {f"{names[x]}~{names[y]}": spearman(values[x], values[y]) for x, y in pairs}
+    for rubric, spec in judge_prompts.RUBRICS.items():  # each rubric's score: phi, psi, ...
+        rows = keep if rubric not in judge_prompts.RULES else free
+        values = [[judge_prompts.weighted(rubric, v[i]) for i in rows] for v in verdicts]
+        table[f"spearman {spec['score']}"] = {
+            f"{names[x]}~{names[y]}": spearman(values[x], values[y]) for x, y in pairs
+        }
     print(
         f"agreement on {len(keep)} of {len(trajs)} sampled trajectories of {run} "
         f"({len(trajs) - len(keep)} dropped: a judge failed); d, a, c and psi on the {len(free)} whose evolution "

@@ -21,7 +21,7 @@ from machinery import UserError
 from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser
 from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
-from machinery.runfiles import JudgeCache, check_writable_file, latest_checkpoint, load_state, read_jsonl
+from machinery.runfiles import TRAINER_STATE, JudgeCache, check_writable_file, latest_checkpoint, load_state, read_jsonl
 from stratagem import Args, Trajectory, build_parser, resolve_args, train
 from tools.runs import read_trajectories
 
@@ -51,7 +51,8 @@ def bench_summary(metrics: list[dict]) -> dict:
 
 def optimizer_size(run: Path) -> dict:
     """Adam's state in the run's last checkpoint (every tensor of it) and the parameters it trains."""
-    state = load_state(latest_checkpoint(run) / "trainer_state.pt")["optimizer"]["state"].values()
+    state = load_state(latest_checkpoint(run) / "trainer_state.pt", TRAINER_STATE, "bench")["optimizer"]["state"]
+    state = state.values()
     return {
         "optimizer_state_mb": sum(t.numel() * t.element_size() for s in state for t in s.values()) / 2**20,
         "trained_parameters": sum(s["exp_avg"].numel() for s in state),

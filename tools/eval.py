@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from games import check_ids, first_last_ids
-from machinery import UserError
+from machinery import UserError, flags
 from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser, field_docs, number_pair
-from machinery.matches import RandomPlayer, summarize_matches
+from machinery.matches import RandomPlayer, summarize_matches, wilson
 from machinery.openai_api import check_base_url, check_reachable, concurrently, openai_client
 from machinery.runfiles import check_writable_file, latest_checkpoint, read_config
 from machinery.vllm_engine import VLLMPolicy
@@ -24,6 +24,7 @@ from stratagem import (
     PROMPT,
     Args,
     HFPolicy,
+    Rules,
     load_policy,
     parse_action,
     play_matches,
@@ -71,11 +72,24 @@ def openai_spec(spec: str, alternative: str) -> tuple[str, str]:
     return model, url
 
 
-def print_matches(summary: dict, opponent: str) -> None:
-    print(
-        f"model vs {opponent}: {summary['n']} games, win rate {summary['win_rate']:.2f} "
-        f"[{summary['win_ci95'][0]:.2f}, {summary['win_ci95'][1]:.2f}] (95 % Wilson intervals below)"
-    )
+def pooled(records: list[dict], games: list[str]) -> dict | None:
+    """The win rate over the games of `games` (n, rate, 95 % interval), or None where none was played."""
+    rows = [r for r in records if r["game"] in games]
+    if not rows:
+        return None
+    wins = sum(r["outcome"] == "win" for r in rows)
+    return {"games": games, "n": len(rows), "win_rate": wins / len(rows), "win_ci95": wilson(wins, len(rows))}
+
+
+def print_matches(summary: dict, opponent: str, groups: dict[str, dict | None]) -> None:
+    """A headline per group (the games the model was trained on, the unseen ones), then the table per game."""
+    for name, g in groups.items():
+        if g is not None:
+            print(
+                f"model vs {opponent}, {name} ({', '.join(g['games'])}): {g['n']} games, win rate "
+                f"{g['win_rate']:.2f} [{g['win_ci95'][0]:.2f}, {g['win_ci95'][1]:.2f}]"
+            )
+    print("per game and seat (95 % Wilson intervals):")
     print(f"{'game':22}{'seat':>6}{'n':>5}" + "".join(f"{k:>19}" for k in ("win", "draw", "loss", "invalid")))
     for game, seats in summary["games"].items():
         for seat, cell in seats.items():
@@ -95,8 +109,9 @@ def resolve_model_path(path: str) -> str:
 
 
 def run_of(path: str) -> Path | None:
-    """The run folder a model path belongs to: the run directory itself, or the run of one of its checkpoints."""
-    for folder in (Path(path), Path(path).parent.parent):
+    """The run folder a model path belongs to: the run directory itself, the run of one of its checkpoints, or
+    that of its best/ (--keep-best)."""
+    for folder in (Path(path), Path(path).parent.parent, Path(path).parent):
         if (folder / "config.json").is_file() and (folder / "checkpoints").is_dir():
             return folder
     return None
@@ -138,7 +153,7 @@ def settings(ns, run: Path | None) -> list[str]:
         if getattr(ns, flag) is None:
             value = config.get(key, DEFAULTS[flag])
             setattr(ns, flag, value)
-            if key in config:
+            if key in config and value != "" and flag != "games":  # the games are said as trained and unseen
                 taken.append(f"--{flag.replace('_', '-')} {value}")
     return taken
 
@@ -247,8 +262,17 @@ def main(argv: list[str]) -> int:
         else LLMPlayer(*openai_spec(ns.opponent, "random"), args)
     )
     path = resolve_model_path(ns.model)
-    if taken:
-        print(f"eval: as {run} was trained (its config.json; a flag given wins): {', '.join(taken)}", flush=True)
+    trained = flags.items(read_config(run).get("games", Args.games) if run is not None else Args.games)
+    unseen = [g for g in games if g not in trained]
+    said = f"{', '.join(taken)}; " if taken else ""
+    where = (
+        f"as {run} was trained (its config.json; a flag given wins): " if run is not None else "no run: the defaults; "
+    )
+    print(
+        f"eval: {where}{said}trained on {', '.join(g for g in games if g in trained) or 'none of these'}; "
+        f"unseen: {', '.join(unseen) or 'none'}",
+        flush=True,
+    )
     model, tokenizer = load_policy(path, device)
     policy = (
         VLLMPolicy(path, tokenizer, stop_ids(tokenizer, model), args, device)
@@ -256,23 +280,13 @@ def main(argv: list[str]) -> int:
         else HFPolicy(model, tokenizer, args, device)
     )
     t0 = time.perf_counter()
-    records = play_matches(
-        policy,
-        tokenizer,
-        games,
-        ns.n,
-        opponent,
-        rng,
-        ns.max_turns,
-        ns.error_allowance,
-        ns.concurrency,
-        ns.action_rule,
-        first_last,
-        *payouts,
-    )
+    rules = Rules(ns.action_rule, ns.error_allowance, ns.max_turns, *payouts)
+    records = play_matches(policy, tokenizer, games, ns.n, opponent, rng, rules, ns.concurrency, first_last)
     policy.close()
     summary = summarize_matches(records)
-    print_matches(summary, opponent.name)
+    summary["trained"] = pooled(records, [g for g in games if g in trained])
+    summary["unseen"] = pooled(records, unseen)
+    print_matches(summary, opponent.name, {"trained games": summary["trained"], "unseen games": summary["unseen"]})
     print(f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}")
     out.write_text(
         json.dumps(

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import judge_prompts
 from machinery import UserError
 from machinery.flags import FriendlyParser
+from machinery.matches import CEILINGS
 from machinery.runfiles import check_writable_dir, refuse_link
-from tools.runs import read_metrics, run_label, run_mode
+from tools.runs import number as runs_number
+from tools.runs import read_metrics, run_config, run_label, run_mode
 
 TRAINING_GAMES = ("TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1")  # SPIRAL's, the evaluation's series
 
@@ -44,9 +48,14 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
     ),
     "response_length": ("Mean response length", "tokens", [("", lambda m: m.get("response_tokens_mean"))]),
     "phi_psi": (
-        "Judge scores (batch means of judged trajectories)",
+        "Judge scores, batch means of the judged trajectories (the paper's Figure 11)",
         "value",
-        [("phi", lambda m: m.get("phi_mean")), ("psi", lambda m: m.get("psi_mean"))],
+        [(name, lambda m, n=name: m.get(f"{n}_mean")) for name in judge_prompts.SCORES],
+    ),
+    "levels": (
+        "Judge levels per rubric dimension, batch means of the judged",
+        "level",
+        [(key, lambda m, k=key: (m.get("levels_mean") or {}).get(k)) for key in judge_prompts.ALL_KEYS],
     ),
     "a_mod_spread": (
         "Advantage spread",
@@ -76,11 +85,11 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
         ],
     ),
     "judge_requests": (
-        "Judge requests per step, and trajectories the heads scored (--distill)",
+        "Judge requests per step",
         "per step",
         [
             ("judge requests", lambda m: m.get("judge_requests")),
-            ("scored by the heads", lambda m: m.get("distill", {}).get("scored", {}).get("heads")),
+            ("scored by the heads (--distill)", lambda m: m.get("distill", {}).get("scored", {}).get("heads")),
         ],
     ),
     "spy": (
@@ -130,11 +139,29 @@ def min_kappa(report: dict | None) -> float | None:
     return min(values, default=None)
 
 
+def read(value, m: dict) -> float | None:
+    """A series' value of one metrics line: a finite number, or None where the line holds none of the right shape
+    (a hand-edited or foreign line: "eval": 5) - such a value is skipped, never a crash."""
+    try:
+        v = value(m)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError):
+        return None
+    return float(v) if runs_number(v) and math.isfinite(v) else None
+
+
+def eval_band(m: dict) -> float | None:
+    """The evaluation's interval, where it is two numbers (then its lower end, else None)."""
+    low, high = m["eval"]["win_ci95"]
+    return low if runs_number(low) and runs_number(high) else None
+
+
 SERIES_STYLES = [
     ("-", "o"),
     ("--", "s"),
     (":", "^"),
     ("-.", "D"),
+    ((0, (5, 1, 1, 1)), "v"),
+    ((0, (1, 3)), "P"),
 ]  # line style and marker of a figure's 1st, 2nd, ... series
 
 
@@ -150,11 +177,12 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     n = len(runs) * len(series)
     drawn = 0
     for r, (run, metrics) in enumerate(runs):
-        if name in JUDGED and run_mode(run) != "stratagem":  # no judge: its zeros would read as "asked nothing"
+        judged = run_mode(run) == "stratagem" or run_config(run).get("judge_shadow")
+        if name in JUDGED and not judged:  # no judge: its zeros would read as "asked nothing"
             continue
         for s, (label, value) in enumerate(series):
             k = r * len(series) + s  # draw order
-            points = [(m["step"], value(m)) for m in metrics if isinstance(m.get("step"), int) and value(m) is not None]
+            points = [(m["step"], v) for m in metrics if (v := read(value, m)) is not None]
             if points:
                 style, marker = SERIES_STYLES[s % len(SERIES_STYLES)]
                 every = max(1, len(points) // 12)
@@ -172,11 +200,16 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
                 )
                 drawn += 1
                 if name == "eval_win_rate" and s == 0:  # the 95 % Wilson interval of every point, shaded
-                    band = [(m["step"], *m["eval"]["win_ci95"]) for m in metrics if "win_ci95" in m.get("eval", {})]
-                    ax.fill_between(*zip(*band), color=f"C{r % 10}", alpha=0.15, linewidth=0, zorder=1)
+                    band = [(m["step"], *m["eval"]["win_ci95"]) for m in metrics if read(eval_band, m) is not None]
+                    if band:
+                        ax.fill_between(*zip(*band), color=f"C{r % 10}", alpha=0.15, linewidth=0, zorder=1)
     if not drawn:
         plt.close(fig)
         return None
+    games = {g for _, ms in runs for m in ms if isinstance(m.get("eval"), dict) for g in m["eval"].get("games", {})}
+    if name == "eval_win_rate" and len(games) == 1 and (ceiling := CEILINGS.get(next(iter(games)))):
+        label = f"ceiling: the best reply to the random player ({ceiling:.4f})"
+        ax.axhline(ceiling, color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
     ax.set(xlabel="step", ylabel=ylabel)
     fig.suptitle(title)  # over the whole figure, legend included: a long legend cannot push it off the left edge
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from machinery import UserError
-from machinery.runfiles import read_config, read_jsonl
+from machinery.runfiles import read_config, read_jsonl, warn
 from stratagem import Trajectory, Turn
 
 
@@ -16,6 +15,36 @@ def run_file(run: Path, name: str) -> Path:
     if not path.exists():
         raise UserError(f"{path} not found (is {run} a stratagem run directory?)")
     return path
+
+
+def keep(rows: list[dict], path: Path, ok, what: str) -> list[dict]:
+    """The lines of a run file that `ok` accepts (a line it raises on is of the wrong shape too); the others are
+    skipped, counted in one warning that says what they lack: a hand-edited or foreign file ends no command."""
+    kept = []
+    for r in rows:
+        try:
+            good = bool(ok(r))
+        except (KeyError, TypeError, AttributeError, IndexError, ValueError):
+            good = False
+        kept += [r] if good else []
+    if len(kept) < len(rows):
+        warn(f"skipped {len(rows) - len(kept)} line(s) of {path} that hold no {what}")
+    return kept
+
+
+def number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def evaluation_ok(e) -> bool:
+    """An --eval-every result as the evaluation writes it: n games, a win rate and its interval, the games' cells."""
+    return (
+        isinstance(e.get("n"), int)
+        and number(e["win_rate"])
+        and len(e["win_ci95"]) == 2
+        and all(map(number, e["win_ci95"]))
+        and all(isinstance(seats, dict) for seats in e["games"].values())
+    )
 
 
 def read_trajectories(run: Path) -> list[Trajectory]:
@@ -30,13 +59,16 @@ def read_trajectories(run: Path) -> list[Trajectory]:
                 Turn(t["observation"], t["response"], t["action"], [], [], t.get("prompt", "")) for t in r["turns"]
             ]
             trajectory = Trajectory(r["game"], r["role"], turns, r["reward"])
+            texts = [x for t in turns for x in (t.observation, t.response, t.action, t.prompt)]
+            if not (all(isinstance(x, str) for x in [*texts, r["game"]]) and isinstance(r["role"], int)):
+                raise TypeError("not a trajectory's text")
         except (KeyError, TypeError, AttributeError):
             skipped += 1
             continue
         if turns:
             out.append(trajectory)
     if skipped:
-        print(f"stratagem: warning: skipped {skipped} line(s) of {path} that hold no whole trajectory", file=sys.stderr)
+        warn(f"skipped {skipped} line(s) of {path} that hold no whole trajectory")
     return out
 
 
@@ -53,12 +85,15 @@ def run_label(run: Path) -> str:
     config = run_config(run)
     mode = config.get("mode", "?")
     detail = {
-        "spiral": "",
+        "spiral": " judge-shadowed" if config.get("judge_shadow") else "",
         "spyrl": f" {config.get('spy_task')}",
-        "stratagem": " w/o psi" if config.get("no_psi") else f" beta={config.get('beta')}",
+        "stratagem": (" w/o psi" if config.get("no_psi") else f" beta={config.get('beta')}")
+        + (" psi centred" if config.get("centre_psi") else ""),
     }.get(mode, "")
     return f"{run.name} ({mode}{detail})"
 
 
 def read_metrics(run: Path) -> list[dict]:
-    return read_jsonl(run_file(run, "metrics.jsonl"))
+    """metrics.jsonl's lines that have a step; each figure reads its own values from them as it can (plot.value)."""
+    path = run_file(run, "metrics.jsonl")
+    return keep(read_jsonl(path), path, lambda m: isinstance(m["step"], int), "step")

@@ -3,29 +3,16 @@ SpyRL run, one whole game (seats, inputs with the spy's removed parts marked, ou
 
 from __future__ import annotations
 
+import argparse
 import random
-import unicodedata
 from pathlib import Path
 
 import judge_prompts
 from games import spy
-from machinery import UserError
+from machinery import UserError, visible
 from machinery.flags import FriendlyParser
 from machinery.runfiles import read_config, read_jsonl
-from stratagem import phi, psi
-from tools.runs import run_file
-
-
-def visible(text: str) -> str:
-    """`text` with its control and format characters written as escapes (ESC as \\x1b, a bidi override as
-    \\u202e), so that what a policy wrote cannot move the cursor, recolour or rewrite the terminal; newlines
-    and tabs stay."""
-    return "".join(
-        ch
-        if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Zl", "Zp")
-        else ch.encode("unicode_escape", "backslashreplace").decode()
-        for ch in text
-    )
+from tools.runs import keep, run_file
 
 
 def say(text: str) -> None:
@@ -60,7 +47,8 @@ def main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     path = run_file(Path(ns.run), "trajectories.jsonl")
     if read_config(Path(ns.run)).get("mode") == "spyrl":
-        return show_spy_game(ns, [r for r in read_jsonl(path) if not ns.step or r.get("step") == ns.step])
+        rows = keep(read_jsonl(path), path, spy_line_ok, "whole SpyRL trajectory")
+        return show_spy_game(ns, [r for r in rows if not ns.step or r.get("step") == ns.step])
     rows = [
         r for r in read_jsonl(path) if (not ns.step or r.get("step") == ns.step) and (not ns.judged or r.get("scores"))
     ]
@@ -82,17 +70,23 @@ def main(argv: list[str]) -> int:
         f"A_game = R - b = {num(r, 'a_game', '+.4f')}"
     )
     s = r.get("scores") if isinstance(r.get("scores"), dict) else None
+    logged = r.get("logged") if isinstance(r.get("logged"), dict) else {}
+    scores = {**r, **logged}  # each rubric's score: phi and psi as they entered A_mod, the others logged
     if s:  # what the judge gave, whole or not (a hand-edited or foreign file may hold part of a verdict)
-        say(f"judge: {levels(s, 'transferability', r.get('phi'))}")
-        if any(level_of(s, k) is not None for k in judge_prompts.keys("evolution")):
-            say(f"       {levels(s, 'evolution', r.get('psi'))}")
+        first, *rest = judge_prompts.RUBRICS
+        say(f"judge: {levels(s, first, scores.get(judge_prompts.RUBRICS[first]['score']))}")
+        for rubric in rest:
+            if any(level_of(s, k) is not None for k in judge_prompts.keys(rubric)):
+                say(f"       {levels(s, rubric, scores.get(judge_prompts.RUBRICS[rubric]['score']))}")
     elif (r.get("predicted") or {}).get("used"):
         say(f"judge: {'failed' if r.get('judged') else 'not sampled'}; the trusted heads' levels used (below)")
     else:
-        say(
-            f"judge: {'failed' if r.get('judged') else 'not sampled'}; batch means used: "
-            f"phi = {num(r, 'phi', '.4f')}, psi = {num(r, 'psi', '+.4f')}"
+        means = ", ".join(
+            f"{spec['score']} = {num(scores, spec['score'], score_format(rubric))}"
+            for rubric, spec in judge_prompts.RUBRICS.items()
+            if spec["score"] in scores
         )
+        say(f"judge: {'failed' if r.get('judged') else 'not sampled'}; batch means used: {means}")
     predicted = r.get("predicted") if isinstance(r.get("predicted"), dict) else None
     if predicted:  # --distill: the heads' levels beside the judge's (evolution rules applied to both)
         h = predicted.get("levels") if isinstance(predicted.get("levels"), dict) else {}
@@ -103,9 +97,9 @@ def main(argv: list[str]) -> int:
             if s
             else "not trusted: the batch mean stands"
         )
-        say(f"heads: {levels(h, 'transferability')}  ({role})")
-        if not config.get("no_psi"):
-            say(f"       {levels(h, 'evolution')}")
+        run = argparse.Namespace(**{"mode": "stratagem", "no_psi": False, "judge_shadow": False, **config})
+        for k, rubric in enumerate(judge_prompts.asked(run)):
+            say(f"{'heads:' if k == 0 else '      '} {levels(h, rubric)}" + (f"  ({role})" if k == 0 else ""))
     say(
         f"A_mod = A_game*phi + beta*psi = {num(r, 'a_game', '+.4f')}*{num(r, 'phi', '.4f')} + {beta}*"
         f"{num(r, 'psi', '+.4f')} = {num(r, 'a_mod', '+.4f')}"
@@ -137,19 +131,24 @@ def level_of(levels: dict, key: str) -> float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def score_format(rubric: str) -> str:
+    """How a rubric's score is printed: with its sign where it can be negative (psi), else plain (phi)."""
+    return "+.4f" if min(judge_prompts.RUBRICS[rubric]["levels"]) < 0 else ".4f"
+
+
 def levels(given: dict, rubric: str, value: float | None = None) -> str:
     """'alpha 1  sigma 0.5  rho 0  -> phi = 0.6750' from a verdict or the heads' levels, in the rubric table's order:
-    phi (psi) is `value` (the logged one), else computed; with a level missing, what is there and "(k: not given)"
-    in place of phi (psi)."""
-    keys, name = judge_prompts.keys(rubric), "phi" if rubric == "transferability" else "psi"
+    the score is `value` (the logged one), else computed; with a level missing, what is there and "(k: not given)"
+    in place of the score."""
+    keys, name = judge_prompts.keys(rubric), judge_prompts.RUBRICS[rubric]["score"]
     value = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     there = [k for k in keys if level_of(given, k) is not None]
     text = "  ".join(f"{k} {given[k]:g}" for k in there)
     missing = [k for k in keys if k not in there]
     if missing:
         return (text + "  " if text else "") + f"({', '.join(missing)}: not given)"
-    fn, spec = (phi, ".4f") if name == "phi" else (psi, "+.4f")
-    return f"{text}  -> {name} = {format(fn(given) if value is None else value, spec)}"
+    score = judge_prompts.weighted(rubric, given) if value is None else value
+    return f"{text}  -> {name} = {format(score, score_format(rubric))}"
 
 
 def marked(text: str, removed: list[list[int]]) -> str:
@@ -160,6 +159,21 @@ def marked(text: str, removed: list[list[int]]) -> str:
         out += [text[last:a], f"[-{piece.rstrip()}-]{piece[len(piece.rstrip()) :]}"]
         last = b
     return "".join(out + [text[last:]])
+
+
+def spy_line_ok(r: dict) -> bool:
+    """A SpyRL trajectory line as spyrl.py writes it (what show_spy_game reads of it)."""
+    info, turn = r["info"], r["turns"][0]
+    return (
+        isinstance(r["step"], int)
+        and isinstance(info["seed"], int)
+        and info["phase"] in ("performance", "detection")
+        and info["task"] in spy.TASKS
+        and isinstance(turn["response"], str)
+        and isinstance(turn["observation"], str)
+        and all(isinstance(r[k], (int, float)) for k in ("reward", "baseline", "a_mod", "role"))
+        and len(info["votes"]) == len(info["shares"])
+    )
 
 
 def show_spy_game(ns, rows: list[dict]) -> int:

@@ -1,25 +1,45 @@
-"""`stratagem.py warmstart`: teach a small random Qwen3 the rules of the training games by supervised learning on
-games of the random legal player (machinery/warmstart.py), save it, and measure it on held-out games."""
+"""`stratagem.py warmstart DIR`: the warm start. A small random Qwen3 taught the RULES of the games, not their
+strategy, by supervised learning on games of the uniformly random legal player (machinery.matches.RandomPlayer's
+policy), so that the RL that follows starts from a policy that plays whole multi-turn games, and wins about as often
+as that player, instead of losing every game on its first move. Any gain over it afterwards is the RL's doing. The
+shipped one is warmstart/tiny; this command rebuilds it byte for byte, and measures it on held-out games.
+
+Each example is one move of a random-vs-random game: the prompt is exactly the trainer's (its format_prompt on the
+mover's observation and seat), the response one short reasoning line, LINE, then \\boxed{[action]} and the end-of-turn
+token that stops generation. The loss is the negative log-likelihood of the response tokens, through the learner's own
+collate, so the warm start and RL see identical tokens. Where the legal moves differ in one token only (TicTacToe's
+square, Kuhn Poker's action) that token's target is the random player's whole distribution, uniform over the legal
+moves, rather than the one move it drew: the same expected gradient without the draw's noise (TicTacToe learns in a
+third of the steps).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
+import re
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from machinery import UserError, warmstart
+import judge_prompts
+from games import check_ids
+from machinery import UserError
 from machinery.flags import FriendlyParser, field_docs
-from machinery.matches import RandomPlayer, summarize_matches
+from machinery.matches import RandomPlayer, random_legal_move, summarize_matches
 from machinery.runfiles import check_writable_dir
-from machinery.watch import quiet_transformers
+from machinery.watch import fmt, quiet_transformers
 from stratagem import (
+    ARCHS,
     Args,
     HFPolicy,
+    Rules,
     build_random_model,
     collate,
     format_prompt,
@@ -28,13 +48,350 @@ from stratagem import (
     play_matches,
 )
 
+# ------------------------------------------------------------------------------------ the reasoning styles
+# What the warm start says before each move: a style drawn uniformly for every move, independently of the move (which
+# stays uniformly random and legal), so that no style is taught to win. Three contents span the transferability
+# rubric's levels, scored here by the stand-in judge; each is either static (the same words every turn, which the
+# evolution rubric's rule calls stagnation) or reads the state first (STATE: what the observation shows now, in words,
+# as the rule ignores digits). Change the table and rebuild: warmstart.json records it.
+CONTENTS = {
+    "terse": "Just play the move.",  # game lore at most, no steps, no reason: phi 0
+    "principle": "In general, because the expected value and the risk of every move are equal, no move is better.",
+    # general terms and a stated principle, no steps: phi 0.35 * 1 + 0.30 * 0.5 = 0.5
+    "structured": "First, read the state. Next, compare the risk and expected value of each move. Therefore, any move.",
+    # general terms, ordered steps and a conclusion: phi 0.35 + 0.35 + 0.30 * 0.5 = 0.85
+}
+STYLES = [f"{content}/{'state' if reads else 'static'}" for content in CONTENTS for reads in (False, True)]
+WORDS = "zero one two three four five six seven eight nine ten".split()
+
+
+def kuhn_state(observation: str, pid: int) -> str:
+    """'Round three, after a bet.': the round, and what the opponent last did in it ('Round three.' before)."""
+    rounds = re.findall(r"Starting round (\d+)", observation)
+    if not rounds:
+        return "The game begins."
+    this_round = observation[observation.rfind("Starting round") :]
+    last = re.findall(rf"\[Player {1 - pid}\] \[(check|bet)\]", this_round)
+    return f"Round {WORDS[int(rounds[-1])]}{f', after a {last[-1]}' if last else ''}."
+
+
+def tictactoe_state(observation: str, pid: int) -> str:
+    """'The opponent took cell six.', or 'The board is empty.' before any mark."""
+    taken = re.findall(rf"\[Player {1 - pid}\] \[(\d)\]", observation)
+    return f"The opponent took cell {WORDS[int(taken[-1])]}." if taken else "The board is empty."
+
+
+def negotiation_state(observation: str, pid: int) -> str:
+    """'Player one offers Wood for Gold.': the last offer on the table, or 'No offer yet.'"""
+    offers = re.findall(
+        r"Player (\d) made the following offer to Player \d: Offered items: ([^\n]*?) -> "
+        r"Requested items: ([^\n]*)",
+        observation,
+    )
+    if not offers:
+        return "No offer yet."
+    who, given, asked = offers[-1]
+    words = [" and ".join(re.findall(r"[A-Za-z]+", side)) for side in (given, asked)]
+    return f"Player {WORDS[int(who)]} offers {words[0]} for {words[1]}."
+
+
+STATE = {"KuhnPoker-v1": kuhn_state, "TicTacToe-v0": tictactoe_state, "SimpleNegotiation-v1": negotiation_state}
+
+
+def reasoning(style: str, game: str, observation: str, pid: int) -> str:
+    """The line a style says before its move: the content, after the state's words for a state-reading style."""
+    content, reads = style.split("/")
+    state = STATE.get(game, lambda obs, p: "")(observation, pid) if reads == "state" else ""
+    return f"{state} {CONTENTS[content]}".strip()
+
+
+def response_text(line: str, action: str) -> str:
+    return f"{line} \\boxed{{{action}}}"
+
+
+def tokenizer_texts() -> tuple[str, ...]:
+    """What the tokenizer learns besides the games' own texts: every content and the state's words."""
+    states = [f"Round {w}, after a check. Round {w}, after a bet. Round {w}." for w in WORDS]
+    states += [f"The opponent took cell {w}. The board is empty. Player {w} offers" for w in WORDS]
+    return (*CONTENTS.values(), *states, "No offer yet. Wood and Gold for Brick and Sheep and Wheat and Ore.")
+
+
+# ------------------------------------------------------------------------------------ random legal games
+@dataclass
+class Move:
+    game: str
+    role: int
+    observation: str
+    action: str
+    legal: tuple[str, ...] = ()  # every legal move, when enumerated
+    style: str = STYLES[0]
+    line: str = ""  # what the style says here (reasoning)
+
+
+def random_games(moves_per_game: dict[str, int], seed: int) -> list[Move]:
+    """Whole random-vs-random games of each id until it has >= its count of moves; every move is kept with the mover's
+    observation (the trainer's make_env: SPIRAL's observation wrappers) and a style drawn on a stream of its own."""
+    rng, styles = random.Random(seed), random.Random(f"styles:{seed}")
+    out: list[Move] = []
+    for game, wanted in moves_per_game.items():
+        n = 0
+        while n < wanted:
+            env = make_env(game, rng.randrange(2**31), 0)
+            done = False
+            while not done:
+                pid, obs = env.get_observation()
+                action, legal = random_legal_move(env, pid, obs, rng)
+                style = styles.choice(STYLES)
+                out.append(Move(game, pid, obs, action, legal, style, reasoning(style, game, obs, pid)))
+                n += 1
+                done = env.step(action)[0]
+    return out
+
+
+# ------------------------------------------------------------------------------------ examples
+def tokenize(moves: list[Move], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) as the trainer's HF generation has them: the prompt tokenized alone without special
+    tokens, the response ending with the EOS token that stops generation (cut_at_stop keeps it)."""
+    prompts = [format_prompt(tokenizer, m.observation, m.role) for m in moves]
+    p_ids = tokenizer(prompts, add_special_tokens=False).input_ids
+    r_ids = tokenizer([response_text(m.line, m.action) for m in moves], add_special_tokens=False).input_ids
+    return [(p, r + [tokenizer.eos_token_id]) for p, r in zip(p_ids, r_ids)]
+
+
+def soft_targets(moves: list[Move], tokenizer) -> list[tuple[int, list[int]] | None]:
+    """Per move, (position in the response, the legal moves' token ids there) when all its legal moves' responses have
+    one length and first differ at that position; else None (an offer's many tokens: the drawn move is the target)."""
+    out: list[tuple[int, list[int]] | None] = []
+    for m in moves:
+        texts = [response_text(m.line, a) for a in m.legal]
+        ids = tokenizer(texts, add_special_tokens=False).input_ids if m.legal else []
+        if len(ids) < 2 or len({len(r) for r in ids}) != 1:
+            out.append(None)
+            continue
+        k = next(k for k in range(len(ids[0])) if len({r[k] for r in ids}) > 1)
+        out.append((k, sorted({r[k] for r in ids})))
+    return out
+
+
+def batches(lengths: list[int], batch_size: int, steps: int, rng: random.Random):
+    """`steps` batches of indices, made as they are needed, from shuffled passes over the data; inside a window of 16
+    batches the items are sorted by length, so that a batch pads little (collate left-pads), and the batches
+    shuffled."""
+    order: list[int] = []
+    made = 0
+    while made < steps:
+        if len(order) < 16 * batch_size:
+            order += rng.sample(range(len(lengths)), len(lengths))
+        window, order = sorted(order[: 16 * batch_size], key=lambda i: lengths[i]), order[16 * batch_size :]
+        chunk = [window[k : k + batch_size] for k in range(0, len(window), batch_size)]
+        rng.shuffle(chunk)
+        yield from chunk[: steps - made]
+        made += len(chunk)
+
+
+# ------------------------------------------------------------------------------------ supervised learning
+def response_logprobs(model, ids, attn, mask, rows: list[tuple[int, list[int]] | None]) -> torch.Tensor:
+    """log pi of each response token, as the learner's sequence_logprobs (temperature 1), except that a row's soft
+    position gets the mean log-probability of its legal tokens (cross-entropy with the uniform distribution over
+    them). ids, attn [B, T]; mask [B, R] -> [B, R]"""
+    resp_len = mask.shape[1]
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, T], as sequence_logprobs
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=resp_len + 1).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, R, V]
+    out = logp.gather(-1, ids[:, -resp_len:].unsqueeze(-1)).squeeze(-1)  # [B, R]
+    soft = [(b, resp_len - int(mask[b].sum()) + k, tokens) for b, row in enumerate(rows) if row for k, tokens in [row]]
+    if soft:
+        out = out.clone()
+        for b, col, tokens in soft:
+            out[b, col] = logp[b, col, tokens].mean()
+    return out
+
+
+def fit(
+    model,
+    items: list[tuple[list[int], list[int]]],
+    soft: list[tuple[int, list[int]] | None],
+    pad_id: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    log=None,
+    log_every: int = 50,
+) -> list[float]:
+    """AdamW (betas 0.9, 0.95, no weight decay) on the mean NLL per response token; lr warmed up over the first 5 %
+    of the steps, then cosine down to 10 %. Returns every step's loss."""
+    rng = random.Random(seed)
+    plan = batches([len(p) + len(r) for p, r in items], batch_size, steps, rng)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = max(1, steps // 20)
+
+    def factor(s: int) -> float:
+        return min(1.0, (s + 1) / warm) * (0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * s / steps)).item()))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    model.train()
+    losses = []
+    for step, idx in enumerate(plan):
+        ids, attn, mask = collate([items[i] for i in idx], pad_id)  # [B, T], [B, T], [B, R]
+        logps = response_logprobs(model, ids, attn, mask, [soft[i] for i in idx])  # [B, R]
+        loss = -(logps * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if log is not None and (step + 1) % log_every == 0:
+            log(step + 1, sum(losses[-log_every:]) / log_every)
+    model.eval()
+    return losses
+
+
+# ------------------------------------------------------------------------------------ measuring it
+class CountingPolicy:
+    """A policy that keeps what it was asked and said: its moves (the legal-move rate's denominator), and the
+    prompts and responses whose styles `styles_said` reads."""
+
+    def __init__(self, policy):
+        self.policy, self.said = policy, []
+
+    @property
+    def moves(self) -> int:
+        return len(self.said)
+
+    def generate(self, prompts: list[str]):
+        out = self.policy.generate(prompts)
+        self.said += [(prompt, text) for prompt, (_, _, text) in zip(prompts, out)]
+        return out
+
+
+def style_of(game: str, prompt: str, response: str) -> tuple[str | None, bool | None]:
+    """(the style a response's reasoning follows, or None: off the table; for a state-reading one, whether its
+    state is the prompt's: the same words the warm start was taught to say there, else None)."""
+    line = " ".join(judge_prompts.reasoning_text(response).split())
+    pid = int(re.search(r"as Player (\d)", prompt).group(1))
+    for name, content in CONTENTS.items():
+        if line == content:
+            return f"{name}/static", None
+        if line.endswith(" " + content) and game in STATE:
+            said = line[: -len(content) - 1]
+            return f"{name}/state", said == STATE[game](prompt, pid)
+    return None, None
+
+
+def styles_said(game: str, said: list[tuple[str, str]]) -> dict:
+    """The share of each style among the responses, off the table included, and of right states."""
+    found = [style_of(game, prompt, text) for prompt, text in said]
+    shares = {style: sum(f == style for f, _ in found) / max(1, len(found)) for style in (*STYLES, None)}
+    states = [ok for _, ok in found if ok is not None]
+    return {
+        "styles": {str(k): v for k, v in shares.items()},
+        "state_right": sum(states) / len(states) if states else None,
+    }
+
+
+def measure(policy, tokenizer, opponent, games: list[str], n: int, seed: int) -> dict:
+    """Per game id: n held-out games against `opponent`, both seats, as the trainer plays them (200-move cap); the
+    legal-move rate (1 - the model's invalid moves over its moves; an invalid move ends the game), the mean game length
+    in moves (both players) and the win rate with its 95 % Wilson interval."""
+    out = {}
+    for k, game in enumerate(games):
+        counting = CountingPolicy(policy)
+        rules = Rules(max_turns=200)
+        records = play_matches(counting, tokenizer, [game], n, opponent, random.Random(seed + k), rules, 64)
+        cell = summarize_matches(records)["games"][game]["both"]
+        invalid = sum(r["invalid"] for r in records)
+        out[game] = {
+            "games": len(records),
+            "moves": counting.moves,
+            "legal_rate": 1 - invalid / max(1, counting.moves),
+            "length": sum(r["turns"] for r in records) / len(records),
+            "win_rate": cell["win"]["rate"],
+            "win_ci95": cell["win"]["ci95"],
+            "draw_rate": cell["draw"]["rate"],
+            **styles_said(game, counting.said),
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------ the whole build
+@dataclass
+class Recipe:
+    """Everything that shapes a warm start (with the code: a cache of warm starts is keyed by these)."""
+
+    seed: int = 2
+    """seeds the random weights, the random games and the order of the examples (2: seed 1's TicTacToe stayed at 82 %
+    legal moves, docs/learning.md)"""
+    games: str = "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1"
+    """comma-separated game ids whose rules are taught (SPIRAL's training set)"""
+    moves: str = "8000,2500,2500"
+    """random-game moves per game id, in --games order (TicTacToe is the hard one, and its prompts are short)"""
+    steps: int = 1000
+    """AdamW steps"""
+    batch_size: int = 16
+    """examples (moves) per step"""
+    lr: float = 5e-3
+    """peak learning rate (warm-up over 5 % of the steps, then cosine down to 10 %)"""
+    arch: str = "tiny-warm"
+    """shape of the random model (stratagem.ARCHS)"""
+
+    def moves_per_game(self) -> dict[str, int]:
+        games = self.games.split(",")
+        try:
+            counts = [int(c) for c in self.moves.split(",")]
+        except ValueError:
+            raise UserError(f"--moves takes comma-separated whole numbers, got {self.moves!r}") from None
+        if len(games) != len(counts):
+            raise UserError(f"--moves: {len(counts)} counts for {len(games)} games")
+        return dict(zip(games, counts))
+
+    def check(self) -> None:
+        """Every field in its range, before anything is built or written (one line, UserError)."""
+        counts = self.moves_per_game()
+        check_ids(self.games)
+        if not all(1 <= c <= 10**6 for c in counts.values()):
+            raise UserError(f"--moves must each be in [1, 1000000], got {self.moves}")
+        for flag, value, low, high in (("steps", self.steps, 1, 10**6), ("batch-size", self.batch_size, 1, 4096)):
+            if not low <= value <= high:
+                raise UserError(f"--{flag} must be in [{low}, {high}], got {value}")
+        if not (0 < self.lr <= 1 and math.isfinite(self.lr)):
+            raise UserError(f"--lr must be in (0, 1], got {self.lr}")
+        if self.arch not in ARCHS:
+            raise UserError(f"--arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if not 0 <= self.seed < 2**31:
+            raise UserError(f"--seed must be in [0, 2147483647], got {self.seed}")
+
+
+def build(out_dir: str, recipe: Recipe, log=None):
+    """The random model of recipe.arch, taught by `fit` on random-game moves and saved to out_dir like any
+    checkpoint. Returns (model, tokenizer, losses)."""
+    build_random_model(out_dir, recipe.seed, recipe.arch, tokenizer_texts())  # the lines: a few tokens each
+    model, tokenizer = load_policy(out_dir, torch.device("cpu"))
+    moves = random_games(recipe.moves_per_game(), recipe.seed)
+    items, soft = tokenize(moves, tokenizer), soft_targets(moves, tokenizer)
+    losses = fit(
+        model,
+        items,
+        soft,
+        tokenizer.pad_token_id,
+        recipe.steps,
+        recipe.batch_size,
+        recipe.lr,
+        recipe.seed,
+        log,
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return model, tokenizer, losses
+
 
 def main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py warmstart", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", help="output directory (must not exist)")
-    defaults = warmstart.Recipe()
-    docs = field_docs(warmstart.Recipe)
-    for f in dataclasses.fields(warmstart.Recipe):
+    defaults = Recipe()
+    docs = field_docs(Recipe)
+    for f in dataclasses.fields(Recipe):
         value = getattr(defaults, f.name)
         p.add_argument(
             f"--{f.name.replace('_', '-')}",
@@ -47,29 +404,32 @@ def main(argv: list[str]) -> int:
     )
     ns = vars(p.parse_args(argv))
     out, eval_n = ns.pop("dir"), ns.pop("eval_n")
-    recipe = warmstart.Recipe(**ns)
-    if os.path.exists(out):
+    recipe = Recipe(**ns)
+    recipe.check()  # before DIR is made: a bad flag leaves nothing behind
+    if eval_n < 0 or eval_n > 10**6:
+        raise UserError(f"--eval-n must be in [0, 1000000], got {eval_n}")
+    if os.path.lexists(out):
         raise UserError(f"{out} already exists")
     check_writable_dir(Path(out), "dir")
     quiet_transformers()
     torch.set_num_threads(1)  # one thread: the same sums in the same order on any machine (the same bytes), and the
     # fastest for a model this small (two threads were 1.9x slower on 2 cores: docs/learning.md)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    model, tokenizer, losses = warmstart.build(
-        out,
-        recipe,
-        build_random_model,
-        load_policy,
-        make_env,
-        format_prompt,
-        collate,
-        lambda step, loss: print(
-            f"step {step}/{recipe.steps} loss {loss:.4f} {time.perf_counter() - t0:.0f}s", flush=True
-        ),
-    )
+    try:
+        model, tokenizer, losses = build(
+            out,
+            recipe,
+            lambda step, loss: print(
+                f"step {step}/{recipe.steps} loss {loss:.4f} {time.perf_counter() - t0:.0f}s", flush=True
+            ),
+        )
+    except BaseException:  # a failed or interrupted build leaves no half-taught model in DIR
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     seconds, cpu = time.perf_counter() - t0, time.process_time()
     report = {
         "recipe": dataclasses.asdict(recipe),
+        "styles": {"drawn": STYLES, "contents": CONTENTS, "states": {g: f.__doc__ for g, f in STATE.items()}},
         "build_s": seconds,
         "cpu_s": cpu,
         "load_avg_1min": [load0, os.getloadavg()[0]],
@@ -83,11 +443,9 @@ def main(argv: list[str]) -> int:
         policy = HFPolicy(model, tokenizer, Args(max_new_tokens=48, temperature=1.0), torch.device("cpu"))
         with torch.random.fork_rng():
             torch.manual_seed(recipe.seed)
-            report["measure"] = warmstart.measure(
+            report["measure"] = measure(
                 policy,
                 tokenizer,
-                lambda pol, tok, games, n, opp, rng: play_matches(pol, tok, games, n, opp, rng, 200, 0, 64),
-                summarize_matches,
                 RandomPlayer(random.Random(recipe.seed)),
                 list(recipe.moves_per_game()),
                 eval_n,
@@ -98,5 +456,7 @@ def main(argv: list[str]) -> int:
                 f"{game:22} legal {r['legal_rate']:.3f} ({r['moves']} moves)  length {r['length']:.2f}  "
                 f"win {r['win_rate']:.3f} [{r['win_ci95'][0]:.3f}, {r['win_ci95'][1]:.3f}]  draw {r['draw_rate']:.3f}"
             )
+            shares = "  ".join(f"{k} {v:.2f}" for k, v in r["styles"].items())
+            print(f"{'':22} styles: {shares}  state right {fmt(r['state_right'])}")
     Path(out, "warmstart.json").write_text(json.dumps(report, indent=1))
     return 0

@@ -1,0 +1,39 @@
+"""Adaptive beta (--beta-share), the project's extension, off by default. RAE's baselines converge
+towards each role's expected return, so |A_game| shrinks over a run and a fixed beta*psi takes a
+growing share of A_mod. A controller, as RLHF's for its KL coefficient (Ziegler et al. 2019, arXiv
+1909.08593), keeps that share where the researcher sets it. Only judged trajectories count: the
+imputed ones carry the batch mean. docs/judge.md#adaptive-beta has the figures."""
+
+from __future__ import annotations
+
+import math
+
+
+def evolution_share(trajs: list, beta: float) -> float | None:
+    """RMS(beta*psi) / (RMS(A_game*phi) + RMS(beta*psi)) over the judged trajectories, in [0, 1]; None
+    where none was judged or both terms are 0."""
+    judged = [t for t in trajs if t.scores is not None]
+    game = math.sqrt(sum((t.a_game * t.phi) ** 2 for t in judged) / max(len(judged), 1))
+    evolution = math.sqrt(sum((beta * t.psi) ** 2 for t in judged) / max(len(judged), 1))
+    return evolution / (game + evolution) if game + evolution > 0 else None
+
+
+def next_beta(beta: float, share: float | None, target: float, horizon: float, low: float, high: float) -> float:
+    """The next step's beta: the share's relative error e = share / target - 1, clipped to +-0.2, moves it by a
+    factor 1 - e / horizon, within [low, high]. Held where the share is unknown or 0 (psi 0 on every judged
+    trajectory: beta cannot move the share then)."""
+    if not share:
+        return beta
+    error = max(-0.2, min(0.2, share / target - 1))
+    return min(high, max(low, beta * (1 - error / horizon)))
+
+
+def adapt(args, beta: float, trajs: list) -> tuple[float, dict | None]:
+    """The next step's beta, and this step's for the metrics: its value, the share measured, the target (None:
+    beta fixed); None for SPIRAL, where beta plays no part."""
+    if args.mode == "spiral":
+        return beta, None
+    share = evolution_share(trajs, beta)
+    target = args.beta_share or None
+    after = next_beta(beta, share, target, args.beta_horizon, args.beta_min, args.beta_max) if target else beta
+    return after, {"value": beta, "share": share, "target": target}
