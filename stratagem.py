@@ -45,10 +45,10 @@ import torch
 import judge_prompts
 from games import check_ids, first_last_ids, spiral
 from games.actions import INVALID_ACTION, spiral_action, spiral_moves
-from machinery import UserError, adaptive_beta, cli, costs, distill, flags, lifecycle, lora, modelfiles, watch
+from machinery import UserError, adaptive_beta, cli, costs, distill, flags, lifecycle, lora, watch
 from machinery.distributed import Dist, full_weights, leave, pick_device, shard
-from machinery.judge import Judgement
 from machinery.matches import RandomPlayer, summarize_matches
+from machinery.modelfiles import check_folder, check_loaded, unloadable
 from machinery.openai_api import check_base_url
 from machinery.vllm_engine import VLLMPolicy
 
@@ -62,7 +62,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in thi
 class Args:
     # --- run ---
     out: str = ""
-    """run directory (default runs/<mode>-s<seed>-<date>); an existing one is refused unless --resume"""
+    """run directory (default runs/<mode>-s<seed>-<date>); an existing one needs --resume"""
     resume: bool = False
     """continue the run in --out from its last checkpoint, exactly where it stopped"""
     steps: int = 400
@@ -77,13 +77,13 @@ class Args:
     """print the plan (model, engine, games, judge requests, money, memory) and exit; nothing is
     loaded or written"""
     dist_timeout: float = 0.0
-    """torchrun: seconds a rank waits in a collective before the run fails; 0: 30 min + the
-    longest a step's judging can take"""
+    """torchrun: seconds a rank waits in a collective before the run fails; 0: 30 min + the longest
+    a step's judging can take"""
     # --- model ---
     model: str = "Qwen/Qwen3-4B-Base"
     """policy: a hub id or a local directory (paper: Qwen3-4B-Base)"""
     tiny: bool = False
-    """a tiny Qwen3 with a byte-level tokenizer, offline on the CPU (smaller defaults; --tiny-init)"""
+    """a tiny Qwen3 with a byte-level tokenizer, offline on a CPU (smaller defaults; --tiny-init)"""
     tiny_init: str = "warm"
     """--tiny's weights: warm (warmstart/tiny, taught the games' rules on random legal play) or
     random (built from --seed: its games end on the first move)"""
@@ -129,8 +129,8 @@ class Args:
     """OFFENDER,OPPONENT rewards when a response gives no move (SPIRAL's code: -1.5,0.5; write
     --invalid-rewards=-1.5,0.5)"""
     rejected_rewards: str = "-1,1"
-    """OFFENDER,OPPONENT rewards when the game rejects a move and no retry is left (TextArena
-    0.7.4: -1,1; SPIRAL's TextArena 0.6.4: -1,0)"""
+    """OFFENDER,OPPONENT rewards when the game rejects a move and no retry is left (TextArena 0.7.4:
+    -1,1; SPIRAL's TextArena 0.6.4: -1,0)"""
     # --- evaluation ---
     eval_every: int = 0
     """every N steps, play --eval-n games of each --eval-games id against a random legal player"""
@@ -143,10 +143,10 @@ class Args:
     eval_max_turns: int = 200
     """turn cap of an evaluation game (a capped game is a draw)"""
     keep_best: bool = False
-    """with --eval-every: keep the policy of the best evaluation so far in <out>/best (self-play
-    can drift away from a peak), evaluated again on fresh games at the end"""
+    """with --eval-every: keep the policy of the best evaluation so far in <out>/best (self-play can
+    drift away from a peak), evaluated again on fresh games at the end"""
     best_eval_n: int = 0
-    """with --keep-best: games per id of the kept policy's evaluation on fresh games (0: 5 x --eval-n)"""
+    """with --keep-best: games per id of the kept policy's fresh evaluation (0: 5 x --eval-n)"""
     eval_first_last: str = ""
     """--eval-games ids shown in SPIRAL's evaluation format, the first message and the latest one
     (SPIRAL's: TicTacToe-v0); the others show the whole history"""
@@ -156,8 +156,9 @@ class Args:
     beta: float = 0.2
     """weight of the evolution reward psi in A_mod (paper: 0.2); with --beta-share, the first"""
     beta_share: float = 0.0
-    """adaptive beta (0: off, the paper's fixed beta): beta moves so that RMS(beta*psi) / (RMS(A_game
-    *phi) + RMS(beta*psi)) over the judged nears this (docs/judge.md#adaptive-beta)"""
+    """adaptive beta (0: off, the paper's fixed beta): beta moves so that the share of beta*psi in
+    A_mod, RMS(beta*psi) / (RMS(A_game*phi) + RMS(beta*psi)), nears this
+    (docs/judge.md#adaptive-beta)"""
     beta_horizon: float = 10.0
     """with --beta-share: the controller's horizon in steps (a step moves beta by 1 - e/horizon)"""
     beta_min: float = 0.01
@@ -167,7 +168,7 @@ class Args:
     no_psi: bool = False
     """ablation 'w/o psi': A_mod = A_game*phi; the evolution rubric is not requested"""
     centre_psi: bool = False
-    """a remedy for beta*psi's offset (the project's; off: the paper's formula): psi minus its batch mean
+    """a remedy for beta*psi's offset (the project's; off: the paper's formula): psi less its mean
     over the judged, so the term keeps its relative signal and adds nothing on average"""
     ema: float = 0.95
     """RAE baseline decay eta: b <- eta*b + (1-eta)*R (paper: 0.95)"""
@@ -175,12 +176,12 @@ class Args:
     judge: str = "openai"
     """openai (any OpenAI-compatible server) or heuristic (offline stand-in, NOT the paper's)"""
     judge_sample_rate: float = 0.25
-    """fraction of player-trajectories judged per step (paper: 'a sample'; the rest: the batch mean)"""
+    """share of player-trajectories judged a step (paper: 'a sample'; the rest: the batch mean)"""
     judge_model: str = "gpt-4o"
     """judge model name (paper: GPT-4)"""
     judge_base_url: str = ""
-    """OpenAI-compatible base URL, e.g. http://localhost:8000/v1 (default: api.openai.com); the
-    key comes from OPENAI_API_KEY"""
+    """OpenAI-compatible base URL, e.g. http://localhost:8000/v1 (default: api.openai.com); the key
+    comes from OPENAI_API_KEY"""
     judge_temperature: float = 1.0
     """judge sampling temperature (paper: 1.0)"""
     judge_max_tokens: int = 1024
@@ -196,8 +197,8 @@ class Args:
     judge_aggregate: str = "majority"
     """how several verdicts combine: majority (per key; ties go to the lower level) or mean"""
     judge_price_in: float = -1.0
-    """USD per million prompt tokens (cost, --judge-budget); -1: the dated price table's for a
-    known --judge-model (machinery/costs.py), else 0"""
+    """USD per million prompt tokens (cost, --judge-budget); -1: the dated price table's for a known
+    --judge-model (machinery/costs.py), else 0"""
     judge_price_out: float = -1.0
     """USD per million completion tokens, as --judge-price-in"""
     judge_budget: float = 0.0
@@ -205,11 +206,11 @@ class Args:
     judge_cache: str = ""
     """verdict cache, append-only JSONL (default <out>/judge_cache.jsonl); runs may share one"""
     judge_structured: str = "auto"
-    """verdicts held to each rubric's JSON schema by the server (response_format): auto (where the server takes
-    it, found at the start-up check), on, or off (free text, parsed)"""
+    """verdicts held to each rubric's JSON schema by the server (response_format): auto (where it
+    takes one, as the start-up check finds), on, or off (free text, parsed)"""
     judge_shadow: bool = False
-    """a judged control for --mode spiral or --no-psi: the judge scores every rubric, and what does not
-    enter A_mod is only logged, on the same scale as STRATAGEM's (priced by --dry-run)"""
+    """a judged control for --mode spiral or --no-psi: every rubric is asked, and what does not
+    enter A_mod is only logged, on the scale of STRATAGEM's runs (priced by --dry-run)"""
     # --- distilled judge ---
     distill: bool = False
     """learn the judge: heads on the policy's hidden states predict its levels and, trusted, score
@@ -277,7 +278,7 @@ PROMPT = (
 
 def make_env(game_id: str, seed: int, error_allowance: int, first_last: bool = False):
     """A game as SPIRAL's make_env builds it (games/spiral.make): the whole history, or the first
-    message and the latest one. `random` is seeded first: two of SPIRAL's games draw before reset."""
+    message and the latest. `random` is seeded first: two of SPIRAL's games draw before reset."""
     random.seed(seed)
     env = spiral.make(game_id, first_last)
     env.reset(num_players=2, seed=seed)
@@ -285,7 +286,7 @@ def make_env(game_id: str, seed: int, error_allowance: int, first_last: bool = F
     return env
 
 
-# SPIRAL writes Qwen's chat markup itself (spiral/template.py), whatever template a checkpoint ships.
+# SPIRAL writes Qwen's chat markup itself (spiral/template.py), whatever a checkpoint ships.
 QWEN_MARKUP = "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -388,10 +389,8 @@ class Trajectory:
             for f in dataclasses.fields(self)
             if f.name != "turns" and (f.name not in optional or getattr(self, f.name))
         }
-        turns = [
-            {"observation": t.observation, "response": t.response, "action": t.action, "prompt": t.prompt}
-            for t in self.turns
-        ]
+        keys = ("observation", "response", "action", "prompt")
+        turns = [{k: getattr(t, k) for k in keys} for t in self.turns]
         return {"step": step, **fields, "turns": turns}
 
 
@@ -420,7 +419,8 @@ def play_move(env, pid: int, action: str, game: str) -> tuple[bool, int | None]:
     try:
         return env.step(action)[0], None
     except Exception as e:  # noqa: BLE001 - a bug in one game must not end a day-long run
-        watch.warn(f"{game} raised {e!r:.200} on Player {pid}'s move {action!r:.80}; it counts as an invalid move")
+        move = f"Player {pid}'s move {action!r:.80}"
+        watch.warn(f"{game} raised {e!r:.200} on {move}; it counts as an invalid move")
         return True, pid
 
 
@@ -482,7 +482,7 @@ def play_turn(policy, tokenizer, live: list[Episode], rules: Rules, opponent=Non
 def self_play(policy, tokenizer, args: Args, games, rng, timer, lengths, target, progress=None):
     """Play games in lockstep until >= `target` transitions. Games are played whole, so a new one
     starts only while the live ones' expected transitions (`lengths`) fall short of the target.
-    Returns the player-trajectories in completion order, the outcome counts and the generate calls."""
+    Returns the player-trajectories in completion order, the outcome counts, the generate calls."""
     live: list[Episode] = []
     finished: list[Trajectory] = []
     outcome = {"win": 0, "draw": 0, "loss": 0, "invalid": 0}
@@ -510,8 +510,8 @@ def self_play(policy, tokenizer, args: Args, games, rng, timer, lengths, target,
 
 
 def finish_episode(ep: Episode, counts: dict, rules: Rules) -> list[Trajectory]:
-    """Both seats' trajectories. A seat that never moved has nothing to judge or learn, but RAE folds
-    its return into its baseline, as SPIRAL's code does (prepare_trajectories updates both roles)."""
+    """Both seats' trajectories. A seat that never moved has nothing to judge or learn, but RAE
+    folds its return into its baseline, as SPIRAL's prepare_trajectories does."""
     outcomes, invalid, rewards = settle(ep, rules)
     for p in (0, 1):
         c = counts[ep.game][f"player{p}"]
@@ -530,7 +530,7 @@ def rae_step(baseline: float, reward: float, ema: float) -> tuple[float, float]:
     return reward - baseline, ema * baseline + (1 - ema) * reward
 
 
-def rae_advantages(trajs: list[Trajectory], baselines: dict[str, float], ema: float, key=None) -> None:
+def rae_advantages(trajs: list[Trajectory], baselines: dict, ema: float, key=None) -> None:
     """Step 2 over a batch, in trajectories.jsonl order: A_game and the baseline it was measured
     against, b[G, p] (keyed "game/playerP", or by `key(t)`) updated after each trajectory."""
     for t in trajs:
@@ -571,7 +571,7 @@ def psi(levels: dict[str, float]) -> float:
 
 
 def a_mod(a_game: float, phi_: float, psi_: float, beta: float, centre: float = 0.0) -> float:
-    """A_game*phi + beta*psi; with --centre-psi, psi less its batch mean `centre` (the project's remedy)."""
+    """A_game*phi + beta*psi; with --centre-psi, psi less its batch mean `centre` (a remedy)."""
     return a_game * phi_ + beta * (psi_ - centre)
 
 
@@ -581,9 +581,9 @@ def sample_for_judging(n: int, rate: float, rng: random.Random) -> list[int]:
 
 
 def judge_sample(run: lifecycle.Run, trajs: list[Trajectory], progress) -> tuple[dict, dict]:
-    """The judge call: a sample of the played trajectories at --judge-sample-rate, asked every rubric
-    the run uses. Returns {index: Judgement} and the call's usage (requests, tokens, money); nothing
-    without a judge (--mode spiral) or once --judge-budget is spent."""
+    """The judge call: a sample of the played trajectories at --judge-sample-rate, asked every
+    rubric the run uses. Returns {index: Judgement} and the call's usage (requests, tokens, money);
+    nothing without a judge (--mode spiral) or once --judge-budget is spent."""
     if run.runner is None or run.runner.budget_exhausted():
         return {}, {}
     played = [i for i, t in enumerate(trajs) if t.turns]  # a seat that never moved has no words
@@ -604,6 +604,7 @@ def impute(values: list[float | None], default: float | None) -> tuple[list, flo
 
 
 RECENT = 10  # judged steps whose score means after_budget averages
+SCORE = {r: spec["score"] for r, spec in judge_prompts.RUBRICS.items()}  # "transferability" -> "phi"
 
 
 def after_budget(run: lifecycle.Run) -> dict[str, float] | None:
@@ -616,11 +617,11 @@ def after_budget(run: lifecycle.Run) -> dict[str, float] | None:
     return {n: sum(m[n] for m in last if n in m) / sum(n in m for m in last) for n in names}
 
 
-def modulate(trajs, judgements: dict[int, Judgement], args: Args, estimates=None, beta=None, spent=None):
+def modulate(trajs, judgements: dict, args: Args, estimates=None, beta=None, spent=None) -> dict:
     """Step 3 on a batch: each asked rubric's score (the table's weighted levels; the batch mean for
     the unjudged), then A_mod = A_game*phi + beta*psi, phi the product of the multiplying scores and
-    psi the sum of the added ones. `estimates`: --distill's trusted heads; `spent`: after_budget's."""
-    beta = args.beta if beta is None else beta  # this step's (--beta-share's controller), default --beta
+    psi the sum of the added ones (`estimates`: --distill's; `spent`: after_budget's)."""
+    beta = args.beta if beta is None else beta  # this step's (--beta-share's), default --beta
     asked, entering = judge_prompts.asked(args), judge_prompts.entering(args)
     values = {r: [None] * len(trajs) for r in asked}  # [n] per rubric; None: no verdict
     for i, j in judgements.items():
@@ -631,7 +632,7 @@ def modulate(trajs, judgements: dict[int, Judgement], args: Args, estimates=None
                 values[r][i] = judge_prompts.weighted(r, j.scores)
     means = {}
     for r in asked:  # the unjudged get the batch mean (none judged: neutral, or after_budget's)
-        name = judge_prompts.RUBRICS[r]["score"]
+        name = SCORE[r]
         neutral = judge_prompts.NEUTRAL[judge_prompts.role(r)]
         fallback = spent.get(name, neutral) if spent else neutral
         values[r], means[name] = impute(values[r], fallback)
@@ -643,16 +644,16 @@ def modulate(trajs, judgements: dict[int, Judgement], args: Args, estimates=None
     for i, t in enumerate(trajs):
         t.phi = math.prod((values[r][i] for r in times), start=1.0)
         t.psi = sum((values[r][i] for r in plus), 0.0)
-        t.logged = {judge_prompts.RUBRICS[r]["score"]: values[r][i] for r in asked if r not in entering}
+        t.logged = {SCORE[r]: values[r][i] for r in asked if r not in entering}
     judged_psi = [t.psi for t in trajs if t.scores is not None]
     centre = sum(judged_psi) / len(judged_psi) if args.centre_psi and judged_psi else 0.0
     for t in trajs:
         t.a_mod = a_mod(t.a_game, t.phi, t.psi, beta, centre)
     judged = any(j.scores is not None for j in judgements.values())
-    for r, spec in judge_prompts.RUBRICS.items():  # one switched off (psi, --no-psi): neutral on the judged
+    for r, spec in judge_prompts.RUBRICS.items():  # switched off (--no-psi): neutral on the judged
         if r not in asked and judge_prompts.NEUTRAL[spec["role"]] is not None:
             means[spec["score"]] = judge_prompts.NEUTRAL[spec["role"]] if judged else None
-    modulated = any(means[judge_prompts.RUBRICS[r]["score"]] is not None for r in entering)
+    modulated = any(means[SCORE[r]] is not None for r in entering)
     out = {"modulated": modulated, **{f"{n}_mean": means.get(n) for n in judge_prompts.SCORES}}
     if spent and not modulated:
         out["imputed_after_budget"] = {n: spent[n] for n in means if n in spent}
@@ -717,7 +718,8 @@ def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torc
 def sequence_logprobs(model, ids, attn, resp_len: int, temperature: float) -> torch.Tensor:
     """log pi of the last `resp_len` tokens of each row at the sampling temperature. -> [B, R]"""
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, T]; left padding must not shift them
-    out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=resp_len + 1)
+    keep = resp_len + 1  # the logits that predict the response tokens
+    out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=keep)
     return token_logprobs(out.logits[:, :-1] / temperature, ids[:, -resp_len:])  # [B, R]
 
 
@@ -725,18 +727,20 @@ class Diverged(ArithmeticError):
     """An update whose gradient is not finite (NaN or inf): it is not taken."""
 
 
-def policy_update(model, optimizer, trajs, args: Args, device, pad_id, normaliser, dist: Dist, reference=None):
-    """One Adam step (--ppo-epochs of them) over this rank's transitions, sorted by length for little
-    padding, in micro-batches with gradient accumulation. Returns the loss and gradient norm (means
-    over epochs) and per-epoch sums (machinery/distributed.py: why FSDP pads the micro-batches)."""
+def policy_update(model, optimizer, trajs, args: Args, device, pad_id, normaliser, dist, reference=None):
+    """One Adam step (--ppo-epochs of them) over this rank's transitions, sorted by length for
+    little padding, in micro-batches with gradient accumulation. Returns the loss and gradient norm
+    (means over epochs) and the sums of every epoch."""
     items = sorted(
         ((t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns),
         key=lambda x: len(x[0]) + len(x[1]),
     )
-    chunks = [items[k : k + args.micro_batch_size] for k in range(0, len(items), args.micro_batch_size)]
-    n_real = len(chunks)  # FSDP: a rank with fewer repeats its last chunk at advantage 0
-    chunks += [[(p, r, 0.0) for p, r, _ in chunks[-1]]] * (max(dist.gather(len(chunks))) - len(chunks))
+    size = args.micro_batch_size
+    chunks = [items[k : k + size] for k in range(0, len(items), size)]
+    n_real = len(chunks)  # FSDP: a rank with fewer repeats its last chunk at advantage 0 (no gradient)
+    chunks += [[(p, r, 0.0) for p, r, _ in chunks[-1]]] * (max(dist.gather(n_real)) - n_real)
     model.train()
+    temp, clip = args.temperature, args.clip_range
     old_logps: list[torch.Tensor] = []  # per micro-batch log pi_old [b, R], from the first epoch
     epochs = []
     for epoch in range(args.ppo_epochs):
@@ -746,15 +750,15 @@ def policy_update(model, optimizer, trajs, args: Args, device, pad_id, normalise
             ids, attn, mask = (x.to(device) for x in collate([(p, r) for p, r, _ in chunk], pad_id))
             adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logps = sequence_logprobs(model, ids, attn, mask.shape[1], args.temperature)  # [b, R]
+                logps = sequence_logprobs(model, ids, attn, mask.shape[1], temp)  # [b, R]
                 if reference is not None:  # --kl-coef: the frozen initial policy, no graph
-                    ref = sequence_logprobs(reference, ids, attn, mask.shape[1], args.temperature)
+                    ref = sequence_logprobs(reference, ids, attn, mask.shape[1], temp)
             if args.ppo_epochs == 1:
                 loss = reinforce_loss(logps, mask, adv, normaliser)
             else:
                 if epoch == 0:
                     old_logps.append(logps.detach())  # [b, R]
-                loss, ratio, clipped = ppo_clip_loss(logps, old_logps[k], mask, adv, normaliser, args.clip_range)
+                loss, ratio, clipped = ppo_clip_loss(logps, old_logps[k], mask, adv, normaliser, clip)
                 if k < n_real:  # FSDP's zero-advantage repeats are not this rank's tokens
                     sums["ratio_sum"] += (ratio * mask).sum().item()
                     sums["clipped"] += (clipped * mask).sum().item()
@@ -765,8 +769,9 @@ def policy_update(model, optimizer, trajs, args: Args, device, pad_id, normalise
             loss.backward()
             sums["loss"] += loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP
-        if not math.isfinite(grad_norm.item()):  # the same on every rank; nothing stepped, nothing saved
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        if not math.isfinite(grad_norm.item()):  # the same on every rank: nothing steps, nothing saves
             raise Diverged(f"the gradient norm is {grad_norm.item()} (the loss: {sums['loss']})")
         optimizer.step()
         epochs.append({**sums, "grad_norm": grad_norm.item()})
@@ -778,9 +783,10 @@ def policy_update(model, optimizer, trajs, args: Args, device, pad_id, normalise
     }
 
 
-def reinforce(run: lifecycle.Run, mine: list[Trajectory], transitions: int, timer, progress) -> dict:
-    """Step 4 on this rank: policy_update on its own trajectories with the batch's constant normaliser
-    (times world: FSDP averages gradients over ranks); the engine is set aside, then synced."""
+def reinforce(run: lifecycle.Run, mine: list, transitions: int, timer, progress) -> dict:
+    """Step 4 on this rank: policy_update on its own trajectories with the batch's constant
+    normaliser (times world: FSDP averages gradients over ranks); the engine is set aside, then
+    synced."""
     normaliser = transitions * run.args.max_new_tokens / run.dist.world
     progress.phase("learning")
     with timer("sync"):
@@ -838,7 +844,8 @@ WARM_START = Path(__file__).parent / "warmstart" / "tiny"  # `stratagem.py warms
 
 
 def tiny_tokenizer(seed: int, texts: tuple[str, ...] = ()):
-    """The tiny models' byte-level BPE tokenizer, trained in memory on the games' texts and `texts`."""
+    """The tiny models' byte-level BPE tokenizer, trained in memory on the games' texts and
+    `texts`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -887,8 +894,9 @@ def build_random_model(out_dir: str, seed: int, arch: str = "tiny", texts: tuple
 
 
 def model_shape(args: Args) -> dict | None:
-    """The policy's config fields, read without loading it (--dry-run's memory projection): --tiny's,
-    a local folder's or the hub cache's config.json, or ARCHS for Qwen3-4B; None where none is."""
+    """The policy's config fields, read without loading it (--dry-run's memory projection):
+    --tiny's, a local folder's or the hub cache's config.json, or ARCHS for Qwen3-4B; None where
+    none is."""
     if args.tiny and args.tiny_init == "random":
         return {**ARCHS["tiny"], "vocab_size": len(tiny_tokenizer(args.seed)), "tie_word_embeddings": True}
     from huggingface_hub import try_to_load_from_cache
@@ -907,7 +915,8 @@ def model_shape(args: Args) -> dict | None:
 
 
 def context_length(args: Args) -> int | None:
-    """Tokens the policy's context holds, read before anything is loaded (model_shape); None if unknown."""
+    """Tokens the policy's context holds, read before anything is loaded (model_shape); None if
+    unknown."""
     if args.tiny:
         return ARCHS["tiny"]["max_position_embeddings"]
     value = (model_shape(args) or {}).get("max_position_embeddings")
@@ -915,18 +924,18 @@ def context_length(args: Args) -> int | None:
 
 
 def load_policy(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """Model and tokenizer through the real from_pretrained. fp32 weights: at lr 1e-6 most Adam updates
-    are below one bf16 ulp and would round away (CUDA computes in bf16 autocast)."""
+    """Model and tokenizer through the real from_pretrained. fp32 weights: at lr 1e-6 most Adam
+    updates are below one bf16 ulp and would round away (CUDA computes in bf16 autocast)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = modelfiles.check_folder(path)  # an untrusted folder: its sizes checked before any allocation
+    folder = check_folder(path)  # an untrusted folder: its sizes checked before any allocation
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         load = dict(dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True)  # checked below
         model, info = AutoModelForCausalLM.from_pretrained(folder, **load)
     except Exception as e:  # noqa: BLE001 - whatever a damaged folder makes its loaders raise is one line
-        raise modelfiles.unloadable(path, e) from None
-    modelfiles.check_loaded(folder, info)  # whole or refused: never a tensor silently initialised
+        raise unloadable(path, e) from None
+    check_loaded(folder, info)  # whole or refused: never a tensor silently initialised
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.qwen_markup = model.config.model_type.startswith("qwen")  # see format_prompt
@@ -935,7 +944,8 @@ def load_policy(path: str, device: torch.device, dtype: torch.dtype = torch.floa
 
 def stop_ids(tokenizer, model) -> list[int]:
     """Where a response ends, as in SPIRAL's run (vLLM's default): the tokenizer's EOS and the
-    generation config's. A base model (Qwen3-4B-Base: <|endoftext|>) is not stopped at <|im_end|>."""
+    generation config's. A base model (Qwen3-4B-Base: <|endoftext|>) is not stopped at
+    <|im_end|>."""
     eos = model.generation_config.eos_token_id
     ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
     return sorted(i for i in ids if i is not None)
@@ -947,8 +957,8 @@ def cut_at_stop(response: list[int], stop: list[int]) -> list[int]:
 
 
 class HFPolicy:
-    """transformers `generate` on the learner's own model (nothing to sync after an update), or, when
-    FSDP shards the learner, on a full copy that `sync` refreshes after every update."""
+    """transformers `generate` on the learner's own model (nothing to sync after an update), or,
+    when FSDP shards the learner, on a full copy that `sync` refreshes after every update."""
 
     def __init__(self, model, tokenizer, args: Args, device: torch.device):
         self.model, self.tok, self.args, self.device = model, tokenizer, args, device
@@ -1030,15 +1040,17 @@ def periodic_eval(run: lifecycle.Run, step: int, timer: watch.Timer) -> dict | N
 
 
 class FreshSeeds(random.Random):
-    """Game seeds in [2**31, 2**32): never one an evaluation of the run drew (those are below 2**31)."""
+    """Game seeds in [2**31, 2**32): never one an evaluation of the run drew (those are below
+    2**31)."""
 
     def randrange(self, n: int) -> int:  # play_matches draws randrange(2**31)
         return n + super().randrange(n)
 
 
 def best_on_fresh_games(run: lifecycle.Run) -> None:
-    """--keep-best: the kept policy against the random player on fresh games, the figure to report (the best of
-    several evaluations is biased upwards by the choice). Written beside the choice in best/best.json."""
+    """--keep-best: the kept policy against the random player on fresh games, the figure to report
+    (the best of several evaluations is biased upwards by the choice). Written beside the choice in
+    best/best.json."""
     args, chosen = run.args, lifecycle.read_best(run.out) if run.args.keep_best and run.dist.main else None
     if chosen is None or "fresh" in chosen:  # none kept, or measured already (a finished run resumed)
         return
@@ -1060,8 +1072,9 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
 # are machinery/lifecycle.py's, so that the loop body reads like the paper.
 # ======================================================================================
 def train(args: Args) -> Path | None:
-    """Algorithm 1: run (or resume) a training run; returns its folder on rank 0 once it has trained.
-    Under torchrun every rank plays its share of the batch; rank 0 alone judges, writes and prints."""
+    """Algorithm 1: run (or resume) a training run; returns its folder on rank 0 once it has
+    trained. Under torchrun every rank plays its share of the batch; rank 0 alone judges, writes and
+    prints."""
     run = lifecycle.start_run(args, load_learner_and_engine, make_env, seed_everything, model_shape)
     if run is None:  # --dry-run, or a resumed run that had already finished
         return None
@@ -1099,8 +1112,9 @@ def train(args: Args) -> Path | None:
 
 
 def seed_everything(seed: int) -> random.Random:
-    """Seed Python, NumPy and torch, and return a private Random for our own draws: TextArena's reset()
-    reseeds the global `random`, which would otherwise tie game sampling to the game seeds."""
+    """Seed Python, NumPy and torch, and return a private Random for our own draws: TextArena's
+    reset() reseeds the global `random`, which would otherwise tie game sampling to the game
+    seeds."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -1217,7 +1231,8 @@ BOUNDS = [
 
 
 def validate(args: Args) -> None:
-    """Every flag in its range and consistent with the others, else one line naming it (UserError)."""
+    """Every flag in its range and consistent with the others, else one line naming it
+    (UserError)."""
     if args.tiny and args.model != "tiny":
         raise UserError("--tiny builds its own model; drop --model")
     if (context := context_length(args)) is not None and args.max_new_tokens >= context:

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 import stratagem as S
-from machinery import distributed, lifecycle, matches, watch
+from machinery import adaptive_beta, distributed, lifecycle, matches, watch
 from machinery import judge as J
 from machinery.flags import field_docs
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
@@ -239,21 +240,52 @@ def test_self_play_plays_a_real_game_to_the_end(tiny):
 
 
 def hacking_blocks() -> list[str]:
-    """The python blocks of docs/hacking.md, in order: a new game, a new rubric dimension, a new estimator."""
+    """The python blocks of docs/hacking.md, in order: a new game, a new rubric dimension, a third rubric (only
+    logged), a new estimator."""
     return re.findall(r"```python\n(.*?)```", (HERE / "docs" / "hacking.md").read_text(), re.DOTALL)
 
 
+def project_copy(tmp_path: Path) -> Path:
+    """A copy of the project to paste a recipe into, as a reader would edit theirs."""
+    repo = tmp_path / "repo"
+    shutil.copytree(HERE, repo, ignore=shutil.ignore_patterns(".git", ".venv*", ".ci-venv*", "runs", "__pycache__"))
+    return repo
+
+
+def paste(path: Path, anchor: str, block: str, before: bool = False) -> None:
+    """`block` pasted verbatim after (or before) the one place `anchor` stands in `path`."""
+    text = path.read_text()
+    assert text.count(anchor) == 1, f"{anchor!r} is not once in {path}"
+    path.write_text(text.replace(anchor, block + anchor if before else anchor + block))
+
+
+def python_in(repo: Path, *argv: str) -> str:
+    """A command of the copy, which must succeed; its stdout."""
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=repo, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_make_env_takes_the_new_game_of_hacking_md_which_plays_trains_and_is_evaluated(tmp_path):
-    exec(hacking_blocks()[0], {})  # defines and registers Pile-v0, as games/pile.py would
-    env = S.make_env("Pile-v0", 0, 0)
-    for pid, action in [(0, "[2]"), (1, "[2]"), (0, "[2]"), (1, "[1]")]:
-        assert env.get_observation()[0] == pid and "Pile" in env.get_observation()[1]
-        done, _ = env.step(action)
-    assert done and S.game_result(env, done)[0] == {0: -1.0, 1: 1.0}  # Player 1 took the last stone
-    out = tmp_path / "run"
-    flags = ["--games", "Pile-v0", "--steps", "2", "--eval-every", "2", "--eval-games", "Pile-v0", "--out", str(out)]
-    assert run(SMALL + flags) == 0
-    last = read_jsonl(out / "metrics.jsonl")[-1]
+    """The recipe as written: the block saved as games/pile.py, `pile` added to games/__init__.py's import."""
+    repo = project_copy(tmp_path)
+    (repo / "games" / "pile.py").write_text(hacking_blocks()[0])
+    init = repo / "games" / "__init__.py"
+    assert init.read_text().count("from games import spiral, spy") == 1
+    init.write_text(init.read_text().replace("from games import spiral, spy", "from games import pile, spiral, spy"))
+    played = python_in(
+        repo,
+        "-c",
+        "import stratagem as S\nenv = S.make_env('Pile-v0', 0, 0)\n"
+        "for pid, action in [(0, '[2]'), (1, '[2]'), (0, '[2]'), (1, '[1]')]:\n"
+        "    assert env.get_observation()[0] == pid and 'Pile' in env.get_observation()[1]\n"
+        "    done, _ = env.step(action)\n"
+        "print(done, S.game_result(env, done)[0])\n",
+    )
+    assert played.strip() == "True {0: -1.0, 1: 1.0}"  # Player 1 took the last stone
+    flags = ["--games", "Pile-v0", "--steps", "2", "--eval-every", "2", "--eval-games", "Pile-v0", "--out", "run"]
+    python_in(repo, "stratagem.py", *SMALL, *flags)
+    last = read_jsonl(repo / "run" / "metrics.jsonl")[-1]
     assert set(last["games"]) == {"Pile-v0"} and {"Pile-v0/player0", "Pile-v0/player1"} <= set(last["baselines"])
     assert last["eval"]["games"]["Pile-v0"]["both"]["n"] == 4  # against the random legal player, both seats
 
@@ -280,29 +312,19 @@ def test_rae_advantages_update_the_idle_seats_baseline_as_spiral_does(tmp_path):
     assert metrics[0]["idle_seats"] == len(idle) and not any(t["judged"] for t in idle)
 
 
-@pytest.fixture
-def kuhn_players(monkeypatch):
-    """The tiny model's words, each ending in a Kuhn move drawn by a seeded coin: games of varied outcomes."""
-    generate, rng = S.HFPolicy.generate, random.Random(0)
-
-    def play(self, prompts):
-        moves = ("[check]", "[bet]", "[call]", "[fold]")
-        return [(p, r, text + f" \\boxed{{{rng.choice(moves)}}}") for p, r, text in generate(self, prompts)]
-
-    monkeypatch.setattr(S.HFPolicy, "generate", play)
-    return ["--games", "KuhnPoker-v1"]
-
-
-def test_rae_advantages_replaced_by_the_estimator_of_hacking_md_give_group_advantages(
-    tmp_path, monkeypatch, kuhn_players
-):
-    namespace = {"stratagem": S}
-    exec(hacking_blocks()[2], namespace)
-    monkeypatch.setattr(S, "rae_advantages", namespace["role_group_advantages"])
-    out = tmp_path / "run"
-    assert run(SMALL + kuhn_players + ["--mode", "spiral", "--steps", "2", "--out", str(out)]) == 0
+def test_rae_advantages_replaced_by_the_estimator_of_hacking_md_give_group_advantages(tmp_path):
+    """The recipe as written: the block pasted into stratagem.py after group_advantages, and train()'s step 2
+    calling it; a SPIRAL run of the warm start on Kuhn Poker, whose games have varied outcomes."""
+    repo = project_copy(tmp_path)
+    source = repo / "stratagem.py"
+    paste(source, "# " + "=" * 86 + "\n# Algorithm 1, step 3", hacking_blocks()[3] + "\n\n", before=True)
+    call = "rae_advantages(trajs, run.baselines, args.ema)"
+    assert source.read_text().count(f"            {call}") == 1
+    source.write_text(source.read_text().replace(f"            {call}", f"            role_group_{call[4:]}"))
+    flags = ["--tiny", "--games", "KuhnPoker-v1", "--mode", "spiral", "--steps", "2", "--batch-size", "24"]
+    python_in(repo, "stratagem.py", *flags, "--num-envs", "8", "--out", "run")
     groups: dict = {}
-    for r in read_jsonl(out / "trajectories.jsonl"):
+    for r in read_jsonl(repo / "run" / "trajectories.jsonl"):
         if r["turns"]:
             groups.setdefault((r["step"], r["game"], r["role"]), []).append(r)
     assert any(len({r["reward"] for r in g}) > 1 for g in groups.values())  # outcomes vary: not all zero
@@ -312,7 +334,7 @@ def test_rae_advantages_replaced_by_the_estimator_of_hacking_md_give_group_advan
         std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
         assert [r["a_game"] for r in g] == pytest.approx([(x - mean) / (std + 1e-6) for x in rewards])
         assert all(r["a_mod"] == r["a_game"] for r in g)  # SPIRAL: A_mod = A_game
-    assert all(m["baselines"] == {} for m in read_jsonl(out / "metrics.jsonl"))  # no table carried across steps
+    assert all(m["baselines"] == {} for m in read_jsonl(repo / "run" / "metrics.jsonl"))  # no table carried
 
 
 # ==== Algorithm 1, step 3: modulation (phi, psi, A_mod, imputation, the judged sample, adaptive beta) ====
@@ -431,11 +453,14 @@ def judged_batch(a_games: list[float], phis: list[float], psis: list[float]) -> 
 def test_evolution_share_is_the_rms_ratio_over_the_judged_trajectories():
     trajs = judged_batch([1.0, -1.0], [0.5, 0.5], [0.5, -0.5])  # RMS(A_game*phi) = 0.5, RMS(psi) = 0.5
     unjudged = S.Trajectory("KuhnPoker-v1", 1, [S.Turn("", "", "[bet]", [], [])], 0.0, a_game=9.0, phi=1.0, psi=1.0)
-    assert S.evolution_share(trajs + [unjudged], 0.2) == pytest.approx(0.1 / (0.5 + 0.1))  # the imputed left out
+    assert adaptive_beta.evolution_share(trajs + [unjudged], 0.2) == pytest.approx(
+        0.1 / (0.5 + 0.1)
+    )  # the imputed left out
     assert (
-        S.evolution_share([unjudged], 0.2) is None and S.evolution_share(judged_batch([0.0], [1.0], [0.0]), 1) is None
+        adaptive_beta.evolution_share([unjudged], 0.2) is None
+        and adaptive_beta.evolution_share(judged_batch([0.0], [1.0], [0.0]), 1) is None
     )
-    assert S.evolution_share(judged_batch([1.0], [1.0], [0.0]), 0.2) == 0.0
+    assert adaptive_beta.evolution_share(judged_batch([1.0], [1.0], [0.0]), 0.2) == 0.0
 
 
 def test_adapt_beta_converges_to_the_share_moves_within_its_clip_and_holds_without_a_signal():
@@ -446,18 +471,28 @@ def test_adapt_beta_converges_to_the_share_moves_within_its_clip_and_holds_witho
     for step in range(400):
         scale = 1.0 / (1 + step / 50)  # |A_game| shrinks over the run
         batch = judged_batch([scale, -scale, 0.5 * scale], [0.6, 0.8, 0.7], [0.5, -0.5, 1.0])
-        fixed.append(S.evolution_share(batch, 0.2))
-        after, logged = S.adapt_beta(args, beta, batch)
-        assert logged["value"] == beta and logged["target"] == 0.3 and logged["share"] == S.evolution_share(batch, beta)
+        fixed.append(adaptive_beta.evolution_share(batch, 0.2))
+        after, logged = adaptive_beta.adapt(args, beta, batch)
+        assert (
+            logged["value"] == beta
+            and logged["target"] == 0.3
+            and logged["share"] == adaptive_beta.evolution_share(batch, beta)
+        )
         assert abs(after / beta - 1) <= 0.2 / 5.0 + 1e-12 and 0.01 <= after <= 2.0
         beta = after
         shares.append(logged["share"])
     assert fixed[-1] > fixed[0] + 0.2  # a fixed beta drifts with RAE's convergence
     assert all(abs(s - 0.3) < 0.01 for s in shares[-100:])  # the controller holds the target
-    assert S.next_beta(0.5, None, 0.3, 5.0, 0.05, 2.0) == 0.5 and S.next_beta(0.5, 0.0, 0.3, 5.0, 0.05, 2.0) == 0.5
-    assert S.next_beta(1.99, 0.01, 0.3, 1.0, 0.05, 2.0) == 2.0 and S.next_beta(0.06, 0.9, 0.3, 1.0, 0.05, 2.0) == 0.05
+    assert (
+        adaptive_beta.next_beta(0.5, None, 0.3, 5.0, 0.05, 2.0) == 0.5
+        and adaptive_beta.next_beta(0.5, 0.0, 0.3, 5.0, 0.05, 2.0) == 0.5
+    )
+    assert (
+        adaptive_beta.next_beta(1.99, 0.01, 0.3, 1.0, 0.05, 2.0) == 2.0
+        and adaptive_beta.next_beta(0.06, 0.9, 0.3, 1.0, 0.05, 2.0) == 0.05
+    )
     off = S.Args()  # --beta-share 0: beta fixed, the share measured all the same
-    assert S.adapt_beta(off, 0.2, batch) == (0.2, {"value": 0.2, "share": fixed[-1], "target": None})
+    assert adaptive_beta.adapt(off, 0.2, batch) == (0.2, {"value": 0.2, "share": fixed[-1], "target": None})
 
 
 def test_beta_share_runs_logs_and_resumes_exactly(tmp_path, talkers):
@@ -467,7 +502,7 @@ def test_beta_share_runs_logs_and_resumes_exactly(tmp_path, talkers):
     betas = [m["beta"]["value"] for m in metrics]
     assert betas[0] == 0.2 and len(set(betas)) == 3 and all(m["beta"]["target"] == 0.05 for m in metrics)
     for m, nxt in zip(metrics, betas[1:]):  # each step's beta follows from the share the step before measured
-        assert nxt == S.next_beta(m["beta"]["value"], m["beta"]["share"], 0.05, 1.0, 0.01, 1.0)
+        assert nxt == adaptive_beta.next_beta(m["beta"]["value"], m["beta"]["share"], 0.05, 1.0, 0.01, 1.0)
     trajs = read_jsonl(tmp_path / "whole" / "trajectories.jsonl")
     for r in trajs:  # A_mod with the step's own beta
         assert r["a_mod"] == pytest.approx(r["a_game"] * r["phi"] + betas[r["step"] - 1] * r["psi"])
@@ -490,50 +525,62 @@ def test_beta_share_flags_out_of_range_are_refused_in_one_line(capsys, tmp_path,
 
 
 def with_dimension_e(repo: Path) -> None:
-    """docs/hacking.md's dimension, put in a copy's judge_prompts.RUBRICS as the recipe says: after "c", whose
-    weight goes from 0.40 to 0.30. Nothing else is edited."""
+    """docs/hacking.md's dimension, pasted verbatim into a copy's judge_prompts.RUBRICS as the recipe says: after
+    "c", whose weight goes from 0.40 to 0.30. Nothing else is edited."""
     path = repo / "judge_prompts.py"
-    text = path.read_text()
-    anchor = 'never more than one coherent throughout.""",\n            },\n'
-    assert text.count(anchor) == 1 and text.count('"weight": 0.40') == 1
-    block = hacking_blocks()[1].rstrip().split("\n")
-    indented = [("            " + line) if i < 3 or i == len(block) - 1 else line for i, line in enumerate(block)]
-    path.write_text(
-        text.replace(anchor, anchor + "\n".join(indented) + "\n").replace('"weight": 0.40', '"weight": 0.30')
-    )
+    paste(path, 'never more than one coherent throughout.""",\n            },\n', hacking_blocks()[1])
+    assert path.read_text().count('"weight": 0.40') == 1
+    path.write_text(path.read_text().replace('"weight": 0.40', '"weight": 0.30'))
 
 
 def test_psi_takes_the_new_rubric_dimension_of_hacking_md_as_one_entry_in_the_table(tmp_path):
     """A copy of the project whose only change is the table: a tiny --distill run with multi-turn games (the
     policy's words end in talk SimpleNegotiation-v1 takes as a move), then `show` and `agree` on it."""
-    import shutil
-
-    repo = tmp_path / "repo"
-    shutil.copytree(HERE, repo, ignore=shutil.ignore_patterns(".git", ".venv*", ".ci-venv*", "runs", "__pycache__"))
+    repo = project_copy(tmp_path)
     with_dimension_e(repo)
     (repo / "drive.py").write_text(
         "import sys\nimport stratagem as S\n\ngenerate = S.HFPolicy.generate\n"
         "S.HFPolicy.generate = lambda self, prompts: [(p, r, t + ' \\\\boxed{Let us talk}') "
         "for p, r, t in generate(self, prompts)]\nsys.exit(S.main(sys.argv[1:]))\n"
     )
-
-    def python(*argv: str) -> str:
-        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=repo, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        return proc.stdout
-
     flags = ["--games", "SimpleNegotiation-v1", "--distill", "--judge-sample-rate", "1", "--steps", "2"]
-    python("drive.py", *SMALL, *flags, "--out", "run")
+    python_in(repo, "drive.py", *SMALL, *flags, "--out", "run")
     rows = [r for r in read_jsonl(repo / "run" / "trajectories.jsonl") if r["scores"]]
     assert rows and all(set(r["scores"]) == {"alpha", "sigma", "rho", "d", "a", "c", "e"} for r in rows)
     for r in rows:  # psi with the new weights; the stand-in gives "e", a dimension it has no feature for, 0
         s = r["scores"]
         assert r["psi"] == pytest.approx(0.35 * s["d"] + 0.25 * s["a"] + 0.30 * s["c"] + 0.10 * s["e"]) and s["e"] == 0
         assert "e" in r["predicted"]["levels"]  # a seventh head
-    shown = python("stratagem.py", "show", "run", "--judged", "--index", "0")
+    shown = python_in(repo, "stratagem.py", "show", "run", "--judged", "--index", "0")
     assert re.search(r"d -?\d  a -?\d  c -?\d  e 0  -> psi", shown)
-    agreed = python("stratagem.py", "agree", "run", "--judges", "heuristic", "distilled:run", "--sample", "20")
+    agreed = python_in(repo, "stratagem.py", "agree", "run", "--judges", "heuristic", "distilled:run", "--sample", "20")
     assert "kappa e" in agreed and "kappa alpha" in agreed
+
+
+def test_modulate_logs_the_third_rubric_of_hacking_md_and_every_tool_sees_it(tmp_path):
+    """The recipe as written: a rubric of role "logged" pasted at the end of RUBRICS, PROMPT_VERSION bumped. A tiny
+    run asks it and records its score beside phi and psi, which it leaves alone; show, agree and --dry-run's cost
+    see it; the stand-in gives a rubric it has no feature for the middle level."""
+    repo = project_copy(tmp_path)
+    path = repo / "judge_prompts.py"
+    paste(path, "\n}\n\n\ndef keys(rubric", hacking_blocks()[2], before=True)
+    path.write_text(path.read_text().replace('PROMPT_VERSION = "stratagem-rubric-', 'PROMPT_VERSION = "forked-'))
+    flags = ["--tiny", "--games", "KuhnPoker-v1", "--judge-sample-rate", "1", "--steps", "2", "--batch-size", "24"]
+    python_in(repo, "stratagem.py", *flags, "--num-envs", "8", "--out", "run")
+    rows = [r for r in read_jsonl(repo / "run" / "trajectories.jsonl") if r["scores"]]
+    assert rows and all(r["scores"]["m"] == 0.5 and r["logged"] == {"f": 0.5} for r in rows)
+    for r in rows:  # phi and psi as the paper's table makes them; A_mod ignores f
+        s = r["scores"]
+        assert r["phi"] == pytest.approx(0.35 * s["alpha"] + 0.35 * s["sigma"] + 0.30 * s["rho"])
+        assert r["a_mod"] == pytest.approx(r["a_game"] * r["phi"] + 0.2 * r["psi"])
+    metrics = [m for m in read_jsonl(repo / "run" / "metrics.jsonl") if "loss" in m]
+    assert all(m["f_mean"] == 0.5 and m["levels_mean"]["m"] == 0.5 for m in metrics)
+    shown = python_in(repo, "stratagem.py", "show", "run", "--judged", "--index", "0")
+    assert "m 0.5  -> f = 0.5000" in shown
+    agreed = python_in(repo, "stratagem.py", "agree", "run", "--judges", "heuristic", "heuristic", "--sample", "10")
+    assert "kappa m" in agreed and "spearman f" in agreed
+    planned = python_in(repo, "stratagem.py", "--dry-run", "--judge-model", "gpt-4o", "--out", "never")
+    assert "transferability + evolution + faithfulness" in planned
 
 
 # ==== Algorithm 1, step 4: REINFORCE (the losses, the log-probs, policy_update) ====
@@ -903,8 +950,7 @@ def test_play_matches_alternates_seats_and_scores_from_the_models_seat(tiny):
         6,
         matches.RandomPlayer(random.Random(0)),
         random.Random(0),
-        50,
-        0,
+        S.Rules(max_turns=50),
         4,
     )
     assert [r["seat"] for r in sorted(records, key=lambda r: r["seat"])] == [0, 0, 0, 1, 1, 1]

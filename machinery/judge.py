@@ -145,6 +145,17 @@ class HeuristicJudge:
 # answer in JSON. Its tokens are said at start-up and are not in the budget or the ledger.
 PROBE_RUBRIC = "transferability"
 PROBES = 3  # replies the check reads before it says that a judge which answers does not answer verdicts
+ANSWERED = ("finish_length", "finish_other", "empty", "bad_response")  # it answered: worth asking again
+
+
+class ProbeFailed(UserError):
+    """The start-up check's failure, with its kind (auto's structured probe falls back on some)."""
+
+    def __init__(self, kind: str, line: str):
+        super().__init__(line)
+        self.kind = kind
+
+
 PROBE_TEXT = (
     "This is a connection check, not a trajectory to score. Reply with exactly this JSON object and nothing else:"
 )
@@ -205,8 +216,8 @@ class OpenAIJudge:
             try:
                 tries, tokens = self._probe(served, structured=True)
                 self.structured = True
-            except UserError:
-                if mode == "on":
+            except ProbeFailed as e:  # auto: a server that refuses the schema (or ignores it) gets free text
+                if mode == "on" or e.kind not in ANSWERED + ("http_400", "http_422", "not_a_verdict"):
                     raise
         if not self.structured:
             tries, tokens = self._probe(served, structured=False)
@@ -227,7 +238,7 @@ class OpenAIJudge:
         """Up to PROBES probe requests until one reply is a verdict: (" at try k of N" or "", tokens spent)."""
         tokens = [0, 0]
         fmt = {"response_format": judge_prompts.response_format(PROBE_RUBRIC)} if structured else {}
-        where = f"the judge at {self.url} (--judge-model {self.name}{', structured' if structured else ''})"
+        where = f"the judge at {self.url} (--judge-model {self.name})"
         for attempt in range(1, PROBES + 1):  # a server that cuts one reply short under load is not refused for it
             try:
                 reply, p_tok, c_tok = chat(
@@ -239,11 +250,17 @@ class OpenAIJudge:
                     **fmt,
                 )
             except JudgeFailure as e:
+                tokens = [tokens[0] + e.tokens[0], tokens[1] + e.tokens[1]]
+                if e.kind in ANSWERED and attempt < PROBES:  # it answered, but cut short or empty: ask again
+                    continue
                 status = int(re.match(r"HTTP (\d+)", e.detail).group(1)) if e.detail.startswith("HTTP ") else 0
                 what = e.detail if status else f"{e.kind.replace('_', ' ')} ({e.detail or e.kind})"
+                what += f"; {PROBES} replies tried" if e.kind in ANSWERED else ""
                 base = self.base_url or "https://api.openai.com/v1"
                 hint = probe_hint(e.kind, status, base, self.name, served, self.args.judge_max_tokens)
-                raise UserError(f"{where} failed its start-up check: {what}; {hint}") from None
+                if structured and status in (400, 422):  # the schema refused: say how to go without it
+                    hint += "; a judge without structured outputs is asked in free text with --judge-structured off"
+                raise ProbeFailed(e.kind, f"{where} failed its start-up check: {what}; {hint}") from None
             tokens = [tokens[0] + p_tok, tokens[1] + c_tok]
             try:
                 parse_scores(reply, PROBE_RUBRIC)
@@ -254,9 +271,10 @@ class OpenAIJudge:
                 text = " ".join(reply.split())
                 hint = probe_hint("not_a_verdict", 200, self.base_url, self.name, served, self.args.judge_max_tokens)
                 shown = f"{text[:120]!r}{'...' if len(text) > 120 else ''}"
-                raise UserError(
+                raise ProbeFailed(
+                    "not_a_verdict",
                     f"{where} failed its start-up check: its reply is not a verdict ({shown}; {PROBES} replies "
-                    f"tried, none a verdict); {hint}"
+                    f"tried, none a verdict); {hint}",
                 ) from None
         raise AssertionError("unreachable")  # the loop returns or raises
 

@@ -140,9 +140,10 @@ def append_jsonl(path: Path, record: dict) -> None:
 LINE_LIMIT = 32 << 20  # bytes: a longer line is no record of this project's (a 4096-token, 50-turn trajectory is ~1 MB)
 
 
-def lines(f, limit: int = LINE_LIMIT):
-    """(line, whole) for every line of a binary file, each read in at most `limit` bytes: a longer one is skipped in
-    chunks (whole False, its bytes not kept), so memory never grows with a hostile line."""
+def lines(f, limit: int | None = None):
+    """(line, whole) for every line of a binary file, each read in at most `limit` bytes (LINE_LIMIT): a longer one is
+    skipped in chunks (whole False, its bytes not kept), so memory never grows with a hostile line."""
+    limit = limit or LINE_LIMIT
     while raw := f.readline(limit + 1):
         if len(raw) <= limit:
             yield raw, True

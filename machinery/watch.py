@@ -117,6 +117,7 @@ def step_line(m: dict, args) -> str:
         " ".join(f"{name} {value:.3f}" for name, value in spent.items()) + " (recent judged steps' mean: budget spent)"
         if spent
         else " ".join(f"{name} {fmt(m.get(f'{name}_mean'))}" for name in judge_prompts.SCORES)
+        + (" (logged, not in A_mod)" if args.judge_shadow and not m.get("modulated") else "")
     )
     middle = (
         f"judged {m['judge_judged']} (failed {m['judge_failed']}, multi-turn {m.get('judged_multi_turn', 0)}){cost}"

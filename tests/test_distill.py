@@ -370,7 +370,10 @@ def test_distill_run_earns_trust_and_then_asks_the_judge_less(distilled_runs):
 def test_distill_run_resumes_exactly_heads_and_holdout_included(distilled_runs):
     whole, part = distilled_runs
     assert_resumed_exactly(whole, part, 8)
-    a, b = (runfiles.load_state(r / "checkpoints/step-000008/trainer_state.pt")["distill"] for r in (whole, part))
+    a, b = (
+        runfiles.load_state(r / "checkpoints/step-000008/trainer_state.pt", runfiles.TRAINER_STATE)["distill"]
+        for r in (whole, part)
+    )
     assert a["heads"].keys() == b["heads"].keys() and all(torch.equal(a["heads"][k], b["heads"][k]) for k in a["heads"])
     assert a["pairs"] == b["pairs"] and a["rng"] == b["rng"] and a["trusted"] == b["trusted"]
     assert all(torch.equal(x, y) for x, y in zip(a["train_x"], b["train_x"])) and a["train_y"] == b["train_y"]

@@ -602,7 +602,7 @@ def test_self_play_pays_spirals_payouts_for_no_legal_move_and_a_move_the_game_re
     trajs, _, _ = play(lambda p: "\\boxed{Bet}", S.Args(tiny=True, num_envs=1, batch_size=2), "KuhnPoker-v1")
     assert [(t.role, len(t.turns), t.reward) for t in trajs] == [(0, 1, -1.0), (1, 1, 1.0)]  # lenient: the game
     # reads "[Bet]" as a bet, and Player 0's "[Bet]" after it is a move the game rejects
-    assert S.Args(rejected_rewards="-1,0").rejected_reward_pair == (-1.0, 0.0)
+    assert S.Args(rejected_rewards="-1,0").rules.rejected_rewards == (-1.0, 0.0)
 
 
 def test_invalid_rewards_are_logged_by_a_tiny_run(tmp_path, capsys):
@@ -646,21 +646,18 @@ def test_invalid_rewards_are_logged_by_a_tiny_run(tmp_path, capsys):
 def test_play_matches_takes_spirals_payouts_and_rule(tiny, tmp_path):
     """The same rule and payouts in evaluation: every record carries the model seat's payout."""
     _, tok = fresh(tiny)
-    common = (tok, ["KuhnPoker-v1"], 2, matches.RandomPlayer(random.Random(0)), random.Random(0), 50, 0, 4)
-    records = S.play_matches(
-        ScriptedPolicy(lambda p: "\\boxed{Check}"),
-        *common,
-        action_rule="spiral",
-        invalid_rewards=(-1.5, 0.5),
-        rejected_rewards=(-1.0, 0.0),
-    )
+    common = (tok, ["KuhnPoker-v1"], 2, matches.RandomPlayer(random.Random(0)), random.Random(0))
+    spiral = S.Rules("spiral", 0, 50, (-1.5, 0.5), (-1.0, 0.0))
+    records = S.play_matches(ScriptedPolicy(lambda p: "\\boxed{Check}"), *common, spiral, 4)
     assert [(r["outcome"], r["invalid"], r["reward"]) for r in records] == [("loss", True, -1.5)] * 2
-    lenient = S.play_matches(ScriptedPolicy(lambda p: "\\boxed{Check}"), *common)  # the game reads "[Check]"
+    lenient = S.play_matches(ScriptedPolicy(lambda p: "\\boxed{Check}"), *common, S.Rules(max_turns=50), 4)  # "[Check]"
     assert all(r["reward"] == (-1.0 if r["invalid"] else {"win": 1.0, "loss": -1.0}[r["outcome"]]) for r in lenient)
     first_last = S.play_matches(
-        ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 2, *common[3:], first_last=["TicTacToe-v0"]
+        ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 2, *common[3:], S.Rules(max_turns=50), 4, ["TicTacToe-v0"]
     )
-    history = S.play_matches(ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 2, *common[3:])
+    history = S.play_matches(
+        ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 2, *common[3:], S.Rules(max_turns=50), 4
+    )
     assert [r["outcome"] for r in first_last] == [r["outcome"] for r in history]
 
 

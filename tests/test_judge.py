@@ -4,7 +4,9 @@ transport's bounds, the start-up checks, the cache and the money."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import http.server
 import itertools
 import json
@@ -17,8 +19,8 @@ import pytest
 
 import judge_prompts
 import stratagem as S
+from machinery import UserError, runfiles
 from machinery import judge as J
-from machinery import runfiles
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     GOOD,
     SMALL,
@@ -911,8 +913,84 @@ def test_check_reachable_stops_a_run_on_a_wrong_model_name_or_a_judge_that_answe
         "The model `gpt-4o` does not exist; it lists the models judge-test: pass one as --judge-model"
     )
     assert prose.startswith(f"the judge at {server.url}/chat/completions (--judge-model judge-test) failed its ")
-    assert "its reply is not a verdict ('Hello! How can I help you today?'); the judge must answer in JSON" in prose
-    assert len(server.requests) == 2 and all(r["body"]["max_tokens"] == 1024 for r in server.requests)
+    assert (
+        "its reply is not a verdict ('Hello! How can I help you today?'; 3 replies tried, none a verdict); the judge "
+        "must answer in JSON" in prose
+    )
+    # the wrong name: one request; prose: three structured (auto), then three free-text ones
+    assert len(server.requests) == 7 and all(r["body"]["max_tokens"] == 1024 for r in server.requests)
+    assert ["response_format" in r["body"] for r in server.requests] == [True] * 4 + [False] * 3
+
+
+def flaky_then_verdict(cut: int, structured_ok: bool = True):
+    """A judge whose first `cut` probe replies are cut short (finish_reason "length"), then a verdict; one that
+    refuses response_format with a 400 where `structured_ok` is False."""
+    seen = {"n": 0}
+
+    def behaviour(body: dict):
+        if "response_format" in body and not structured_ok:
+            return 400, {"error": {"message": "response_format is not supported"}}
+        seen["n"] += 1
+        if seen["n"] <= cut:
+            cut_short = completion('{"alpha": 0.5, "sig')
+            cut_short["choices"][0]["finish_reason"] = "length"
+            return 200, cut_short
+        return 200, completion(json.dumps(J.probe_verdict()))
+
+    return behaviour
+
+
+def test_check_reachable_decides_on_a_few_replies_and_says_at_which_try(tmp_path, capsys, secret_key):
+    server = JudgeServer(flaky_then_verdict(2), answer_probe=False)
+    try:
+        args = judge_args(server.url, judge_model="judge-test", judge_retries=0)
+        line = J.OpenAIJudge("judge-test", server.url, args).check_reachable()
+        refused = J.OpenAIJudge("judge-test", server.url, dataclasses.replace(args, judge_structured="on"))
+        server.behaviour = flaky_then_verdict(3)
+        with pytest.raises(UserError, match="3 replies tried; the reply was cut at --judge-max-tokens"):
+            refused.check_reachable()
+    finally:
+        server.close()
+    assert "answered a verdict at try 3 of 3" in line and "verdicts: structured" in line
+
+
+def test_check_reachable_in_auto_falls_back_to_free_text_where_the_server_refuses_the_schema(secret_key):
+    server = JudgeServer(flaky_then_verdict(0, structured_ok=False), answer_probe=False)
+    try:
+        args = judge_args(server.url, judge_model="judge-test", judge_retries=0)
+        judge = J.OpenAIJudge("judge-test", server.url, args)
+        line = judge.check_reachable()
+        assert not judge.structured and "verdicts: free text, parsed; --judge-structured auto: the server" in line
+        with pytest.raises(UserError, match="HTTP 400: response_format is not supported"):
+            J.OpenAIJudge("judge-test", server.url, dataclasses.replace(args, judge_structured="on")).check_reachable()
+        judge.complete("evolution", "a trajectory")  # free text: no schema sent
+        assert "response_format" not in server.requests[-1]["body"]
+    finally:
+        server.close()
+
+
+def test_complete_with_structured_verdicts_sends_each_rubrics_schema(secret_key):
+    server = JudgeServer(good_judge)
+    try:
+        args = judge_args(server.url, judge_model="judge-test", judge_structured="on")
+        J.OpenAIJudge("judge-test", server.url, args).complete("evolution", "a trajectory")
+    finally:
+        server.close()
+    schema = server.requests[-1]["body"]["response_format"]["json_schema"]["schema"]
+    assert schema == {
+        "type": "object",
+        "properties": {k: {"type": "number", "enum": [-1, 0, 1]} for k in ("d", "a", "c")},
+        "required": ["d", "a", "c"],
+        "additionalProperties": False,
+    }
+
+
+def test_JudgeCache_key_of_a_structured_request_differs_and_a_free_text_key_is_as_before():
+    free = runfiles.JudgeCache.key("m", "evolution", 1.0, 1024, 0, "t")
+    assert free == runfiles.JudgeCache.key("m", "evolution", 1.0, 1024, 0, "t", False)
+    assert free != runfiles.JudgeCache.key("m", "evolution", 1.0, 1024, 0, "t", True)
+    ident = json.dumps(["m", judge_prompts.PROMPT_VERSION, "evolution", 1.0, 1024, 0, "t"])
+    assert free == hashlib.sha256(ident.encode()).hexdigest()  # caches written before structured verdicts still hit
 
 
 class HTMLServer(http.server.BaseHTTPRequestHandler):
@@ -975,7 +1053,8 @@ def test_probe_messages_are_one_short_request_outside_the_budget_and_the_ledger(
     assert judge_server.probes == 1 and len(read_jsonl(out / "judge_ledger.jsonl")) == m["judge_requests"]
     lines = capsys.readouterr().out.splitlines()
     check = next(k for k, x in enumerate(lines) if x.startswith("judge check: "))
-    assert lines[check].endswith("(30 + 12 tokens, outside the budget)") and lines[check + 1].startswith("loading")
+    assert "(30 + 12 tokens, outside the budget); verdicts: structured" in lines[check]
+    assert lines[check + 1].startswith("loading")
     probe = J.probe_messages()[0]["content"]
     assert len(probe) < 200 and J.parse_scores(probe, "transferability") == J.probe_verdict()
 

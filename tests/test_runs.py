@@ -211,7 +211,7 @@ def _truncate(path: Path, n: int):
         (lambda c: _truncate(c / "rank0.pt", 10), "rank0.pt is damaged"),
         (lambda c: _truncate(c / "model.safetensors", 1000), "cannot load model"),
         (lambda c: _truncate(c / "model.safetensors", 0), "cannot load model"),
-        (lambda c: _truncate(c / "config.json", 0), "cannot load model"),
+        (lambda c: _truncate(c / "config.json", 0), "config.json is unreadable (JSONDecodeError)"),
         (lambda c: _truncate(c.parent.parent / "config.json", 50), "config.json is damaged"),
         (lambda c: _truncate(c.parent.parent / "config.json", 0), "config.json is damaged"),
         (lambda c: (c / "rank0.pt").unlink(), "is incomplete (missing rank0.pt)"),
@@ -509,7 +509,10 @@ def test_save_checkpoint_stopped_midway_then_resume_is_the_uninterrupted_run(tmp
     (whole / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in a))
     (part / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in b))
     assert_resumed_exactly(whole, part, 3)
-    a, b = (runfiles.load_state(r / "checkpoints/step-000003/trainer_state.pt")["distill"] for r in (whole, part))
+    a, b = (
+        runfiles.load_state(r / "checkpoints/step-000003/trainer_state.pt", runfiles.TRAINER_STATE)["distill"]
+        for r in (whole, part)
+    )
     assert all(torch.equal(a["heads"][k], b["heads"][k]) for k in a["heads"]) and a["pairs"] == b["pairs"]
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["step-000003"]
 

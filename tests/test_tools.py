@@ -63,7 +63,10 @@ def test_eval_against_random_and_against_a_served_model(tiny, tmp_path, capsys, 
     assert result["opponent"] == "random" and len(result["games"]) == 6
     assert set(result["summary"]["games"]) == {"TicTacToe-v0", "Nim-v0", "PigDice-v0"}
     printed = capsys.readouterr().out
-    assert "model vs random: 6 games" in printed and "invalid" in printed
+    assert "model vs random, trained games (TicTacToe-v0): 2 games, win rate" in printed and "invalid" in printed
+    assert "model vs random, unseen games (Nim-v0, PigDice-v0): 4 games, win rate" in printed
+    assert "trained on TicTacToe-v0; unseen: Nim-v0, PigDice-v0" in printed  # the header says which is which
+    assert result["summary"]["trained"]["n"] == 2 and result["summary"]["unseen"]["n"] == 4
     assert "already exists" in error_of(capsys, ["eval", str(tiny), "--json", str(out)])
     judge_server.behaviour = lambda body: (200, completion("I take the centre. \\boxed{4}"))
     out2 = tmp_path / "eval2.json"
@@ -133,19 +136,23 @@ def suggested(lines: list[str]) -> list[list[str]]:
 
 @pytest.mark.parametrize("script", ["stratagem.py", "spyrl.py"])
 def test_closing_line_commands_work_as_printed_from_the_repository_root_twice(finished_runs, script):
-    """Run as printed, from the repository's root: plot, show and eval, twice (a second eval of the same run,
-    or of another run, must not collide with the first's output). eval plays with the run's own generation
-    settings (SMALL's 16 new tokens), so a random tiny model's games end at once instead of running 4096 tokens."""
+    """Run as printed, from the repository's root, the last one twice: plot, show and eval (a second eval of the same
+    run must not collide with the first's output; eval plays with the run's own generation settings, SMALL's 16 new
+    tokens); for a SpyRL run, plot, show and spyrl.py to train it further (no eval: it plays two-player games)."""
     out, lines = finished_runs[script]
     before = set(os.listdir(HERE))
     commands = suggested(lines)
-    assert [c[:3] for c in commands] == [["python", "stratagem.py", name] for name in ("plot", "show", "eval")]
+    last = ["stratagem.py", "eval"] if script == "stratagem.py" else ["spyrl.py", "--resume"]
+    assert [c[1:3] for c in commands] == [["stratagem.py", "plot"], ["stratagem.py", "show"], last]
     for command in commands + [commands[-1]]:
         proc = python(command[1:], HERE)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, (command, proc.stderr[-2000:])
     assert (out / "plots" / "loss.png").exists()
-    first, second = (json.loads((out / name).read_text()) for name in ("eval-1.json", "eval-1-2.json"))
-    assert first["max_new_tokens"] == second["max_new_tokens"] == 16 and first["summary"]["n"] == 8 * 20
+    if script == "stratagem.py":
+        first, second = (json.loads((out / name).read_text()) for name in ("eval-1.json", "eval-1-2.json"))
+        assert first["max_new_tokens"] == second["max_new_tokens"] == 16 and first["summary"]["n"] == 8 * 20
+    else:  # trained to twice its steps, then said it was finished
+        assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2] and "already finished" in proc.stdout
     assert set(os.listdir(HERE)) == before  # every output went into the run's own folder
 
 

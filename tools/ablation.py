@@ -25,19 +25,24 @@ HERE = Path(__file__).resolve().parent.parent
 # is LEARNING's too; the evaluation every 5 steps plays 200 Kuhn Poker games (100 a seat) and is the curve's point.
 LEARNING = (
     "--tiny --games KuhnPoker-v1 --steps 30 --lr 1e-3 --batch-size 128 --micro-batch-size 32 --num-envs 32 "
-    "--eval-games KuhnPoker-v1 --eval-every 5 --eval-n 200 --keep-best"
+    "--eval-games KuhnPoker-v1 --eval-every 5 --eval-n 200 --keep-best --judge-sample-rate 1"
 ).split()
 ARMS = {  # name -> the flags that make the arm; the names are the run folders' and the table's rows
-    "spiral": ["--mode", "spiral"],
     "stratagem": [],
+    "spiral-shadow": ["--mode", "spiral", "--judge-shadow"],
     "no-psi": ["--no-psi"],
+    "centre-psi": ["--centre-psi"],
+    "spiral": ["--mode", "spiral"],
     "beta-0.5": ["--beta", "0.5"],
     "beta-share": ["--beta-share", "0.075"],  # the share beta = 0.2 has at the start (docs/learning.md), held
 }
+DEFAULT_ARMS = ("stratagem", "spiral-shadow", "no-psi")  # the paper's ablation, every arm judged on one scale
 WHAT = {
-    "spiral": "SPIRAL: A_game, no judge",
     "stratagem": "STRATAGEM, beta 0.2, the stand-in judge",
+    "spiral-shadow": "SPIRAL (A_game), the judge's scores only logged",
     "no-psi": "STRATAGEM without psi (A_game * phi)",
+    "centre-psi": "STRATAGEM, beta*psi centred on its batch mean",
+    "spiral": "SPIRAL: A_game, no judge",
     "beta-0.5": "STRATAGEM, beta 0.5",
     "beta-share": "STRATAGEM, --beta-share 0.075 (adaptive beta)",
 }
@@ -138,7 +143,7 @@ def main(argv: list[str]) -> int:
         default=int(LEARNING[LEARNING.index("--steps") + 1]),
         help="the budget: steps a run (LEARNING's: %(default)s)",
     )
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms ({','.join(ARMS)})")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated arms (of {', '.join(ARMS)})")
     p.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (2: a 2-core machine)")
     ns = p.parse_args(argv)
     try:

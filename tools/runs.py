@@ -37,14 +37,8 @@ def number(v) -> bool:
 
 
 def evaluation_ok(e) -> bool:
-    """An --eval-every result as the evaluation writes it: n games, a win rate and its interval, the games' cells."""
-    return (
-        isinstance(e.get("n"), int)
-        and number(e["win_rate"])
-        and len(e["win_ci95"]) == 2
-        and all(map(number, e["win_ci95"]))
-        and all(isinstance(seats, dict) for seats in e["games"].values())
-    )
+    """An --eval-every result with what a table reads of it: n games and a win rate."""
+    return isinstance(e.get("n"), int) and not isinstance(e["n"], bool) and number(e["win_rate"])
 
 
 def read_trajectories(run: Path) -> list[Trajectory]:

@@ -33,7 +33,7 @@ from games import check_ids
 from machinery import UserError
 from machinery.flags import FriendlyParser, field_docs
 from machinery.matches import RandomPlayer, random_legal_move, summarize_matches
-from machinery.runfiles import check_writable_dir
+from machinery.runfiles import check_writable_dir, follow_umask
 from machinery.watch import fmt, quiet_transformers
 from stratagem import (
     ARCHS,
@@ -459,4 +459,5 @@ def main(argv: list[str]) -> int:
             shares = "  ".join(f"{k} {v:.2f}" for k, v in r["styles"].items())
             print(f"{'':22} styles: {shares}  state right {fmt(r['state_right'])}")
     Path(out, "warmstart.json").write_text(json.dumps(report, indent=1))
+    follow_umask(Path(out))  # some writers create 0600 files; a shipped model follows the umask like the rest
     return 0
