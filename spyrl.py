@@ -21,6 +21,7 @@ files) is imported from stratagem.py, as CleanRL keeps one algorithm per file.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -40,9 +41,9 @@ class Args(S.Args):
 
     mode: str = "spyrl"
     """spyrl: who is the spy (recorded in config.json, read by plot and show)"""
-    tiny_init: str = "random"
-    """--tiny's weights: random (built from --seed), or warm (stratagem.py's default: the warm start taught SPIRAL's
-    two-player games, not who is the spy)"""
+    tiny_init: str = "warm"
+    """--tiny's weights: warm (warmstart/spy, taught the game's format on uniformly random outputs and votes: its
+    votes are valid) or random (built from --seed: it names no seat, every vote invalid)"""
     ppo_epochs: int = 2
     """Adam steps per batch; the clipped objective binds from the second (RLSVR: 'a GRPO-style clipped objective';
     the number is not given: 2, as SPIRAL's code)"""
@@ -85,10 +86,25 @@ BOUNDS = [
 ]
 
 
+WARM_START = Path(__file__).parent / "warmstart" / "spy"  # `stratagem.py warmstart` rebuilds it (docs/spyrl.md)
+
+
 def validate(args: Args) -> None:
-    """stratagem.py's checks of the flags shared, then SpyRL's own bounds."""
+    """stratagem.py's checks of the flags shared, then SpyRL's own bounds and warm start."""
     S.validate(args)
     flags.check_bounds(args, BOUNDS)
+    if args.tiny and args.tiny_init == "warm" and not (WARM_START / "config.json").is_file():
+        recipe = "--games WhoIsTheSpy-v0 --moves 3000 --steps 600"
+        raise S.UserError(
+            f"the warm start {WARM_START} is missing: python stratagem.py warmstart {WARM_START} {recipe}"
+        )
+
+
+def load_learner(args: Args, ckpt, dist, device):
+    """stratagem.py's loader, with --tiny's warm start SpyRL's own (warmstart/spy): the same code path as --model."""
+    if args.tiny and args.tiny_init == "warm":
+        args = dataclasses.replace(args, tiny=False, model=str(WARM_START))
+    return S.load_learner_and_engine(args, ckpt, dist, device)
 
 
 def build_parser():
@@ -162,7 +178,7 @@ def train(args: Args) -> Path | None:
     group-relative for the votes), and the clipped update on this step's phase. Run files, metrics and the
     checkpoint are machinery/lifecycle.py's, as in stratagem.py."""
     texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny, *text_room(args))  # checked whole, before --out
-    run = lifecycle.start_run(args, S.load_learner_and_engine, S.make_env, S.seed_everything, S.model_shape)
+    run = lifecycle.start_run(args, load_learner, S.make_env, S.seed_everything, S.model_shape)
     if run is None:  # --dry-run, or a resumed run that had already finished
         return None
     for step in range(run.start + 1, args.steps + 1):

@@ -1286,6 +1286,7 @@ COMMANDS = {
     "merge-lora": "merge_lora",
     "warmstart": "warmstart",
     "ablation": "ablation",
+    "refresh-docs": "refresh_docs",
 }
 
 

@@ -79,6 +79,16 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
         (["--tiny", "--distill-audit-rate", "-0.1"], "--distill-audit-rate must be in [0, 1]"),
         (["--tiny", "--distill-window", "0"], "--distill-window must be >= 1"),
         (["--tiny", "--distill-lr", "0"], "--distill-lr must be in (0, 1]"),
+        (
+            ["--tiny", "--judge-shadow"],
+            "--judge-shadow scores what does not enter A_mod: give --mode spiral or --no-psi",
+        ),
+        (["--tiny", "--centre-psi", "--mode", "spiral"], "--centre-psi centres psi in A_mod, which --mode spiral"),
+        (["--tiny", "--centre-psi", "--no-psi"], "--centre-psi centres psi in A_mod"),
+        (["--tiny", "--judge-structured", "maybe"], "invalid choice: 'maybe'"),
+        (["--tiny", "--keep-best", "--eval-every", "1", "--lora-rank", "4"], "--keep-best keeps whole models"),
+        (["--tiny", "--best-eval-n", "-1"], "--best-eval-n must be >= 0"),
+        (["--mode", "spyrl"], "SpyRL has its own script: python spyrl.py --help"),
     ],
 )
 def test_parse_args_refuses_a_bad_flag_in_one_line_and_makes_no_folder(capsys, tmp_path, argv, message):
@@ -92,6 +102,10 @@ def test_FriendlyParser_names_the_nearest_flag_and_resume_of_a_folder_that_is_no
     )
     assert "(did you mean --judge-base-url?)" in error_of(capsys, ["--judge-base-ulr=http://x/v1"])
     assert error_of(capsys, ["bench", "--tiny", "--stpes", "2"]).endswith("(did you mean --steps?)\n")
+    assert error_of(capsys, ["--judge-sample", "0.5"]).endswith("(did you mean --judge-sample-rate?)\n")  # takes 0.5
+    assert error_of(capsys, ["--judge-sample", "3"]).endswith(
+        "(did you mean --judge-samples or --judge-sample-rate?)\n"
+    )
     for folder, why in ((tmp_path, "it has no config.json"), (tmp_path / "missing", "it does not exist")):
         assert error_of(capsys, ["--resume", "--out", str(folder)]) == (
             f"stratagem: error: --resume --out {folder}: not a run folder ({why}); --out names the run to continue\n"
@@ -394,6 +408,36 @@ def test_modulate_imputes_failures_and_unjudged():
     none = S.modulate(trajs, {3: failed}, args)
     assert none == {"modulated": False, "phi_mean": None, "psi_mean": None}
     assert [t.a_mod for t in trajs] == [t.a_game for t in trajs]
+
+
+def test_modulate_with_centre_psi_centres_beta_psi_on_its_judged_mean():
+    args = S.Args(beta=0.5, centre_psi=True)
+    trajs = [S.Trajectory("G", p % 2, [], 1.0, a_game=a) for p, a in enumerate([1.0, -1.0, 0.5])]
+    high = J.Judgement({"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}, None)  # psi 1
+    low = J.Judgement({"alpha": 1, "sigma": 1, "rho": 1, "d": -1, "a": 0, "c": 0}, None)  # psi -0.35
+    heads = {2: {"alpha": 0, "sigma": 0, "rho": 0, "d": 1, "a": 1, "c": 1}}  # --distill's: psi 1, not the mean
+    info = S.modulate(trajs, {0: high, 1: low}, args, heads)
+    centre = (1.0 - 0.35) / 2  # over the judged: the heads' own levels are not a verdict
+    assert info["psi_centre"] == pytest.approx(centre) and info["psi_mean"] == pytest.approx(centre)
+    assert [t.psi for t in trajs] == pytest.approx([1.0, -0.35, 1.0])  # psi as judged, or as the heads say
+    assert [t.a_mod for t in trajs] == pytest.approx(
+        [1.0 + 0.5 * (1 - centre), -1.0 + 0.5 * (-0.35 - centre), 0.5 * 0 + 0.5 * (1 - centre)]
+    )
+    assert sum(t.a_mod - t.a_game * t.phi for t in trajs[:2]) == pytest.approx(0.0)  # the term adds nothing on average
+
+
+def test_modulate_with_judge_shadow_logs_the_scores_and_leaves_a_game_alone():
+    args = S.Args(mode="spiral", judge_shadow=True)
+    assert S.judge_prompts.asked(args) == ["transferability", "evolution"] and S.judge_prompts.entering(args) == []
+    trajs = [S.Trajectory("G", 0, [], 1.0, a_game=0.7), S.Trajectory("G", 1, [], -1.0, a_game=-0.7)]
+    ok = J.Judgement({"alpha": 1, "sigma": 0, "rho": 0, "d": 1, "a": 1, "c": 1}, None)
+    info = S.modulate(trajs, {0: ok}, args)
+    assert info == {"modulated": False, "phi_mean": 0.35, "psi_mean": 1.0}
+    assert [(t.phi, t.psi, t.a_mod) for t in trajs] == [(1.0, 0.0, 0.7), (1.0, 0.0, -0.7)]
+    assert [t.logged for t in trajs] == [{"phi": 0.35, "psi": 1.0}] * 2  # the unjudged: the judged mean
+    no_psi = S.Args(no_psi=True, judge_shadow=True)
+    assert S.judge_prompts.entering(no_psi) == ["transferability"] and len(S.judge_prompts.asked(no_psi)) == 2
+    assert S.judge_prompts.asked(S.Args(no_psi=True)) == ["transferability"]
 
 
 def by_role(body: dict):
@@ -939,6 +983,16 @@ def test_wilson_interval_known_values():
     lo, hi = matches.wilson(5, 10)
     assert (round(lo, 3), round(hi, 3)) == (0.237, 0.763)
     assert matches.wilson(0, 10)[0] == 0.0 and matches.wilson(10, 10)[1] == 1.0 and matches.wilson(0, 0) == (0.0, 1.0)
+
+
+def test_FreshSeeds_draws_seeds_no_evaluation_draws():
+    fresh, evaluation = S.FreshSeeds(1), random.Random(1)
+    drawn = [fresh.randrange(2**31) for _ in range(1000)]
+    assert all(2**31 <= x < 2**32 for x in drawn) and not set(drawn) & {
+        evaluation.randrange(2**31) for _ in range(1000)
+    }
+    again = S.FreshSeeds(1)
+    assert drawn == [again.randrange(2**31) for _ in range(1000)]  # seeded
 
 
 def test_play_matches_alternates_seats_and_scores_from_the_models_seat(tiny):

@@ -42,6 +42,8 @@ class Timer:
 
 def tiny_model(args) -> str:
     """--tiny's policy in words: the shipped warm start, or a random model built offline (--tiny-init)."""
+    if args.tiny_init == "warm" and args.mode == "spyrl":
+        return "the warm start warmstart/spy, taught the game's format"
     if args.tiny_init == "warm":
         return "the warm start warmstart/tiny, taught the games' rules"
     return "a random tiny Qwen3, built offline"

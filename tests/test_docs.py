@@ -203,7 +203,10 @@ def test_main_prints_what_the_readme_shows(tmp_path):
     has changed: capture the block again from that command (the start, loading and loaded lines, step 1, "...",
     the last step line and the closing line) and replace it."""
     readme = (HERE / "README.md").read_text()
-    intro, block = re.search(r"\nWhat the main job printed here ([^\n]*)\n\n```\n(.*?)\n```\n", readme, re.S).groups()
+    found = re.search(
+        r"\nWhat the main job printed here ([^\n]*)\n\n<!-- refresh-docs main-job -->\n```\n(.*?)\n```\n", readme, re.S
+    )
+    intro, block = found.groups()
     assert "python stratagem.py --tiny --steps 20                 # the main job" in readme and "at load " in intro
     shown = [x for x in block.splitlines() if x != "..."]
     assert shown[-2].startswith("step 20/20 | ") and shown[-1].startswith("done: 20 steps in runs/stratagem-tiny-s1-")
@@ -269,3 +272,17 @@ def test_main_every_test_name_starts_with_a_name_it_tests():
         if not any(test[5:] == n or test[5:].startswith(n + "_") for n in names)
     ]
     assert offenders == [], "these tests' names do not start with a name they test:\n" + "\n".join(offenders)
+
+
+def test_refresh_docs_rebuilds_every_figure_and_captured_block_of_the_docs():
+    """No captured example or figure can go stale unnoticed: every PNG of docs/ and every block marked
+    `<!-- refresh-docs NAME -->` in the README and docs/ is one that `stratagem.py refresh-docs` rebuilds from the
+    commands the docs name, and every one it rebuilds is there."""
+    from tools import refresh_docs
+
+    assert sorted(p.name for p in (HERE / "docs").glob("*.png")) == sorted(refresh_docs.FIGURES)
+    texts = {str(p.relative_to(HERE)): p.read_text() for p in [HERE / "README.md", *(HERE / "docs").glob("*.md")]}
+    marked = {name: path for path, text in texts.items() for name in re.findall(r"<!-- refresh-docs (\S+) -->", text)}
+    assert marked == refresh_docs.BLOCKS
+    shown = {name for text in texts.values() for name in re.findall(r"\]\((?:docs/)?([\w-]+\.png)\)", text)}
+    assert shown <= set(refresh_docs.FIGURES), shown - set(refresh_docs.FIGURES)

@@ -672,3 +672,40 @@ def test_eval_takes_spirals_rule_payouts_and_format(tiny, tmp_path, capsys):
     assert any(r["reward"] == -1.5 for r in result["games"])  # a random model writes no legal move
     assert "--first-last" in error_of(capsys, argv + ["--first-last", "Nim-v0", "--json", str(tmp_path / "x.json")])
     assert "--action-rule" in error_of(capsys, argv + ["--action-rule", "strict", "--json", str(tmp_path / "x.json")])
+
+
+def best_reply(env, me: int) -> float:
+    """The highest chance to win from here against the evaluation's random player (uniform over the legal moves it
+    finds, machinery/matches.legal_actions), the model on seat `me` choosing its best move at every node."""
+    import copy
+
+    pid, obs = env.get_observation()
+    values = []
+    for move in matches.legal_actions(env, pid, obs):
+        after = copy.deepcopy(env)
+        done, _ = after.step(move)
+        values.append(float(after.close()[0][me] > 0) if done else best_reply(after, me))
+    return max(values) if pid == me else sum(values) / len(values)
+
+
+def test_RandomPlayer_is_beaten_at_most_the_ceiling_in_kuhn_poker_v1_by_enumeration():
+    """machinery/matches.CEILINGS, which plot draws: KuhnPoker-v1's last round decides, so the best reply to the random
+    player is found by enumerating round 5 over every deal and both seats: 0.75 as its opener, 0.625 as responder."""
+    import copy
+    import itertools
+
+    env = S.make_env("KuhnPoker-v1", 5, 0)
+    for move in ["[bet]", "[fold]"] * 4:  # rounds 1-4, each ended by a fold
+        env.get_observation()
+        env.step(move)
+    assert "Starting round 5" in env.get_observation()[1]
+    by_seat = {}
+    for me in (0, 1):
+        values = []
+        for deal in itertools.permutations(range(3), 2):
+            dealt = copy.deepcopy(env)
+            dealt.state.game_state["cards"] = dict(zip((0, 1), deal))
+            values.append(best_reply(dealt, me))
+        by_seat[me] = sum(values) / len(values)
+    assert by_seat == {0: 0.625, 1: 0.75}  # Player 1 opens round 5
+    assert matches.CEILINGS["KuhnPoker-v1"] == (by_seat[0] + by_seat[1]) / 2 == 0.6875

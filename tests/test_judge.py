@@ -422,6 +422,30 @@ def test_stagnant_is_negative_whatever_the_judge_says(judge_server, secret_key):
     )
 
 
+def test_same_reasoning_compares_the_reasoning_not_the_move_in_its_box():
+    same = judge_prompts.same_reasoning
+    assert same("Just play the move. \\boxed{[bet]}", "just play the move.  \\boxed{[check]}")  # another move
+    assert not same("Round one. \\boxed{[bet]}", "Round two. \\boxed{[bet]}")
+    assert same("\\boxed{[bet]}", "\\boxed{[call]}")  # no reasoning at all, twice
+    assert judge_prompts.reasoning_text("a \\boxed{x{y}z} b \\boxed{[4]}") == "a \\boxed{x{y}z} b "
+    assert judge_prompts.reasoning_text("a \\boxed{[4") == "a "  # an unclosed box: the rest is the answer
+    obs, moves = ["board 1", "board 2"], ["Just play. \\boxed{[1]}", "Just play. \\boxed{[2]}"]
+    assert judge_prompts.evolution_rules(obs, moves, {"d": 1.0, "a": 1.0, "c": 1.0})[1] == "stagnant"
+
+
+def test_HeuristicJudge_deepens_on_new_words_not_on_more_characters():
+    judge = J.HeuristicJudge()
+
+    def d(*responses):
+        turns = [S.Turn(f"board {k}", r, "[1]", [], []) for k, r in enumerate(responses)]
+        return judge.scores("evolution", J.render_for_judge(S.Trajectory("KuhnPoker-v1", 0, turns, 0.0)))["d"]
+
+    assert d("Round one.", "Round two, after a bet.") == 1.0  # a word the first turn had not
+    assert d("Round one, after a bet, after a bet.", "Round one, after a bet.") == 0.0  # shorter, nothing new
+    assert d("Round one.", "Round one. Round one. Round one. Round one.") == 0.0  # longer, nothing new: not deeper
+    assert d("a", "b") == 0.0  # words of fewer than three letters are not content
+
+
 def test_typical_level_combines_levels_over_turns_and_the_heuristic_judge_keeps_the_rules():
     assert judge_prompts.typical_level([1.0, 0.0, 0.5]) == 0.5 and judge_prompts.typical_level([0.0, 1.0]) == 0.0
     assert judge_prompts.typical_level([1.0]) == 1.0

@@ -376,6 +376,21 @@ def test_iter_jsonl_skips_a_line_longer_than_its_limit_in_bounded_memory(tmp_pat
     assert "skipped 2 line(s)" in capsys.readouterr().err  # the long one and the torn one, each said
 
 
+def test_lines_never_reads_more_than_its_limit_at_once():
+    import io
+
+    class Counted(io.BytesIO):
+        most = 0
+
+        def readline(self, size=-1):
+            line = super().readline(size)
+            Counted.most = max(Counted.most, len(line))
+            return line
+
+    found = list(runfiles.lines(Counted(b"short\n" + b"x" * 10_000 + b"\nend\n"), limit=100))
+    assert found == [(b"short\n", True), (b"", False), (b"end\n", True)] and Counted.most <= 101
+
+
 def test_show_of_a_torn_gigabyte_line_takes_bounded_memory(one_step_run, tmp_path):
     out = copy_run(one_step_run, tmp_path)
     with open(out / "trajectories.jsonl", "ab") as f:  # 160 MiB, longer than LINE_LIMIT: skipped in chunks

@@ -174,3 +174,51 @@ def test_sync_check_of_lora_on_vllm_then_a_run_its_resume_and_the_merged_model_o
     evaluation = ["--games", "TicTacToe-v0", "--n", "2", "--max-new-tokens", "8", "--json", "e.json"]
     stratagem(["eval", "merged", *evaluation, "--backend", "vllm", "--device", "cpu", "--vllm-enforce-eager"], tmp_path)
     assert len(json.loads((tmp_path / "e.json").read_text())["games"]) == 2
+
+
+# ---- a local judge: vLLM's own OpenAI server, structured verdicts
+SERVER_FLAGS = [
+    "--enforce-eager",
+    "--structured-outputs-config",
+    '{"backend": "xgrammar", "disable_any_whitespace": true}',
+]
+
+
+@needs_vllm_cpu
+def test_judge_structured_with_vllms_own_api_server_on_the_warm_start_gives_every_judged_trajectory_a_verdict(tmp_path):
+    """docs/judge.md's local judge, in CI: vLLM's api_server on loopback, serving the shipped warm start (a model that
+    knows no JSON) with the flags that make structured verdicts complete; a tiny run judges every trajectory with
+    --judge-structured on. Every judged trajectory gets a verdict, in the rubric's levels, and no failure is counted."""
+    import time
+    import urllib.request
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(HERE / "warmstart" / "tiny")]
+        + ["--served-model-name", "warm-judge", "--host", "127.0.0.1", "--port", str(port), *SERVER_FLAGS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=VLLM_ENV,
+    )
+    try:
+        deadline = time.monotonic() + 420
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()[-3000:]
+                time.sleep(2)
+        judge = ["--judge", "openai", "--judge-base-url", f"http://127.0.0.1:{port}/v1", "--judge-model", "warm-judge"]
+        flags = ["--tiny", "--games", "KuhnPoker-v1", "--steps", "2", "--judge-sample-rate", "1"]
+        proc = stratagem([*flags, *judge, "--judge-structured", "on", "--out", "run"], tmp_path)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert "verdicts: structured" in proc.stdout and "structured verdicts" in proc.stdout.splitlines()[0]
+    metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
+    assert sum(m["judge_judged"] for m in metrics) >= 6 and all(m["judge_failed"] == 0 for m in metrics)
+    judged = [r for r in read_jsonl(tmp_path / "run" / "trajectories.jsonl") if r["judged"]]
+    assert judged and all(r["scores"] is not None for r in judged)
+    assert all(r["scores"][k] in (0.0, 0.5, 1.0) for r in judged for k in ("alpha", "sigma", "rho"))

@@ -12,6 +12,7 @@
     merge-lora    tools/merge_lora.py    a LoRA run's adapter merged into its base: a whole Hugging Face checkpoint
     warmstart     tools/warmstart.py     the tiny Qwen3 taught the games' rules on random legal play (warmstart/tiny)
     ablation      tools/ablation.py      the paper's ablation in miniature: the learning recipe per arm and seed
+    refresh-docs  tools/refresh_docs.py  every captured example and figure of the docs, rebuilt from its commands
 
 tools/runs.py holds what several of them read from a run directory. Each imports `stratagem` for the
 pieces it shares with the trainer; nothing in stratagem.py imports from here.

@@ -29,14 +29,15 @@ from pathlib import Path
 import torch
 
 import judge_prompts
-from games import check_ids
+from games import check_ids, spy
 from machinery import UserError
 from machinery.flags import FriendlyParser, field_docs
 from machinery.matches import RandomPlayer, random_legal_move, summarize_matches
 from machinery.runfiles import check_writable_dir, follow_umask
-from machinery.watch import fmt, quiet_transformers
+from machinery.watch import Timer, fmt, quiet_transformers
 from stratagem import (
     ARCHS,
+    PROMPT,
     Args,
     HFPolicy,
     Rules,
@@ -106,11 +107,16 @@ def reasoning(style: str, game: str, observation: str, pid: int) -> str:
 
 
 def response_text(line: str, action: str) -> str:
-    return f"{line} \\boxed{{{action}}}"
+    """A move's whole response: its line, then the action in a box (a SpyRL output has none: its line is all)."""
+    return f"{line} \\boxed{{{action}}}" if action else line
 
 
-def tokenizer_texts() -> tuple[str, ...]:
-    """What the tokenizer learns besides the games' own texts: every content and the state's words."""
+def tokenizer_texts(games: list[str]) -> tuple[str, ...]:
+    """What the tokenizer learns besides the two-player games' texts: every content and the state's words; with SpyRL's
+    game, its prompts and a sample of its texts."""
+    if spy.GAME in games:
+        sample = [t["text"] for t in spy.default_texts()[::20]]
+        return (spy.PERFORM, spy.VOTE, "In short: Not me (Player 0): \\boxed{1} Player 1:\n| ", *sample)
     states = [f"Round {w}, after a check. Round {w}, after a bet. Round {w}." for w in WORDS]
     states += [f"The opponent took cell {w}. The board is empty. Player {w} offers" for w in WORDS]
     return (*CONTENTS.values(), *states, "No offer yet. Wood and Gold for Brick and Sheep and Wheat and Ore.")
@@ -126,6 +132,7 @@ class Move:
     legal: tuple[str, ...] = ()  # every legal move, when enumerated
     style: str = STYLES[0]
     line: str = ""  # what the style says here (reasoning)
+    template: str = PROMPT  # how the trainer shows the observation (spyrl.py: the observation as it is)
 
 
 def random_games(moves_per_game: dict[str, int], seed: int) -> list[Move]:
@@ -148,11 +155,40 @@ def random_games(moves_per_game: dict[str, int], seed: int) -> list[Move]:
     return out
 
 
+# SpyRL's game (spyrl.py): the same format taught, no strategy. A seat's output is the first words of its copy's
+# first sentence ("In short: ..."), so a spy whose copy lost that sentence writes another; its vote is a seat drawn
+# uniformly from the others, after its own seat ("Not me (Player 2): \\boxed{4}": the seat said next to the box is
+# the one a small model learns to avoid). Detection starts at the random vote's rate, 1 / (n - 1).
+SPY_OUTPUT_WORDS = 8
+
+
+def spy_output(text: str) -> str:
+    return "In short: " + " ".join(text.split(". ")[0].split()[:SPY_OUTPUT_WORDS])
+
+
+def spy_games(count: int, seed: int) -> list[Move]:
+    """`count` whole games of who is the spy (spyrl.py's defaults: 5 players, summaries, a fifth removed): every
+    seat's output, then every seat's vote, each with the observation the trainer shows it."""
+    rng, texts, out = random.Random(seed), spy.default_texts(), []
+    for _ in range(count):
+        env = spy.WhoIsTheSpyEnv(texts=texts)
+        env.reset(num_players=5, seed=rng.randrange(2**31))
+        for phase in spy.PHASES:
+            for pid, obs in env.phase_observations():
+                others = tuple(str(k) for k in range(env.n) if k != pid)
+                vote = rng.choice(others) if phase == "detection" else ""
+                line = spy_output(env.inputs[pid]) if phase == "performance" else f"Not me (Player {pid}):"
+                move = Move(spy.GAME, pid, obs, vote, others if vote else (), phase, line, "{observation}")
+                out.append(move)
+                env.step(response_text(move.line, move.action))
+    return out
+
+
 # ------------------------------------------------------------------------------------ examples
 def tokenize(moves: list[Move], tokenizer) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) as the trainer's HF generation has them: the prompt tokenized alone without special
     tokens, the response ending with the EOS token that stops generation (cut_at_stop keeps it)."""
-    prompts = [format_prompt(tokenizer, m.observation, m.role) for m in moves]
+    prompts = [format_prompt(tokenizer, m.observation, m.role, m.template) for m in moves]
     p_ids = tokenizer(prompts, add_special_tokens=False).input_ids
     r_ids = tokenizer([response_text(m.line, m.action) for m in moves], add_special_tokens=False).input_ids
     return [(p, r + [tokenizer.eos_token_id]) for p, r in zip(p_ids, r_ids)]
@@ -315,6 +351,29 @@ def measure(policy, tokenizer, opponent, games: list[str], n: int, seed: int) ->
     return out
 
 
+def measure_spy(policy, tokenizer, n: int, seed: int) -> dict:
+    """n held-out games of who is the spy, every seat the policy: the share of valid votes, of outputs in the taught
+    form, and the civilians' detection rate beside the random vote's 1 / (n - 1)."""
+    rng = random.Random(seed)
+    games = [spy.WhoIsTheSpyEnv() for _ in range(n)]
+    for env in games:
+        env.reset(num_players=5, seed=rng.randrange(2**31))
+    prompt = lambda obs: format_prompt(tokenizer, obs, 0, "{observation}")  # noqa: E731 - as spyrl.py shows it
+    moves, _ = spy.play(games, lambda observations: policy.generate(list(map(prompt, observations))), 16, Timer())
+    votes = [v for env in games for k, v in enumerate(env.votes) if k != env.spy]
+    said = [moves[g][k, 0][1] for g, env in enumerate(games) for k in range(env.n)]
+    return {
+        spy.GAME: {
+            "games": n,
+            "valid_votes": sum(v is not None for env in games for v in env.votes) / (5 * n),
+            "outputs_in_form": sum(x.startswith("In short: ") for x in said) / len(said),
+            "detection": sum(v == env.spy for env in games for k, v in enumerate(env.votes) if k != env.spy)
+            / len(votes),
+            "random_vote_detection": 1 / 4,
+        }
+    }
+
+
 # ------------------------------------------------------------------------------------ the whole build
 @dataclass
 class Recipe:
@@ -349,7 +408,8 @@ class Recipe:
     def check(self) -> None:
         """Every field in its range, before anything is built or written (one line, UserError)."""
         counts = self.moves_per_game()
-        check_ids(self.games)
+        if two_player := [g for g in counts if g != spy.GAME]:  # SpyRL's game is for five players
+            check_ids(",".join(two_player))
         if not all(1 <= c <= 10**6 for c in counts.values()):
             raise UserError(f"--moves must each be in [1, 1000000], got {self.moves}")
         for flag, value, low, high in (("steps", self.steps, 1, 10**6), ("batch-size", self.batch_size, 1, 4096)):
@@ -366,9 +426,11 @@ class Recipe:
 def build(out_dir: str, recipe: Recipe, log=None):
     """The random model of recipe.arch, taught by `fit` on random-game moves and saved to out_dir like any
     checkpoint. Returns (model, tokenizer, losses)."""
-    build_random_model(out_dir, recipe.seed, recipe.arch, tokenizer_texts())  # the lines: a few tokens each
+    games = recipe.moves_per_game()
+    build_random_model(out_dir, recipe.seed, recipe.arch, tokenizer_texts(list(games)))  # the lines: a few tokens each
     model, tokenizer = load_policy(out_dir, torch.device("cpu"))
-    moves = random_games(recipe.moves_per_game(), recipe.seed)
+    spy_count = games.pop(spy.GAME, 0)  # SpyRL's game: its count is of moves too, ten a game
+    moves = random_games(games, recipe.seed) + spy_games(spy_count // 10, recipe.seed)
     items, soft = tokenize(moves, tokenizer), soft_targets(moves, tokenizer)
     losses = fit(
         model,
@@ -443,15 +505,15 @@ def main(argv: list[str]) -> int:
         policy = HFPolicy(model, tokenizer, Args(max_new_tokens=48, temperature=1.0), torch.device("cpu"))
         with torch.random.fork_rng():
             torch.manual_seed(recipe.seed)
-            report["measure"] = measure(
-                policy,
-                tokenizer,
-                RandomPlayer(random.Random(recipe.seed)),
-                list(recipe.moves_per_game()),
-                eval_n,
-                recipe.seed + 10**6,
-            )
+            games = [g for g in recipe.moves_per_game() if g != spy.GAME]
+            opponent = RandomPlayer(random.Random(recipe.seed))
+            report["measure"] = measure(policy, tokenizer, opponent, games, eval_n, recipe.seed + 10**6)
+            if spy.GAME in recipe.moves_per_game():
+                report["measure"] |= measure_spy(policy, tokenizer, eval_n, recipe.seed + 10**6)
         for game, r in report["measure"].items():
+            if game == spy.GAME:
+                print(f"{game:22} " + "  ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "games"))
+                continue
             print(
                 f"{game:22} legal {r['legal_rate']:.3f} ({r['moves']} moves)  length {r['length']:.2f}  "
                 f"win {r['win_rate']:.3f} [{r['win_ci95'][0]:.3f}, {r['win_ci95'][1]:.3f}]  draw {r['draw_rate']:.3f}"
