@@ -609,7 +609,7 @@ SCORE = {r: spec["score"] for r, spec in judge_prompts.RUBRICS.items()}  # "tran
 
 def after_budget(run: lifecycle.Run) -> dict[str, float] | None:
     """{score: value} for the unjudged once --judge-budget is spent: the mean of the last RECENT
-    judged steps' batch means, so A_mod keeps its scale (docs/judge.md#the-budget); else None."""
+    judged steps' batch means, so A_mod keeps its scale (docs/judge.md: Cost); else None."""
     if run.runner is None or not run.runner.budget_exhausted() or not run.recent:
         return None
     last = run.recent[-RECENT:]

@@ -286,3 +286,39 @@ def test_refresh_docs_rebuilds_every_figure_and_captured_block_of_the_docs():
     assert marked == refresh_docs.BLOCKS
     shown = {name for text in texts.values() for name in re.findall(r"\]\((?:docs/)?([\w-]+\.png)\)", text)}
     assert shown <= set(refresh_docs.FIGURES), shown - set(refresh_docs.FIGURES)
+
+
+def test_requirements_and_every_install_line_of_the_docs_agree():
+    """A package pinned in requirements.txt is pinned alike wherever the docs, envs/ or .ci/ install it: the same
+    range, or one version inside it (the GPU's vLLM needs transformers 5.19.*); none is left unpinned."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    pinned = {}
+    for line in (HERE / "requirements.txt").read_text().splitlines():
+        if line.split("#")[0].strip():
+            req = Requirement(line.split("#")[0].strip())
+            pinned[req.name] = req.specifier
+    sources = [
+        HERE / "README.md",
+        *(HERE / "docs").glob("*.md"),
+        HERE / "envs" / "vllm-cpu.sh",
+        HERE / ".ci" / "gpu-check.sh",
+    ]
+    checked = 0
+    for path in sources:
+        text = path.read_text().replace("\\\n", " ")
+        for command in re.findall(r'pip"? install ([^\n|&;]*)', text):
+            for word in re.findall(r'"([^"]+)"|(\S+)', command.split(" #")[0]):
+                spec = (word[0] or word[1]).strip("`();")
+                if not re.fullmatch(r"[A-Za-z][\w.\-\[\],]*(?:[<>=!~]=?[\w.*]+,?)*", spec):
+                    continue  # a flag, a path, a variable, prose
+                req = Requirement(spec)
+                if req.name in pinned and pinned[req.name]:
+                    checked += 1
+                    inside = [s for s in req.specifier if s.operator == "=="]
+                    version = inside[0].version.replace(".*", ".0") if inside else None
+                    same = req.specifier == pinned[req.name]
+                    assert same or (version and pinned[req.name].contains(version)), (path.name, spec)
+                    assert req.specifier != SpecifierSet(""), (path.name, spec)
+    assert checked >= 6

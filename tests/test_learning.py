@@ -63,6 +63,47 @@ def test_warmstart_imitates_uniformly_random_legal_play():
     assert low < 0.5 < high  # Kuhn: as often as the random player itself
 
 
+def test_warmstart_imitates_a_uniform_mixture_of_reasoning_styles_independent_of_the_move():
+    """The shipped warm start's styles (tools/warmstart.STYLES, recorded in its warmstart.json): every style is drawn
+    about as often, the state-reading lines read the state right, and the styles span the stand-in's phi levels."""
+    from machinery.judge import HeuristicJudge
+    from tools import warmstart
+
+    report = json.loads((S.WARM_START / "warmstart.json").read_text())
+    assert report["styles"]["drawn"] == warmstart.STYLES and report["styles"]["contents"] == warmstart.CONTENTS
+    for game, m in report["measure"].items():
+        shares = [m["styles"][style] for style in warmstart.STYLES]
+        assert all(0.08 <= x <= 0.26 for x in shares) and m["styles"]["None"] <= 0.03, (game, shares)
+        assert m["state_right"] >= 0.9, game
+    moves = warmstart.random_games({"KuhnPoker-v1": 200}, seed=5)
+    assert {m.style for m in moves} == set(warmstart.STYLES)
+    styles = warmstart.STYLES
+    try:  # independent of the move: styles come from a stream of their own, so no style changes a move drawn
+        warmstart.STYLES = styles[:1]
+        assert [m.action for m in warmstart.random_games({"KuhnPoker-v1": 200}, seed=5)] == [m.action for m in moves]
+    finally:
+        warmstart.STYLES = styles
+    phis = {}
+    for name, content in warmstart.CONTENTS.items():
+        text = S.judge_prompts.render_trajectory("G", 0, [{"observation": "x", "response": content, "action": "[1]"}])
+        phis[name] = S.phi(HeuristicJudge().scores("transferability", text))
+    assert phis == {"terse": 0.0, "principle": 0.5, "structured": 0.85}
+
+
+def test_warmstart_of_the_spy_game_is_deterministic_and_teaches_valid_votes(tmp_path):
+    """SpyRL's warm start (warmstart/spy, spyrl.py --tiny's): a short recipe gives the same bytes twice, and the shipped
+    one's measurement holds at least 90 % valid votes."""
+    flags = ["--games", "WhoIsTheSpy-v0", "--moves", "40", "--steps", "4", "--batch-size", "4"]
+    for name in ("a", "b"):
+        proc = python([str(HERE / "stratagem.py"), "warmstart", str(tmp_path / name), *flags], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    import spyrl
+
+    measured = json.loads((spyrl.WARM_START / "warmstart.json").read_text())["measure"]["WhoIsTheSpy-v0"]
+    assert measured["valid_votes"] >= 0.9 and measured["outputs_in_form"] >= 0.9
+
+
 def test_random_legal_move_is_uniform_over_the_legal_moves_of_a_large_move_set():
     """SimpleNegotiation's ~200 candidate offers are sampled by rejection: every draw is legal, and the draws are
     spread over the legal moves as a uniform draw is."""

@@ -30,7 +30,7 @@ LEARNING = (
 ARMS = {  # name -> the flags that make the arm; the names are the run folders' and the table's rows
     "stratagem": [],
     "spiral-shadow": ["--mode", "spiral", "--judge-shadow"],
-    "no-psi": ["--no-psi"],
+    "no-psi": ["--no-psi", "--judge-shadow"],  # psi logged, not in A_mod: every arm measured on one scale
     "centre-psi": ["--centre-psi"],
     "spiral": ["--mode", "spiral"],
     "beta-0.5": ["--beta", "0.5"],
@@ -40,7 +40,7 @@ DEFAULT_ARMS = ("stratagem", "spiral-shadow", "no-psi")  # the paper's ablation,
 WHAT = {
     "stratagem": "STRATAGEM, beta 0.2, the stand-in judge",
     "spiral-shadow": "SPIRAL (A_game), the judge's scores only logged",
-    "no-psi": "STRATAGEM without psi (A_game * phi)",
+    "no-psi": "STRATAGEM without psi (A_game * phi), psi only logged",
     "centre-psi": "STRATAGEM, beta*psi centred on its batch mean",
     "spiral": "SPIRAL: A_game, no judge",
     "beta-0.5": "STRATAGEM, beta 0.5",

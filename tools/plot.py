@@ -210,6 +210,10 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     if name == "eval_win_rate" and len(games) == 1 and (ceiling := CEILINGS.get(next(iter(games)))):
         label = f"ceiling: the best reply to the random player ({ceiling:.4f})"
         ax.axhline(ceiling, color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
+    players = {run_config(run).get("spy_players") for run, _ in runs} - {None}
+    if name == "spy" and len(players) == 1 and (n := players.pop()) > 1:  # a vote drawn at random names the spy 1/(n-1)
+        label = f"a random vote's detection accuracy (1/{n - 1})"
+        ax.axhline(1 / (n - 1), color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
     ax.set(xlabel="step", ylabel=ylabel)
     fig.suptitle(title)  # over the whole figure, legend included: a long legend cannot push it off the left edge
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
