@@ -109,7 +109,8 @@ class HeuristicJudge:
         """The rubric's verdict, by the rubric's name; a rubric it has no features for (a new one in
         the table) gets its middle level on every key."""
         turns = judge_prompts.read_turns(trajectory_text)  # the renderer's turns; quoted text cannot add one
-        features = {"transferability": self._transferability, "evolution": self._evolution}.get(rubric, dict)(turns)
+        featured = {"transferability": self._transferability, "evolution": self._evolution}
+        features = featured[rubric](turns) if rubric in featured else {}
         return {k: features.get(k, self._middle(rubric)) for k in judge_prompts.keys(rubric)}
 
     def _transferability(self, turns: list[dict]) -> dict[str, float]:

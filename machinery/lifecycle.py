@@ -301,7 +301,7 @@ def step_metrics(
         "judge_skipped_budget": sum(j.skipped for j in judged.values()),
         "judge_evolution_rules": Counter(j.rule for j in judged.values() if j.rule),
         "judged_multi_turn": sum(t.judged and len(t.turns) > 1 for t in played),  # psi has turns to compare
-        "psi_nonzero": sum(t.judged and t.psi != 0 for t in played),
+        "psi_nonzero": sum(t.judged and t.logged.get("psi", t.psi) != 0 for t in played),  # --judge-shadow: logged
         "levels_mean": levels_mean(played),
         **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
         "judge_cost": usage.get("cost", 0.0),

@@ -288,7 +288,7 @@ def test_refresh_docs_rebuilds_every_figure_and_captured_block_of_the_docs():
     assert shown <= set(refresh_docs.FIGURES), shown - set(refresh_docs.FIGURES)
 
 
-def test_requirements_and_every_install_line_of_the_docs_agree():
+def test_main_installs_what_requirements_txt_pins_in_every_install_line_of_the_docs():
     """A package pinned in requirements.txt is pinned alike wherever the docs, envs/ or .ci/ install it: the same
     range, or one version inside it (the GPU's vLLM needs transformers 5.19.*); none is left unpinned."""
     from packaging.requirements import Requirement

@@ -446,6 +446,17 @@ def test_HeuristicJudge_deepens_on_new_words_not_on_more_characters():
     assert d("a", "b") == 0.0  # words of fewer than three letters are not content
 
 
+def test_HeuristicJudge_scores_a_rubric_it_has_no_features_for_at_its_middle_levels(monkeypatch):
+    """A rubric added to the table (docs/hacking.md's faithfulness) gets its middle level on every key, from a
+    trajectory of several turns, rather than a crash mid-run."""
+    rubric = {"score": "f", "role": "logged", "turns": 1, "levels": (-1.0, 0.0, 1.0), "preamble": "Grade it."}
+    rubric["dimensions"] = {"f1": {"weight": 0.5, "text": "f1"}, "f2": {"weight": 0.5, "text": "f2"}}
+    monkeypatch.setitem(judge_prompts.RUBRICS, "faithfulness", rubric)
+    turns = [S.Turn(f"board {k}", "Round one. \\boxed{[bet]}", "[bet]", [], []) for k in range(3)]
+    text = J.render_for_judge(S.Trajectory("KuhnPoker-v1", 0, turns, 0.0))
+    assert J.HeuristicJudge().scores("faithfulness", text) == {"f1": 0.0, "f2": 0.0}
+
+
 def test_typical_level_combines_levels_over_turns_and_the_heuristic_judge_keeps_the_rules():
     assert judge_prompts.typical_level([1.0, 0.0, 0.5]) == 0.5 and judge_prompts.typical_level([0.0, 1.0]) == 0.0
     assert judge_prompts.typical_level([1.0]) == 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,8 @@ def test_warmstart_rebuilds_the_shipped_warm_start_byte_for_byte_from_its_recipe
     shipped = S.WARM_START
     recipe = json.loads((shipped / "warmstart.json").read_text())["recipe"]
     flags = [x for k, v in recipe.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    proc = python([str(HERE / "stratagem.py"), "warmstart", str(tmp_path / "again"), *flags], tmp_path)
+    command = [str(HERE / "stratagem.py"), "warmstart", str(tmp_path / "again"), *flags]
+    proc = python(command, tmp_path, timeout=3600)  # 9 minutes on a quiet 2-core machine, 15+ on a loaded one
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "again" / name).read_bytes() == (shipped / name).read_bytes(), name
@@ -171,7 +173,7 @@ def test_keep_best_keeps_the_best_evaluated_policy_from_the_point_before_any_upd
 
 def test_ablation_table_pools_the_final_evaluations_and_counts_psi(tmp_path):
     """tools/ablation.py's table from runs' metrics: the final evaluations pooled over seeds with their Wilson
-    interval, each seed's final and best, the mean spreads, the share of judged trajectories with psi != 0, and beta
+    interval, each seed's final, the mean spreads, the share of judged trajectories with psi != 0, and beta
     with the evolution term's share at the first and the last step."""
     from tools import ablation
 
@@ -198,13 +200,72 @@ def test_ablation_table_pools_the_final_evaluations_and_counts_psi(tmp_path):
     write(tmp_path / "b", [(100, 200), (120, 200), (140, 200)], 6)
     row = ablation.arm_row("stratagem", [tmp_path / "a", tmp_path / "b"])
     assert row["final"] == 270 / 400 and row["final_ci95"] == matches.wilson(270, 400)
-    assert row["seeds_final"] == [0.65, 0.7] and row["seeds_best"] == [0.75, 0.7] and row["start"] == 0.5
+    assert row["seeds_final"] == [0.65, 0.7] and row["start"] == 0.5
     assert row["psi_nonzero"] == 20 / 40 and row["a_mod_std"] == 0.5
+    assert row["seeds_fresh"] == [None, None] and row["collapsed"] == 0 and row["psi_rise"] == [None, None]
     text = ablation.table([row], [1, 2], 2)
     assert "| STRATAGEM, beta 0.2, the stand-in judge | 0.50 | 0.68 [" in text and "| 50% |" in text
+    assert "| 0.65 0.70 | - - | 0 of 2 | - - | - |" in text  # no fresh games, no collapse, runs too short for psi
     assert text.rstrip().endswith("| 0.300, 0.100 -> 0.400, 0.200 |")  # beta and the share, first step -> last
     assert ablation.drift([None, None, None, None]) == "n/a"  # no judge (--mode spiral)
     assert ablation.finished(tmp_path / "a", 2) and not ablation.finished(tmp_path / "a", 3)
+
+
+def test_ablation_psi_rise_collapse_and_fresh_best_of_each_seed(tmp_path):
+    """The ablation's Figure-11 and collapse columns: psi's rise is the best 5-step window's mean less the first 5
+    steps'; a seed collapsed if an evaluation lost more than 20 % of its games (all ids, both seats) on an invalid
+    move; the kept best's win rate is the one on fresh games; phi is the seeds' mean of the first and last 5 steps."""
+    from tools import ablation
+
+    assert ablation.psi_rise([0.0] * 5 + [1.0] * 5) == 1.0 and ablation.psi_rise([0.5] * 5) == 0.0
+    assert ablation.psi_rise([1.0, 0.0, 0.0, 0.0, 0.0, 0.0]) == 0.0 and ablation.psi_rise([1.0] * 4) is None
+    cell = lambda n, bad: {"both": {"n": n, "invalid": {"count": bad, "rate": bad / n}}}  # noqa: E731
+    assert ablation.invalid_share({"games": {"K": cell(100, 21), "T": cell(100, 0)}}) == 0.105
+    assert ablation.invalid_share({"win_rate": 0.5}) is None
+
+    def write(run: Path, invalid: int, psi: list[float]) -> None:
+        run.mkdir()
+        lines = [{"step": 0, "eval": {"win_rate": 0.5, "n": 100, "games": {"K": cell(100, 0)}}}]
+        for step, value in enumerate(psi, 1):
+            line = {"step": step, "loss": 0.1, "a_game_std": 1.0, "a_mod_std": 0.5, "judge_judged": 4}
+            line |= {"psi_mean": value, "phi_mean": 0.1 * step, "psi_nonzero": 4}
+            if step == 3:
+                line["eval"] = {"win_rate": 0.4, "n": 100, "games": {"K": cell(100, invalid)}}
+            lines.append(line)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    write(tmp_path / "a", 21, [0.0, 0.0, 0.0, 0.0, 0.0, 0.6, 0.6, 0.6, 0.6, 0.6])
+    write(tmp_path / "b", 20, [0.2] * 10)  # 20 % exactly: not collapsed
+    (tmp_path / "a" / "best").mkdir()
+    best = {"step": 3, "win_rate": 0.4, "fresh": {"n": 1000, "win_rate": 0.38}}
+    (tmp_path / "a" / "best" / "best.json").write_text(json.dumps(best))
+    row = ablation.arm_row("no-psi", [tmp_path / "a", tmp_path / "b"])
+    assert row["collapsed"] == 1 and row["seeds_fresh"] == [0.38, None]
+    assert row["psi_rise"] == pytest.approx([0.6, 0.0]) and row["phi"] == pytest.approx([0.3, 0.8])
+    text = ablation.table([row], [1, 2], 10)
+    assert "| 0.38 - | 1 of 2 | +0.60 +0.00 | 0.30 -> 0.80 |" in text
+
+
+def test_ablation_arms_of_figure_11_are_the_two_commands_docs_learning_md_gives_and_they_parse():
+    """docs/learning.md's Figure 11 section gives one command per arm, in code blocks: the learning recipe as
+    STRATAGEM, and as SPIRAL with the judge shadowing; each is the ablation's arm of that name and a valid run."""
+    import shlex
+
+    from tools import ablation
+
+    text = (HERE / "docs" / "learning.md").read_text()
+    section = text[text.index("## Figure 11") :]
+    section = section[: section.index("\n## ")]
+    blocks = re.findall(r"```bash\n(.*?)\n```", section, re.DOTALL)
+    commands = [shlex.split(b.replace("\\\n", " ")) for b in blocks[:2]]
+    for argv, arm in zip(commands, ("stratagem", "spiral-shadow")):
+        flags = argv[2 : argv.index("--seed")]
+        assert argv[:2] == ["python", "stratagem.py"] and flags == [*ablation.LEARNING, *ablation.ARMS[arm]], arm
+        args = S.parse_args(argv[2:])
+        assert (args.mode, args.judge_shadow, args.judge_sample_rate) == (
+            ("spiral", True, 1.0) if arm == "spiral-shadow" else ("stratagem", False, 1.0)
+        )
+    assert len(commands) == 2
 
 
 def psi_rise(out: Path) -> float:
@@ -230,8 +291,9 @@ def test_modulate_steers_the_reasoning_stratagem_raises_psi_and_shadow_judged_sp
         assert proc.returncode == 0, proc.stderr[-2000:]
         rises[arm] = psi_rise(out)
     assert rises["stratagem"] >= 0.3 and rises["spiral"] < 0.15, rises
-    first = [read_jsonl(tmp_path / arm / "metrics.jsonl")[0]["psi_mean"] for arm in rises]
-    assert first[0] == first[1]  # one batch at step 1: the arms differ by their updates only
+    first = [read_jsonl(tmp_path / arm / "metrics.jsonl")[0] for arm in rises]
+    assert first[0]["psi_mean"] == first[1]["psi_mean"]  # one batch at step 1: the arms differ by their updates only
+    assert first[0]["psi_nonzero"] == first[1]["psi_nonzero"] > 0  # a logged psi is counted as an entering one
 
 
 def test_train_learns_kuhn_poker_from_the_warm_start_in_ten_steps(tmp_path):

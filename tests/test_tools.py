@@ -265,6 +265,26 @@ def test_draw_plot_colour_per_run_style_per_series_coinciding_lines_visible_lege
     plt.close(fig)
 
 
+def test_draw_plot_draws_the_levels_as_one_panel_per_dimension_with_a_line_per_run(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["alpha", "sigma", "rho", "d", "a", "c"]
+    rows = [{"step": s, "levels_mean": {k: 0.1 * i for i, k in enumerate(keys)}} for s in (1, 2, 3)]
+    others = [{"step": s, "levels_mean": {"d": -0.5}} for s in (1, 2)]  # a run that logged one dimension
+    fig = plot.draw_plot(plt, "levels", [(tmp_path / "a", rows), (tmp_path / "b", others)])
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == keys
+    assert [len(ax.get_lines()) for ax in panels] == [2, 2, 2, 3, 2, 2]  # d: both runs; each: a line at 0
+    assert list(panels[3].get_lines()[0].get_ydata()) == pytest.approx([0.3, 0.3, 0.3])
+    assert list(panels[3].get_lines()[1].get_ydata()) == [-0.5, -0.5]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["a (?)", "b (?)"]  # b, though alpha has no b
+    plt.close(fig)
+    assert plot.draw_plot(plt, "levels", [(tmp_path / "c", [{"step": 1}])]) is None
+
+
 def test_draw_plot_keeps_its_title_in_the_figure_and_draws_judge_figures_for_judged_runs_only(finished_runs, tmp_path):
     import matplotlib
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from machinery import UserError
 from machinery.flags import FriendlyParser
+from machinery.lifecycle import read_best
 from machinery.matches import wilson
 from machinery.runfiles import check_writable_dir, read_jsonl
 from tools.runs import evaluation_ok, keep, read_metrics
@@ -63,10 +64,37 @@ def train(run: Path, arm: str, seed: int, steps: int) -> int:
         return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE).returncode
 
 
+COLLAPSE = 0.2  # a run collapsed: an evaluation lost more than this share of its games on an invalid move
+WINDOW = 5  # psi's rise: from the mean of the first WINDOW steps to the best mean of WINDOW steps in a row
+
+
+def invalid_share(evaluation: dict) -> float | None:
+    """The share of an evaluation's games (every game id, both seats) lost on an invalid move; None without counts."""
+    cells = [c.get("both") for c in (evaluation.get("games") or {}).values() if isinstance(c, dict)]
+    counts = [(c["invalid"]["count"], c["n"]) for c in cells if isinstance(c, dict) and "invalid" in c and "n" in c]
+    return sum(i for i, _ in counts) / sum(n for _, n in counts) if counts and sum(n for _, n in counts) else None
+
+
+def psi_rise(psi: list[float]) -> float | None:
+    """The best mean of WINDOW steps in a row less the mean of the first WINDOW (docs/learning.md's Figure 11
+    measure); None for a run shorter than WINDOW steps."""
+    if len(psi) < WINDOW:
+        return None
+    means = [sum(psi[k : k + WINDOW]) / WINDOW for k in range(len(psi) - WINDOW + 1)]
+    return max(means) - means[0]
+
+
+def fresh_win(run: Path) -> float | None:
+    """The kept best's win rate on fresh games (best/best.json's "fresh"), or None where none was measured."""
+    fresh = (read_best(run) or {}).get("fresh")
+    return fresh["win_rate"] if isinstance(fresh, dict) and runs_number(fresh.get("win_rate")) else None
+
+
 def arm_row(arm: str, runs: list[Path]) -> dict:
     """An arm over its seeds: the final evaluation pooled (wins over games, with its Wilson interval), each seed's
-    final and best win rates, the mean over steps of the spread (std) of A_game and A_mod, and the share of
-    judged trajectories whose psi was not 0."""
+    final win rate and its kept best's on fresh games, how many seeds collapsed, each seed's psi rise, phi's mean
+    over the first and the last WINDOW steps, the mean over steps of the spread (std) of A_game and A_mod, and the
+    share of judged trajectories whose psi (entering A_mod or only logged) was not 0."""
     metrics = [read_metrics(r) for r in runs]
     evals = [
         keep([m for m in ms if "eval" in m], r / "metrics.jsonl", lambda m: evaluation_ok(m["eval"]), "evaluation")
@@ -79,13 +107,21 @@ def arm_row(arm: str, runs: list[Path]) -> dict:
     steps = keep([m for ms in metrics for m in ms if "loss" in m], runs[0].parent, step_ok, "whole step")
     wins, n = sum(round(e["win_rate"] * e["n"]) for e in finals), sum(e["n"] for e in finals)
     judged = sum(m["judge_judged"] for m in steps)
+    scores = {  # the judged means of each seed's steps, where the judge scored (entering A_mod or logged)
+        key: [[m[key] for m in ms if "loss" in m and runs_number(m.get(key))] for ms in metrics]
+        for key in ("phi_mean", "psi_mean")
+    }
+    phi = [(sum(ms[:WINDOW]) / WINDOW, sum(ms[-WINDOW:]) / WINDOW) for ms in scores["phi_mean"] if len(ms) >= WINDOW]
     return {
         "arm": arm,
         "start": sum(e["win_rate"] * e["n"] for e in starts) / sum(e["n"] for e in starts),
         "final": wins / n,
         "final_ci95": wilson(wins, n),
         "seeds_final": [e["win_rate"] for e in finals],
-        "seeds_best": [max(m["eval"]["win_rate"] for m in e) for e in evals],
+        "seeds_fresh": [fresh_win(r) for r in runs],
+        "collapsed": sum(any((invalid_share(m["eval"]) or 0) > COLLAPSE for m in e) for e in evals),
+        "psi_rise": [psi_rise(ms) for ms in scores["psi_mean"]],
+        "phi": [sum(p[k] for p in phi) / len(phi) for k in (0, 1)] if phi else None,  # the seeds' means
         "a_game_std": sum(m["a_game_std"] for m in steps) / len(steps),
         "a_mod_std": sum(m["a_mod_std"] for m in steps) / len(steps),
         "psi_nonzero": sum(m.get("psi_nonzero", 0) for m in steps) / judged if judged else None,
@@ -107,20 +143,26 @@ def table(rows: list[dict], seeds: list[int], steps: int) -> str:
     pct = "{:.2f}".format
     lines = [
         f"Kuhn Poker against the random legal player; {steps} steps, seeds {', '.join(map(str, seeds))}; the final "
-        "evaluation pooled over the seeds (95 % Wilson interval); the spreads are means over the steps; beta and the "
-        "evolution term's share of A_mod, RMS(beta*psi) / (RMS(A_game*phi) + RMS(beta*psi)), are the seeds' means.",
+        "evaluation pooled over the seeds (95 % Wilson interval); the kept best (--keep-best) on fresh games; "
+        f"collapsed: an evaluation lost more than {COLLAPSE:.0%} of its games on an invalid move; psi rise: the "
+        f"best mean of {WINDOW} steps in a row less the first {WINDOW} steps' (the judge's psi, entering A_mod or "
+        "only logged); the spreads are means over the steps; beta and the evolution term's share of A_mod, "
+        "RMS(beta*psi) / (RMS(A_game*phi) + RMS(beta*psi)), are the seeds' means.",
         "",
-        "| arm | start | final, pooled | final per seed | best per seed | std A_game | std A_mod | psi != 0 | "
-        "beta, share: first step -> last |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | start | final, pooled | final per seed | kept best, fresh games | collapsed | psi rise per seed | "
+        "phi: first 5 -> last 5 | std A_game | std A_mod | psi != 0 | beta, share: first step -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    either = lambda v, f: "-" if v is None else f(v)  # noqa: E731
     for r in rows:
         low, high = r["final_ci95"]
         nonzero = "n/a (no judge)" if r["psi_nonzero"] is None else f"{r['psi_nonzero']:.0%}"
+        phi = either(r["phi"], lambda v: f"{v[0]:.2f} -> {v[1]:.2f}") if r["psi_nonzero"] is not None else "n/a"
         lines.append(
             f"| {WHAT[r['arm']]} | {pct(r['start'])} | {pct(r['final'])} [{pct(low)}, {pct(high)}] | "
-            f"{' '.join(map(pct, r['seeds_final']))} | {' '.join(map(pct, r['seeds_best']))} | "
-            f"{r['a_game_std']:.3f} | {r['a_mod_std']:.3f} | {nonzero} | {drift(r['beta_share'])} |"
+            f"{' '.join(map(pct, r['seeds_final']))} | {' '.join(either(v, pct) for v in r['seeds_fresh'])} | "
+            f"{r['collapsed']} of {len(seeds)} | {' '.join(either(v, '{:+.2f}'.format) for v in r['psi_rise'])} | "
+            f"{phi} | {r['a_game_std']:.3f} | {r['a_mod_std']:.3f} | {nonzero} | {drift(r['beta_share'])} |"
         )
     return "\n".join(lines) + "\n"
 

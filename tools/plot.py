@@ -53,7 +53,7 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
         [(name, lambda m, n=name: m.get(f"{n}_mean")) for name in judge_prompts.SCORES],
     ),
     "levels": (
-        "Judge levels per rubric dimension, batch means of the judged",
+        "Judge levels per rubric dimension, batch means of the judged (beside Figure 11)",
         "level",
         [(key, lambda m, k=key: (m.get("levels_mean") or {}).get(k)) for key in judge_prompts.ALL_KEYS],
     ),
@@ -120,6 +120,7 @@ NEEDS = {
 
 
 JUDGED = ("judge_requests",)  # figures drawn only for runs that have a judge (--mode stratagem)
+PANELS = ("levels",)  # figures drawn as one panel per series (six dimensions on one axis are unreadable)
 
 
 def invalid_rate(m: dict) -> float | None:
@@ -165,6 +166,23 @@ SERIES_STYLES = [
 ]  # line style and marker of a figure's 1st, 2nd, ... series
 
 
+def draw_line(ax, points: list[tuple], where: tuple[int, int, int, int], **kwargs) -> None:
+    """One series of one run: `where` is (run: its colour, series: its line style and marker, draw order: where its
+    hollow markers start, markers wanted along the line)."""
+    run, series, order, marks = where
+    style, marker = SERIES_STYLES[series % len(SERIES_STYLES)]
+    every = max(1, len(points) // marks)
+    ax.plot(
+        *zip(*points),
+        color=f"C{run % 10}",
+        linestyle=style,
+        marker=marker,
+        fillstyle="none",
+        markevery=(order % every, every),
+        **kwargs,
+    )
+
+
 def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     """One figure of PLOTS, or None when no run has a value for it: a colour per run, a line style and marker
     per series. Lines that coincide stay visible: each line drawn is thinner and on top of the one before
@@ -172,6 +190,8 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     the axes, off the data."""
     import matplotlib.ticker
 
+    if name in PANELS:
+        return draw_panels(plt, name, runs)
     title, ylabel, series = PLOTS[name]
     fig, ax = plt.subplots(figsize=(8.4, 3.6), dpi=110, layout="constrained")
     n = len(runs) * len(series)
@@ -184,15 +204,10 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
             k = r * len(series) + s  # draw order
             points = [(m["step"], v) for m in metrics if (v := read(value, m)) is not None]
             if points:
-                style, marker = SERIES_STYLES[s % len(SERIES_STYLES)]
-                every = max(1, len(points) // 12)
-                ax.plot(
-                    *zip(*points),
-                    color=f"C{r % 10}",
-                    linestyle=style,
-                    marker=marker,
-                    fillstyle="none",
-                    markevery=(k % every, every),
+                draw_line(
+                    ax,
+                    points,
+                    (r, s, k, 12),
                     markersize=4 + 3 * (n - 1 - k) / max(1, n - 1),
                     linewidth=1.2 + 2.4 * (n - 1 - k) / max(1, n - 1),
                     zorder=2 + k,
@@ -222,6 +237,43 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     if name == "distill":
         ax.set_ylim(-0.22, 1.02)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
+    return fig
+
+
+def draw_panels(plt, name: str, runs: list[tuple[Path, list[dict]]]):
+    """One figure of PLOTS as small multiples, or None when no run has a value for it: a panel per series (a
+    rubric dimension, titled with its key), a colour and marker per run, one shared y range and legend."""
+    title, ylabel, series = PLOTS[name]
+    found = [
+        [[(m["step"], v) for m in ms if (v := read(value, m)) is not None] for _, ms in runs] for _, value in series
+    ]
+    shown = [(label, lines) for (label, _), lines in zip(series, found) if any(lines)]
+    if not shown:
+        return None
+    cols = min(3, len(shown))
+    rows = -(-len(shown) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1.6, 2.4 * rows), dpi=110, layout="constrained")
+    axes = list(getattr(axes, "flat", [axes]))
+    for ax, (label, lines) in zip(axes, shown):
+        for r, points in enumerate(lines):
+            if points:
+                draw_line(ax, points, (r, r, r, 8), markersize=4, linewidth=1.4, label=run_label(runs[r][0]))
+        ax.set_title(label, fontsize=9)
+        ax.set_ylim(-1.05, 1.05)
+        ax.axhline(0, color="0.8", linewidth=0.8, zorder=0)
+    for ax in axes[len(shown) :]:
+        ax.set_visible(False)
+    for ax in axes[(rows - 1) * cols :]:
+        ax.set_xlabel("step")
+    for ax in axes[::cols]:
+        ax.set_ylabel(ylabel)
+    legend = {}  # label -> handle, over every panel: a run may lack the first panel's dimension
+    for ax in axes:
+        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+    fig.legend(
+        legend.values(), legend, fontsize=7, loc="outside lower center", ncols=min(3, len(legend)), frameon=False
+    )
+    fig.suptitle(title)
     return fig
 
 
