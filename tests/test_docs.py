@@ -288,6 +288,14 @@ def test_refresh_docs_rebuilds_every_figure_and_captured_block_of_the_docs():
     assert shown <= set(refresh_docs.FIGURES), shown - set(refresh_docs.FIGURES)
 
 
+def test_refresh_docs_as_documented_shows_the_runs_folder_as_the_docs_name_it_and_drops_the_capture_s_own_file():
+    from tools.refresh_docs import as_documented
+
+    folder = Path("/tmp/capture-3141/tiny")
+    printed = f"{folder}/stratagem | step 30 | trajectory 0 of 2\n80 games in 9.1 s\nwrote {folder}/e.json\n"
+    assert as_documented(printed, folder) == "runs/stratagem | step 30 | trajectory 0 of 2\n80 games in 9.1 s"
+
+
 def test_main_installs_what_requirements_txt_pins_in_every_install_line_of_the_docs():
     """A package pinned in requirements.txt is pinned alike wherever the docs, envs/ or .ci/ install it: the same
     range, or one version inside it (the GPU's vLLM needs transformers 5.19.*); none is left unpinned."""

@@ -102,17 +102,24 @@ def draw(name: str, runs: list[Path], out: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), dpi=110, layout="constrained")
-    for run in runs:
+    for i, run in enumerate(runs):  # one colour a run in every panel, whichever tags it has
         events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
         events.Reload()
         for ax, tag in zip(axes, ("judge/phi_mean", "judge/psi_mean", "adv/a_mod_std")):
             if tag in events.Tags()["scalars"]:
-                ax.plot(*zip(*[(e.step, e.value) for e in events.Scalars(tag)]), label=run.name)
+                ax.plot(*zip(*[(e.step, e.value) for e in events.Scalars(tag)]), label=run.name, color=f"C{i}")
             ax.set(title=tag, xlabel="step")
     axes[-1].legend(fontsize=7)
     fig.suptitle("TensorBoard scalars of three tiny runs, read back from their event files")
     fig.savefig(out / name)
     plt.close(fig)
+
+
+def as_documented(text: str, folder: Path) -> str:
+    """A capture as the docs' commands print it: the runs' folder read as `runs/` (the docs name runs/stratagem),
+    and no line about a file written only for the capture (`eval --json`'s)."""
+    lines = [line for line in text.splitlines() if not line.startswith(f"wrote {folder}")]
+    return "\n".join(lines).replace(f"{folder}/", "runs/").rstrip()
 
 
 def block(name: str, folder: Path) -> str:
@@ -124,9 +131,9 @@ def block(name: str, folder: Path) -> str:
     run = folder / "stratagem"
     if name == "eval-table":
         printed = python([str(HERE / "stratagem.py"), "eval", str(run), "--n", "10", "--json", str(folder / "e.json")])
-        return "\n".join(printed.splitlines()[1:])  # the header names this machine's paths
+        return as_documented("\n".join(printed.splitlines()[1:]), folder)  # the header names this machine's paths
     text = python([str(HERE / "stratagem.py"), "show", str(run), "--judged", "--step", "30", "--index", "0"])
-    return text.rstrip()
+    return as_documented(text, folder)
 
 
 def replace_block(path: Path, name: str, text: str) -> None:
