@@ -40,17 +40,49 @@ def test_warmstart_is_deterministic_and_says_what_it_built(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == a
 
 
-def test_warmstart_rebuilds_the_shipped_warm_start_byte_for_byte_from_its_recipe(tmp_path):
-    """warmstart/tiny is shipped; its warmstart.json holds the recipe that made it. Rebuilding with that recipe gives
-    the same weights and tokenizer, byte for byte (the minutes this takes are the warm start's whole cost)."""
+def test_warmstart_rebuilds_the_shipped_warm_start_from_its_recipe_exactly_on_its_machine_and_closely_on_another(
+    tmp_path,
+):
+    """warmstart/tiny is shipped; its warmstart.json holds the recipe that made it. Rebuilt with that recipe: the
+    tokenizer and configs byte for byte anywhere; the weights byte for byte on the machine it records (torch and the
+    CPU's kernels), and on another one close (float kernels round differently between CPUs, and 1,000 steps carry it:
+    measured on an AMD EPYC against the shipped build, at most 5.1 % of a tensor's largest weight, final loss
+    0.11825 vs 0.11820); a recipe that trains other weights stays within neither bound."""
+    from safetensors.torch import load_file
+
     shipped = S.WARM_START
-    recipe = json.loads((shipped / "warmstart.json").read_text())["recipe"]
-    flags = [x for k, v in recipe.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    command = [str(HERE / "stratagem.py"), "warmstart", str(tmp_path / "again"), *flags]
-    proc = python(command, tmp_path, timeout=3600)  # 9 minutes on a quiet 2-core machine, 15+ on a loaded one
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for name in ("model.safetensors", "tokenizer.json", "config.json"):
-        assert (tmp_path / "again" / name).read_bytes() == (shipped / name).read_bytes(), name
+    report = json.loads((shipped / "warmstart.json").read_text())
+    flags = [x for k, v in report["recipe"].items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    again = tmp_path / "again"
+    proc = python([str(HERE / "stratagem.py"), "warmstart", str(again), *flags], tmp_path, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # 9 minutes on a quiet 2-core machine, 17 on a loaded one
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ):
+        assert (again / name).read_bytes() == (shipped / name).read_bytes(), name
+    rebuilt = json.loads((again / "warmstart.json").read_text())
+    if rebuilt["machine"] == report.get("machine"):
+        assert (again / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
+        return
+    a, b = load_file(again / "model.safetensors"), load_file(shipped / "model.safetensors")
+    assert {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
+    far = {k: round(float((a[k] - b[k]).abs().max() / b[k].abs().max()), 3) for k in b}
+    assert max(far.values()) <= 0.15, far
+    assert abs(rebuilt["final_loss"] - report["final_loss"]) <= 0.01 * report["final_loss"]
+
+
+def test_warmstart_machine_names_torch_and_the_cpu_kernels_its_bytes_depend_on():
+    import torch
+
+    from tools import warmstart
+
+    built = warmstart.machine()
+    assert built["torch"] == torch.__version__ and built["kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(built["cpu"], list) and len(built["cpu"]) <= 1
 
 
 def test_warmstart_imitates_uniformly_random_legal_play():

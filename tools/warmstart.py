@@ -2,7 +2,8 @@
 strategy, by supervised learning on games of the uniformly random legal player (machinery.matches.RandomPlayer's
 policy), so that the RL that follows starts from a policy that plays whole multi-turn games, and wins about as often
 as that player, instead of losing every game on its first move. Any gain over it afterwards is the RL's doing. The
-shipped one is warmstart/tiny; this command rebuilds it byte for byte, and measures it on held-out games.
+shipped one is warmstart/tiny; this command rebuilds it (byte for byte on the kind of CPU it was built on, closely
+elsewhere: `machine`), and measures it on held-out games.
 
 Each example is one move of a random-vs-random game: the prompt is exactly the trainer's (its format_prompt on the
 mover's observation and seat), the response one short reasoning line, LINE, then \\boxed{[action]} and the end-of-turn
@@ -423,6 +424,21 @@ class Recipe:
             raise UserError(f"--seed must be in [0, 2147483647], got {self.seed}")
 
 
+def machine() -> dict:
+    """What decides the build's float sums besides the recipe: torch and the CPU's kernels. On one thread the same
+    machine gives the same bytes; another CPU (AVX-512 or AVX2, MKL's Intel or AMD path) rounds a few sums
+    differently, and 1,000 steps carry that into every weight, closely (docs/learning.md: The warm start)."""
+    names = [line.split(":", 1)[1].strip() for line in read_cpuinfo() if line.startswith("model name")]
+    return {"torch": torch.__version__, "kernels": torch.backends.cpu.get_cpu_capability(), "cpu": names[:1]}
+
+
+def read_cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:  # not Linux: the CPU is then named by its kernels only
+        return []
+
+
 def build(out_dir: str, recipe: Recipe, log=None):
     """The random model of recipe.arch, taught by `fit` on random-game moves and saved to out_dir like any
     checkpoint. Returns (model, tokenizer, losses)."""
@@ -474,7 +490,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"{out} already exists")
     check_writable_dir(Path(out), "dir")
     quiet_transformers()
-    torch.set_num_threads(1)  # one thread: the same sums in the same order on any machine (the same bytes), and the
+    torch.set_num_threads(1)  # one thread: the same sums in the same order on one machine (the same bytes), and the
     # fastest for a model this small (two threads were 1.9x slower on 2 cores: docs/learning.md)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     try:
@@ -496,6 +512,7 @@ def main(argv: list[str]) -> int:
         "cpu_s": cpu,
         "load_avg_1min": [load0, os.getloadavg()[0]],
         "final_loss": losses[-1],
+        "machine": machine(),
     }
     print(
         f"built in {seconds:.0f}s, {cpu:.0f}s of CPU (load average {load0:.1f} -> {os.getloadavg()[0]:.1f}); "
