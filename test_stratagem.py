@@ -917,7 +917,7 @@ def test_ppo_epochs_are_logged_by_a_tiny_run(tmp_path):
     assert m["ppo"]["ratio_mean"][0] == pytest.approx(1.0) and m["ppo"]["clip_frac"][0] == 0.0
     assert m["ppo"]["ratio_mean"][2] != pytest.approx(1.0, abs=1e-6)
     assert m["loss"] == pytest.approx(sum(m["ppo"]["loss"]) / 3)
-    state = torch.load(out / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=False)
+    state = torch.load(out / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=True)
     assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
 
 

@@ -50,7 +50,7 @@ PAPER_CLAIMS = {
 def test_Args_defaults_follow_spiral_where_the_paper_is_silent_and_paper_claims_are_the_seeds(one_step_run):
     args = S.Args()
     assert (args.betas, args.max_turns, args.backend) == ((0.9, 0.95), 50, "auto")
-    state = torch.load(one_step_run / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=False)
+    state = torch.load(one_step_run / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=True)
     assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
     claims = {
         n: m.group(1) for n, (_, doc) in field_docs(S.Args).items() if (m := re.search(r"\(paper: ([^;)]+)", doc))

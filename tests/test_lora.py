@@ -147,7 +147,7 @@ def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_mode
     assert set(config["target_modules"]) == set(S.Args.lora_targets.split(","))
     assert not (ckpt / "model.safetensors").exists() and all("lora_" in k for k in a) and len(a) == 28
     assert max(t.abs().max() for k, t in a.items() if "lora_B" in k) > 0  # the adapters learned
-    adam = torch.load(ckpt / "trainer_state.pt", weights_only=False)["optimizer"]["state"].values()
+    adam = torch.load(ckpt / "trainer_state.pt", weights_only=True)["optimizer"]["state"].values()
     trained = sum(s["exp_avg"].numel() for s in adam)  # Adam holds state for the adapters alone
     shape = S.model_shape(S.Args(tiny=True, seed=1))
     assert trained == sum(t.numel() for t in a.values()) == memory.adapter_parameters(shape, 4, memory.LORA_MODULES)
