@@ -2,12 +2,12 @@
 is shown to the judge.
 
 A judge scores one *player-trajectory* (one player's whole game: what it saw, what it wrote,
-which action was taken) on the rubrics of the RUBRICS table; the paper's two are
-
-- transferability, giving phi = 0.35*alpha + 0.35*sigma + 0.30*rho, each level in {0, 0.5, 1},
-  which multiplies A_game;
-- evolution, giving psi = 0.35*d + 0.25*a + 0.40*c, each level in {-1, 0, 1}, added with beta:
-  A_mod = A_game * phi + beta * psi. A rubric of role "logged" is asked and recorded, never used.
+which action was taken) on each rubric of the RUBRICS table. A rubric's score is the weighted sum of
+its levels; its role says what the score does in A_mod = A_game * phi + beta * psi: "multiplies"
+A_game (phi), is "adds"ed with beta (psi), or is only "logged". The table is the one place that
+names the keys, the levels and the weights: `python -c "import judge_prompts as J; print(J.formulas())"`
+prints the formulas it defines. Which rubrics enter A_mod under --mode, --no-psi and --judge-shadow is
+stratagem.py's to decide (entering, asked).
 
 The trajectory is *data*, never instructions. It is placed between the TRAJECTORY_OPEN and
 TRAJECTORY_CLOSE tags. Every piece of text that comes from the game or the policy is first cleaned
@@ -172,7 +172,11 @@ def keys(rubric: str) -> tuple[str, ...]:
 ALL_KEYS = tuple(k for rubric in RUBRICS for k in keys(rubric))  # alpha, sigma, rho, d, a, c
 RUBRIC_OF = {k: rubric for rubric in RUBRICS for k in keys(rubric)}  # "alpha" -> "transferability"
 SCORES = tuple(spec["score"] for spec in RUBRICS.values())  # "phi", "psi"
-NEUTRAL = {"multiplies": 1.0, "adds": 0.0, "logged": None}  # a score's value where no verdict is known
+NEUTRAL = {
+    "multiplies": 1.0,
+    "adds": 0.0,
+    "logged": None,
+}  # a score's value where no verdict is known
 
 
 def role(rubric: str) -> str:
@@ -180,26 +184,28 @@ def role(rubric: str) -> str:
     return RUBRICS[rubric]["role"]
 
 
-def entering(args) -> list[str]:
-    """The rubrics whose scores enter A_mod: none in --mode spiral (or spyrl), the multiplying ones
-    with --no-psi, else every rubric but the logged ones."""
-    if args.mode != "stratagem":
-        return []
-    return [r for r in RUBRICS if role(r) == "multiplies" or (role(r) == "adds" and not args.no_psi)]
-
-
-def asked(args) -> list[str]:
-    """The rubrics a run's judge is asked, in table order: those entering A_mod and the logged ones; with
-    --judge-shadow (a judged control for --mode spiral or --no-psi), every one."""
-    if args.judge_shadow:
-        return list(RUBRICS)
-    used = entering(args)
-    return [r for r in RUBRICS if r in used or (args.mode == "stratagem" and role(r) == "logged")]
-
-
 def weighted(rubric: str, scores: dict[str, float]) -> float:
-    """The rubric's weighted sum of its levels: phi for transferability, psi for evolution."""
+    """The rubric's score: the weighted sum of its levels (RUBRICS[rubric]["score"] names it)."""
     return sum(dim["weight"] * scores[k] for k, dim in RUBRICS[rubric]["dimensions"].items())
+
+
+ROLE_WORDS = {"multiplies": "multiplies A_game", "adds": "added with beta", "logged": "only logged"}
+
+
+def formula(rubric: str) -> str:
+    """The rubric's score as the table defines it, e.g. "phi = 0.35*alpha + 0.35*sigma + 0.3*rho"."""
+    spec = RUBRICS[rubric]
+    terms = " + ".join(f"{d['weight']:g}*{k}" for k, d in spec["dimensions"].items())
+    return f"{spec['score']} = {terms}"
+
+
+def formulas() -> str:
+    """Every rubric's formula, its levels and its role in A_mod, a line each."""
+    return "\n".join(
+        f"{formula(r)}   levels {', '.join(f'{v:g}' for v in spec['levels'])}   "
+        f"({r}, {ROLE_WORDS[spec['role']]})"
+        for r, spec in RUBRICS.items()
+    )
 
 
 def _level_text(v: float) -> str:
@@ -237,7 +243,11 @@ def verdict_schema(rubric: str) -> dict:
 def response_format(rubric: str) -> dict:
     return {
         "type": "json_schema",
-        "json_schema": {"name": f"{rubric}_verdict", "strict": True, "schema": verdict_schema(rubric)},
+        "json_schema": {
+            "name": f"{rubric}_verdict",
+            "strict": True,
+            "schema": verdict_schema(rubric),
+        },
     }
 
 
@@ -256,14 +266,18 @@ def level(rubric: str, key: str, value) -> float:
 
 # A character reference as CPython's html.unescape reads one (the pattern of Lib/html/__init__.py).
 _CHARREF = re.compile(r"&(#[0-9]+;?|#[xX][0-9a-fA-F]+;?|[^\t\n\f <&#;]{1,32};?)")
-_LINE_BREAK = re.compile(r"\r\n|[\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")  # what str.splitlines() splits on
+_LINE_BREAK = re.compile(
+    r"\r\n|[\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]"
+)  # what str.splitlines() splits on
 
 
 def _normalise(text: str) -> str:
     """NFKC (fullwidth `＜` is `<`), every line break made "\\n", and invisible format and control
     characters (zero-width spaces, joiners, bidi marks: Unicode category Cf; Cc but tab and newline) dropped."""
     text = _LINE_BREAK.sub("\n", unicodedata.normalize("NFKC", text))
-    return "".join(ch for ch in text if ch in "\t\n" or unicodedata.category(ch) not in ("Cf", "Cc"))
+    return "".join(
+        ch for ch in text if ch in "\t\n" or unicodedata.category(ch) not in ("Cf", "Cc")
+    )
 
 
 def _charref(ref: str) -> str:
@@ -295,7 +309,9 @@ def _decode_references(text: str) -> str:
             value = _charref(m.group(0)) if m else ch
             if len(value) < len(m.group(0) if m else ch):  # decoded: read what it became again
                 del done[len(done) - (m.end() - 1) :]
-                todo.extend(_normalise(value))  # (no NFKC expansion holds a "&": each decoding ends one)
+                todo.extend(
+                    _normalise(value)
+                )  # (no NFKC expansion holds a "&": each decoding ends one)
                 continue
         done.append(ch)
     return "".join(reversed(done))
@@ -339,7 +355,11 @@ def new_observations(observations: list[str]) -> list[str]:
     ]
 
 
-_FIELDS = {"Observation (new):": "observation", "Player's response:": "response", "Action sent to the game:": "action"}
+_FIELDS = {
+    "Observation (new):": "observation",
+    "Player's response:": "response",
+    "Action sent to the game:": "action",
+}
 _HEADER = re.compile(r"--- Turn \d+ of \d+ ---")
 NO_ACTION = "(none found)"
 
@@ -352,7 +372,9 @@ def render_trajectory(game: str, role: int, turns: list[dict]) -> str:
         f"Game: {game}. The player is Player {role}. It took {len(turns)} turn(s). Lines starting "
         f'with "{QUOTE.strip()}" quote the game and the player word for word.'
     ]
-    for i, (turn, new) in enumerate(zip(turns, new_observations([t["observation"] for t in turns])), 1):
+    for i, (turn, new) in enumerate(
+        zip(turns, new_observations([t["observation"] for t in turns])), 1
+    ):
         parts.append(
             f"--- Turn {i} of {len(turns)} ---\nObservation (new):\n{quote(new)}\n\n"
             f"Player's response:\n{quote(turn['response'])}\n\n"
@@ -390,9 +412,15 @@ def build_messages(rubric: str, trajectory_text: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": body}]
 
 
+def trajectory_in(content: str) -> str:
+    """The rendered trajectory inside a request's user message (build_messages' block)."""
+    inside = content.split(TRAJECTORY_OPEN + "\n", 1)[-1]
+    return inside.rsplit("\n" + TRAJECTORY_CLOSE, 1)[0]
+
+
 # ----------------------------------------------------------------------------------- the rules code decides
 # The rubric's words bind a paid judge; these rules bind every judge (the stand-in too), applied to the
-# verdict by stratagem.JudgeRunner. docs/judge.md lists each rule with where it is decided.
+# verdict by stratagem.judge_trajectories. docs/judge.md lists each rule with where it is decided.
 def typical_level(levels: list[float]) -> float:
     """How per-turn levels combine (the transferability rubric's rule): the lower median."""
     return sorted(levels)[(len(levels) - 1) // 2]
@@ -428,7 +456,9 @@ def stagnant(observations: list[str], responses: list[str]) -> bool:
     )
 
 
-def evolution_rules(observations: list[str], responses: list[str], scores: dict) -> tuple[dict, str | None]:
+def evolution_rules(
+    observations: list[str], responses: list[str], scores: dict
+) -> tuple[dict, str | None]:
     """The verdict with what code decides of the evolution rubric, and the rule that decided, if one did.
     One turn has nothing to compare: every evolution level is 0 (the judge is not asked). Stagnation is degradation:
     d = a = -1, whatever the judge said."""

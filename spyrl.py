@@ -74,8 +74,11 @@ HIDDEN = {
     *"mode beta no_psi games max_turns error_allowance invalid_rewards rejected_rewards action_rule".split(),
     *"beta_share beta_horizon beta_min beta_max".split(),
 }
-CHOICES = {**S.CHOICES, "mode": ("spyrl",), "spy_task": tuple(spy.TASKS)}
-PRESETS = {("tiny", True): S.TINY_DEFAULTS, ("spy_task", "math"): dict(spy_mask=spy.MASKS["math"])}  # RLSVR's mask
+CHOICES = {**flags.CHOICES, "mode": ("spyrl",), "spy_task": tuple(spy.TASKS)}
+PRESETS = {
+    ("tiny", True): S.TINY_DEFAULTS,
+    ("spy_task", "math"): dict(spy_mask=spy.MASKS["math"]),
+}  # RLSVR's mask
 BOUNDS = [
     (("spy_beta", "spy_lambda", "spy_alternate"), lambda v: v >= 0, ">= 0"),
     (("spy_players",), lambda v: v >= 3, ">= 3"),
@@ -86,7 +89,9 @@ BOUNDS = [
 ]
 
 
-WARM_START = Path(__file__).parent / "warmstart" / "spy"  # `stratagem.py warmstart` rebuilds it (docs/spyrl.md)
+WARM_START = (
+    Path(__file__).parent / "warmstart" / "spy"
+)  # `stratagem.py warmstart` rebuilds it (docs/spyrl.md)
 
 
 def validate(args: Args) -> None:
@@ -114,7 +119,7 @@ def build_parser():
 
 
 def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
-    return flags.resolve(Args, explicit, saved, S.RESUMABLE, PRESETS, validate)
+    return flags.resolve(Args, explicit, saved, flags.RESUMABLE, PRESETS, validate)
 
 
 def parse_args(argv: list[str]) -> Args:
@@ -123,7 +128,9 @@ def parse_args(argv: list[str]) -> Args:
     return resolve_args(explicit, flags.saved_config(explicit, Args, "spyrl.py"))
 
 
-def spy_play(policy, tokenizer, args: Args, texts: list[dict], rng: random.Random, timer, target: int, phases):
+def spy_play(
+    policy, tokenizer, args: Args, texts: list[dict], rng: random.Random, timer, target: int, phases
+):
     """Games enough for the turns of `phases` to reach `target`, --num-envs at a time, TWO generate calls a wave
     (spy.play: every seat's output, then every vote). One trajectory per seat and paid phase (the spy's vote is
     not paid)."""
@@ -131,7 +138,9 @@ def spy_play(policy, tokenizer, args: Args, texts: list[dict], rng: random.Rando
     games = [spy.new_game(texts, args, rng.randrange(2**31)) for _ in range(n_games)]
 
     def generate(observations: list[str]):
-        return policy.generate([S.format_prompt(tokenizer, obs, 0, "{observation}") for obs in observations])
+        return policy.generate(
+            [S.format_prompt(tokenizer, obs, 0, "{observation}") for obs in observations]
+        )
 
     moves, calls = spy.play(games, generate, args.num_envs, timer)
     trajs = [
@@ -166,28 +175,44 @@ def text_room(args: Args) -> tuple[int | None, object]:
         from transformers import AutoTokenizer
 
         try:
-            tok = AutoTokenizer.from_pretrained(os.path.expanduser(args.model), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(
+                os.path.expanduser(args.model), local_files_only=True
+            )
             count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
-        except (OSError, ValueError):  # not on disk after all: bytes, an upper bound for byte-level tokenizers
+        except (
+            OSError,
+            ValueError,
+        ):  # not on disk after all: bytes, an upper bound for byte-level tokenizers
             pass
-    return spy.text_room(context, args.spy_task, args.spy_players, args.max_new_tokens, count), count
+    return spy.text_room(
+        context, args.spy_task, args.spy_players, args.max_new_tokens, count
+    ), count
 
 
 def train(args: Args) -> Path | None:
     """RLSVR's loop: play (outputs, then votes), rewards by rule, advantages (RAE per role for the outputs,
     group-relative for the votes), and the clipped update on this step's phase. Run files, metrics and the
     checkpoint are machinery/lifecycle.py's, as in stratagem.py."""
-    texts = spy.load_texts(args.spy_data, args.spy_mask, args.tiny, *text_room(args))  # checked whole, before --out
+    texts = spy.load_texts(
+        args.spy_data, args.spy_mask, args.tiny, *text_room(args)
+    )  # checked whole, before --out
     run = lifecycle.start_run(args, load_learner, S.make_env, S.seed_everything, S.model_shape)
     if run is None:  # --dry-run, or a resumed run that had already finished
         return None
     for step in range(run.start + 1, args.steps + 1):
-        timer, target = watch.Timer(), math.ceil(args.batch_size / run.dist.world)  # each rank plays its share
+        timer, target = (
+            watch.Timer(),
+            math.ceil(args.batch_size / run.dist.world),
+        )  # each rank plays its share
         progress = watch.Progress(step, args.steps, target, show=run.dist.main)
-        phases = spy.trained_phases(step, args.spy_alternate)  # --spy-alternate: outputs or votes this step
+        phases = spy.trained_phases(
+            step, args.spy_alternate
+        )  # --spy-alternate: outputs or votes this step
 
         # ---- play: every seat writes its output (performance), then reads all of them and votes (detection) ----
-        mine, outcomes, calls = spy_play(run.policy, run.tokenizer, args, texts, run.rng, timer, target, phases)
+        mine, outcomes, calls = spy_play(
+            run.policy, run.tokenizer, args, texts, run.rng, timer, target, phases
+        )
         trajs, parts = lifecycle.whole_batch(run.dist, mine)
         mod, extra = {}, None
         if run.dist.main:
@@ -195,7 +220,7 @@ def train(args: Args) -> Path | None:
             outputs = [t for t in trajs if t.info["phase"] == "performance"]
             S.rae_advantages(outputs, run.baselines, args.ema, key=lambda t: t.info["key"])
             S.group_advantages(vote_groups(parts))
-            mod = S.modulate(trajs, {}, args)  # no judge: phi = 1, psi = 0, so A_mod = A_game
+            mod = S.modulate(trajs, {}, [], args.beta)  # no judge: phi = 1, psi = 0: A_mod = A_game
             extra = {"spy": spy.step_metrics(trajs, phases)}
         lifecycle.share_advantages(run.dist, parts, mine)
 
@@ -204,7 +229,9 @@ def train(args: Args) -> Path | None:
         transitions = sum(len(t.turns) for t in trajs if t.info["phase"] in phases)
         update = S.reinforce(run, learn, transitions, timer, progress)
         evaluation = S.periodic_eval(run, step, timer)
-        lifecycle.end_step(run, step, timer, trajs, (outcomes, calls), {}, {}, mod, update, evaluation, extra)
+        lifecycle.end_step(
+            run, step, timer, trajs, (outcomes, calls), {}, {}, mod, update, evaluation, extra
+        )
     return lifecycle.finish_run(run)
 
 

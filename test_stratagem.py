@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import stratagem as S
-from machinery import adaptive_beta, distributed, lifecycle, matches, watch
+from machinery import adaptive_beta, distributed, lifecycle, matches, modulation, watch
 from machinery import judge as J
-from machinery.flags import field_docs
+from machinery.flags import CHOICES, field_docs
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     HERE,
     REFERENCE,
@@ -41,6 +41,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     first_free,
     fresh,
     judge_server_fixture,
+    learner,
     make_batch,
     no_process_left_behind,
     only_the_vllm_tests,
@@ -49,6 +50,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     run,
     run_fingerprint,
     secret_key_fixture,
+    self_play,
     talkers_fixture,
     tiny_fixture,
 )
@@ -68,7 +70,10 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--games", "TicTacToe-v0,Chess-v9"], "unknown game id 'Chess-v9'"),
         (["--games", "Sudoku-v0"], "cannot be played by two players"),
-        (["--model", "/nonexistent/model", "--judge", "heuristic"], "/nonexistent/model: no such directory"),
+        (
+            ["--model", "/nonexistent/model", "--judge", "heuristic"],
+            "/nonexistent/model: no such directory",
+        ),
         (["--tiny", "--model", "x"], "--tiny builds its own model"),
         (["--resume"], "--resume needs --out"),
         (
@@ -83,30 +88,49 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
             ["--tiny", "--judge-shadow"],
             "--judge-shadow scores what does not enter A_mod: give --mode spiral or --no-psi",
         ),
-        (["--tiny", "--centre-psi", "--mode", "spiral"], "--centre-psi centres psi in A_mod, which --mode spiral"),
+        (
+            ["--tiny", "--centre-psi", "--mode", "spiral"],
+            "--centre-psi centres psi in A_mod, which --mode spiral",
+        ),
         (["--tiny", "--centre-psi", "--no-psi"], "--centre-psi centres psi in A_mod"),
         (["--tiny", "--judge-structured", "maybe"], "invalid choice: 'maybe'"),
-        (["--tiny", "--keep-best", "--eval-every", "1", "--lora-rank", "4"], "--keep-best keeps whole models"),
+        (
+            ["--tiny", "--keep-best", "--eval-every", "1", "--lora-rank", "4"],
+            "--keep-best keeps whole models",
+        ),
         (["--tiny", "--best-eval-n", "-1"], "--best-eval-n must be >= 0"),
         (["--mode", "spyrl"], "SpyRL has its own script: python spyrl.py --help"),
     ],
 )
-def test_parse_args_refuses_a_bad_flag_in_one_line_and_makes_no_folder(capsys, tmp_path, argv, message):
-    assert message in error_of(capsys, argv + ["--out", str(tmp_path / "never")] if argv != ["--resume"] else argv)
+def test_parse_args_refuses_a_bad_flag_in_one_line_and_makes_no_folder(
+    capsys, tmp_path, argv, message
+):
+    assert message in error_of(
+        capsys, argv + ["--out", str(tmp_path / "never")] if argv != ["--resume"] else argv
+    )
     assert not (tmp_path / "never").exists()
 
 
-def test_FriendlyParser_names_the_nearest_flag_and_resume_of_a_folder_that_is_no_run_says_so(capsys, tmp_path):
+def test_FriendlyParser_names_the_nearest_flag_and_resume_of_a_folder_that_is_no_run_says_so(
+    capsys, tmp_path
+):
     assert error_of(capsys, ["--tiny", "--step", "3"]) == (
         "stratagem: error: unrecognized arguments: --step 3 (did you mean --steps?)\n"
     )
     assert "(did you mean --judge-base-url?)" in error_of(capsys, ["--judge-base-ulr=http://x/v1"])
-    assert error_of(capsys, ["bench", "--tiny", "--stpes", "2"]).endswith("(did you mean --steps?)\n")
-    assert error_of(capsys, ["--judge-sample", "0.5"]).endswith("(did you mean --judge-sample-rate?)\n")  # takes 0.5
+    assert error_of(capsys, ["bench", "--tiny", "--stpes", "2"]).endswith(
+        "(did you mean --steps?)\n"
+    )
+    assert error_of(capsys, ["--judge-sample", "0.5"]).endswith(
+        "(did you mean --judge-sample-rate?)\n"
+    )  # takes 0.5
     assert error_of(capsys, ["--judge-sample", "3"]).endswith(
         "(did you mean --judge-samples or --judge-sample-rate?)\n"
     )
-    for folder, why in ((tmp_path, "it has no config.json"), (tmp_path / "missing", "it does not exist")):
+    for folder, why in (
+        (tmp_path, "it has no config.json"),
+        (tmp_path / "missing", "it does not exist"),
+    ):
         assert error_of(capsys, ["--resume", "--out", str(folder)]) == (
             f"stratagem: error: --resume --out {folder}: not a run folder ({why}); --out names the run to continue\n"
         )
@@ -114,14 +138,18 @@ def test_FriendlyParser_names_the_nearest_flag_and_resume_of_a_folder_that_is_no
 
 def test_field_docs_give_every_flag_its_help_text():
     docs = field_docs(S.Args)
-    assert set(docs) == {f.name for f in S.dataclasses.fields(S.Args)} and all(len(d) > 10 for _, d in docs.values())
+    assert set(docs) == {f.name for f in S.dataclasses.fields(S.Args)} and all(
+        len(d) > 10 for _, d in docs.values()
+    )
     assert docs["beta"][0] == "RAE and modulation" and docs["lr"][0] == "optimisation"
     text = S.build_parser().format_help()
     assert "--judge-sample-rate" in text and "(default: 0.25)" in text and "--no-psi" in text
 
 
 # ==== Algorithm 1, step 1: self-play (the prompt, the action read from a response, the games played in lockstep) ====
-def test_format_prompt_writes_spirals_qwen_markup_and_other_families_use_their_template(tiny, tmp_path):
+def test_format_prompt_writes_spirals_qwen_markup_and_other_families_use_their_template(
+    tiny, tmp_path
+):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     _, tok = fresh(tiny)  # a Qwen3: SPIRAL's markup, whatever template the checkpoint ships
@@ -148,7 +176,9 @@ def test_format_prompt_writes_spirals_qwen_markup_and_other_families_use_their_t
     ).save_pretrained(tmp_path / "llama")
     other.save_pretrained(tmp_path / "llama")
     _, llama_tok = S.load_policy(str(tmp_path / "llama"), torch.device("cpu"))
-    assert not llama_tok.qwen_markup and S.format_prompt(llama_tok, "OBS", 0).startswith("[INST] You are playing")
+    assert not llama_tok.qwen_markup and S.format_prompt(llama_tok, "OBS", 0).startswith(
+        "[INST] You are playing"
+    )
 
 
 @pytest.mark.parametrize(
@@ -184,9 +214,12 @@ def test_read_action_reads_moves_by_the_rule_it_is_given():
     kuhn = S.make_env("KuhnPoker-v1", 1, 0)
     pid, obs = kuhn.get_observation()
     read = {
-        r: (lambda text, r=r: S.read_action(r, "KuhnPoker-v1", kuhn, pid, obs, text)) for r in ("spiral", "lenient")
+        r: (lambda text, r=r: S.read_action(r, "KuhnPoker-v1", kuhn, pid, obs, text))
+        for r in ("spiral", "lenient")
     }
-    assert [read["spiral"](t) for t in ("[check]", "check", "\\boxed{Bet}", "\\boxed{ check }")] == [
+    assert [
+        read["spiral"](t) for t in ("[check]", "check", "\\boxed{Bet}", "\\boxed{ check }")
+    ] == [
         "[check]",
         "[check]",
         actions.INVALID_ACTION,
@@ -197,17 +230,21 @@ def test_read_action_reads_moves_by_the_rule_it_is_given():
         actions.INVALID_ACTION,
         "[Bet]",
     ]
-    assert S.Args().action_rule == "lenient" and S.CHOICES["action_rule"] == ("lenient", "spiral")
+    assert S.Args().action_rule == "lenient" and CHOICES["action_rule"] == ("lenient", "spiral")
 
 
-@pytest.mark.parametrize("game", ["TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1", "SimpleNegotiation-v0"])
-def test_self_play_a_response_without_an_action_loses_and_the_idle_seat_still_has_its_return(tiny, game):
+@pytest.mark.parametrize(
+    "game", ["TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1", "SimpleNegotiation-v0"]
+)
+def test_self_play_a_response_without_an_action_loses_and_the_idle_seat_still_has_its_return(
+    tiny, game
+):
     """SPIRAL's code: no readable action is INVALID_ACTION, the game ends and the mover loses, in every game
     (TextArena's SimpleNegotiation-v0 took it as talk, "[]", and went on). The other seat never moved: its
     trajectory has no turns but carries its return, for RAE."""
     _, tok = fresh(tiny)
     args = S.Args(tiny=True, batch_size=5, num_envs=3)
-    trajs, counts, _ = S.self_play(
+    trajs, counts, _ = self_play(
         ScriptedPolicy(lambda p: "I have no idea"),
         tok,
         args,
@@ -221,8 +258,14 @@ def test_self_play_a_response_without_an_action_loses_and_the_idle_seat_still_ha
     assert len(trajs) >= 10 and [t.role for t in trajs[:2]] == [0, 1]
     for t in trajs:
         moved = t.role == first
-        assert (len(t.turns), t.reward) == ((1, -1.0) if moved else (0, 1.0)) and (not moved or t.turns[0].action == "")
-    assert counts[game][f"player{first}"]["invalid"] == len(trajs) // 2 == counts[game][f"player{1 - first}"]["win"]
+        assert (len(t.turns), t.reward) == ((1, -1.0) if moved else (0, 1.0)) and (
+            not moved or t.turns[0].action == ""
+        )
+    assert (
+        counts[game][f"player{first}"]["invalid"]
+        == len(trajs) // 2
+        == counts[game][f"player{1 - first}"]["win"]
+    )
 
 
 def test_self_play_lockstep_one_call_per_turn_and_turn_cap_draw(tiny):
@@ -230,12 +273,22 @@ def test_self_play_lockstep_one_call_per_turn_and_turn_cap_draw(tiny):
     args = S.Args(tiny=True, batch_size=6, num_envs=2, max_turns=3)
     policy = ScriptedPolicy(lambda p: "I deny. \\boxed{Deny}")
     lengths: dict = {}
-    trajs, counts, _ = S.self_play(
-        policy, tok, args, ["SimpleNegotiation-v0"], random.Random(0), watch.Timer(), lengths, args.batch_size
+    trajs, counts, _ = self_play(
+        policy,
+        tok,
+        args,
+        ["SimpleNegotiation-v0"],
+        random.Random(0),
+        watch.Timer(),
+        lengths,
+        args.batch_size,
     )
     assert policy.calls[:3] == [2, 2, 2]  # both games in one call per turn
     assert all(t.reward == 0.0 for t in trajs) and sum(len(t.turns) for t in trajs) == 6
-    assert counts["SimpleNegotiation-v0"]["player0"]["draw"] == 2 and lengths["SimpleNegotiation-v0"] == 3
+    assert (
+        counts["SimpleNegotiation-v0"]["player0"]["draw"] == 2
+        and lengths["SimpleNegotiation-v0"] == 3
+    )
 
 
 def test_self_play_plays_a_real_game_to_the_end(tiny):
@@ -246,11 +299,23 @@ def test_self_play_plays_a_real_game_to_the_end(tiny):
         moves = prompt.rsplit("Available Moves:", 1)[1]
         return "\\boxed{" + moves.split("'[")[1].split("]")[0] + "}"
 
-    trajs, counts, _ = S.self_play(
-        ScriptedPolicy(first_free), tok, args, ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, args.batch_size
+    trajs, counts, _ = self_play(
+        ScriptedPolicy(first_free),
+        tok,
+        args,
+        ["TicTacToe-v0"],
+        random.Random(0),
+        watch.Timer(),
+        {},
+        args.batch_size,
     )
     assert [t.role for t in trajs] == [0, 1] and {t.reward for t in trajs} == {1.0, -1.0}
-    assert [t.action for t in trajs[0].turns] == ["[0]", "[2]", "[4]", "[6]"]  # 0-1-2 / 3-4-5 / 6: player 0 wins
+    assert [t.action for t in trajs[0].turns] == [
+        "[0]",
+        "[2]",
+        "[4]",
+        "[6]",
+    ]  # 0-1-2 / 3-4-5 / 6: player 0 wins
 
 
 def hacking_blocks() -> list[str]:
@@ -262,7 +327,11 @@ def hacking_blocks() -> list[str]:
 def project_copy(tmp_path: Path) -> Path:
     """A copy of the project to paste a recipe into, as a reader would edit theirs."""
     repo = tmp_path / "repo"
-    shutil.copytree(HERE, repo, ignore=shutil.ignore_patterns(".git", ".venv*", ".ci-venv*", "runs", "__pycache__"))
+    shutil.copytree(
+        HERE,
+        repo,
+        ignore=shutil.ignore_patterns(".git", ".venv*", ".ci-venv*", "runs", "__pycache__"),
+    )
     return repo
 
 
@@ -275,18 +344,25 @@ def paste(path: Path, anchor: str, block: str, before: bool = False) -> None:
 
 def python_in(repo: Path, *argv: str) -> str:
     """A command of the copy, which must succeed; its stdout."""
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=repo, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, cwd=repo, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_make_env_takes_the_new_game_of_hacking_md_which_plays_trains_and_is_evaluated(tmp_path):
     """The recipe as written: the block saved as games/pile.py, `pile` added to games/__init__.py's import."""
     repo = project_copy(tmp_path)
     (repo / "games" / "pile.py").write_text(hacking_blocks()[0])
     init = repo / "games" / "__init__.py"
     assert init.read_text().count("from games import spiral, spy") == 1
-    init.write_text(init.read_text().replace("from games import spiral, spy", "from games import pile, spiral, spy"))
+    init.write_text(
+        init.read_text().replace(
+            "from games import spiral, spy", "from games import pile, spiral, spy"
+        )
+    )
     played = python_in(
         repo,
         "-c",
@@ -297,17 +373,35 @@ def test_make_env_takes_the_new_game_of_hacking_md_which_plays_trains_and_is_eva
         "print(done, S.game_result(env, done)[0])\n",
     )
     assert played.strip() == "True {0: -1.0, 1: 1.0}"  # Player 1 took the last stone
-    flags = ["--games", "Pile-v0", "--steps", "2", "--eval-every", "2", "--eval-games", "Pile-v0", "--out", "run"]
+    flags = [
+        "--games",
+        "Pile-v0",
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-games",
+        "Pile-v0",
+        "--out",
+        "run",
+    ]
     python_in(repo, "stratagem.py", *SMALL, *flags)
     last = read_jsonl(repo / "run" / "metrics.jsonl")[-1]
-    assert set(last["games"]) == {"Pile-v0"} and {"Pile-v0/player0", "Pile-v0/player1"} <= set(last["baselines"])
-    assert last["eval"]["games"]["Pile-v0"]["both"]["n"] == 4  # against the random legal player, both seats
+    assert set(last["games"]) == {"Pile-v0"} and {"Pile-v0/player0", "Pile-v0/player1"} <= set(
+        last["baselines"]
+    )
+    assert (
+        last["eval"]["games"]["Pile-v0"]["both"]["n"] == 4
+    )  # against the random legal player, both seats
 
 
 # ==== Algorithm 1, step 2: the game advantage (RAE) ====
 def test_rae_step_reads_the_baseline_before_updating_it():
     a, b = S.rae_step(0.0, 1.0, 0.95)
-    assert (a, b) == (1.0, pytest.approx(0.05))  # first return: advantage against b = 0, not against itself
+    assert (a, b) == (
+        1.0,
+        pytest.approx(0.05),
+    )  # first return: advantage against b = 0, not against itself
     a, b = S.rae_step(b, 1.0, 0.95)
     assert a == pytest.approx(0.95) and b == pytest.approx(0.0975)
     a, b = S.rae_step(b, -1.0, 0.95)
@@ -319,36 +413,79 @@ def test_rae_advantages_update_the_idle_seats_baseline_as_spiral_does(tmp_path):
     included. In Kuhn Poker Player 1 opens; a random model writes no action, so Player 0 never moves."""
     out = tmp_path / "run"
     assert run(SMALL + ["--steps", "1", "--out", str(out), "--games", "KuhnPoker-v1"]) == 0
-    metrics, trajs = check_run(out, 1, beta=0.2)  # replays RAE over every row, the turnless ones included
+    metrics, trajs = check_run(
+        out, 1, beta=0.2
+    )  # replays RAE over every row, the turnless ones included
     idle = [t for t in trajs if not t["turns"]]
     assert idle and all(t["role"] == 0 and t["reward"] == 1.0 for t in idle)
     assert metrics[0]["baselines"]["KuhnPoker-v1/player0"] == pytest.approx(1 - 0.95 ** len(idle))
     assert metrics[0]["idle_seats"] == len(idle) and not any(t["judged"] for t in idle)
 
 
-def test_rae_advantages_replaced_by_the_estimator_of_hacking_md_give_group_advantages(tmp_path):
-    """The recipe as written: the block pasted into stratagem.py after group_advantages, and train()'s step 2
-    calling it; a SPIRAL run of the warm start on Kuhn Poker, whose games have varied outcomes."""
+def replace_function(path: Path, name: str, block: str) -> None:
+    """The top-level function `name` of `path` replaced by `block`, as a reader replaces it."""
+    text = path.read_text()
+    start = text.index(f"\ndef {name}(") + 1
+    end = text.index("\n\n\n", start)
+    path.write_text(text[:start] + block.rstrip("\n") + text[end:])
+
+
+@pytest.mark.slow
+def test_group_advantages_in_the_grpo_fork_of_hacking_md_touch_three_places_and_train(tmp_path):
+    """The recipe as written: step 2's call replaced by the first block, token_weights and normaliser by the
+    next two; a SPIRAL run of the warm start on Kuhn Poker, whose games have varied outcomes. Its advantages are
+    group-relative, and its loss is the mean over responses of each response's mean token term."""
     repo = project_copy(tmp_path)
     source = repo / "stratagem.py"
-    paste(source, "# " + "=" * 86 + "\n# Algorithm 1, step 3", hacking_blocks()[3] + "\n\n", before=True)
-    call = "rae_advantages(trajs, run.baselines, args.ema)"
-    assert source.read_text().count(f"            {call}") == 1
-    source.write_text(source.read_text().replace(f"            {call}", f"            role_group_{call[4:]}"))
-    flags = ["--tiny", "--games", "KuhnPoker-v1", "--mode", "spiral", "--steps", "2", "--batch-size", "24"]
+    call, grouped, weights, divisor = (
+        "            rae_advantages(trajs, run.baselines, args.ema)\n",
+        *hacking_blocks()[3:6],
+    )
+    assert source.read_text().count(call) == 1
+    source.write_text(source.read_text().replace(call, grouped))
+    replace_function(source, "token_weights", weights)
+    replace_function(source, "normaliser", divisor)
+    flags = [
+        "--tiny",
+        "--games",
+        "KuhnPoker-v1",
+        "--mode",
+        "spiral",
+        "--steps",
+        "2",
+        "--batch-size",
+        "24",
+    ]
     python_in(repo, "stratagem.py", *flags, "--num-envs", "8", "--out", "run")
     groups: dict = {}
     for r in read_jsonl(repo / "run" / "trajectories.jsonl"):
         if r["turns"]:
             groups.setdefault((r["step"], r["game"], r["role"]), []).append(r)
-    assert any(len({r["reward"] for r in g}) > 1 for g in groups.values())  # outcomes vary: not all zero
+    assert any(
+        len({r["reward"] for r in g}) > 1 for g in groups.values()
+    )  # outcomes vary: not all zero
     for g in groups.values():
         rewards = [r["reward"] for r in g]
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
-        assert [r["a_game"] for r in g] == pytest.approx([(x - mean) / (std + 1e-6) for x in rewards])
+        assert [r["a_game"] for r in g] == pytest.approx(
+            [(x - mean) / (std + 1e-6) for x in rewards]
+        )
         assert all(r["a_mod"] == r["a_game"] for r in g)  # SPIRAL: A_mod = A_game
-    assert all(m["baselines"] == {} for m in read_jsonl(repo / "run" / "metrics.jsonl"))  # no table carried
+    assert all(
+        m["baselines"] == {} for m in read_jsonl(repo / "run" / "metrics.jsonl")
+    )  # no table carried
+    loss = python_in(
+        repo,
+        "-c",
+        "import torch, stratagem as S\n"
+        "logps = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]])\n"
+        "mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])\n"
+        "w = S.token_weights(torch.tensor([2.0, -1.0]), mask)\n"
+        "print(S.reinforce_loss(logps, w, S.normaliser(2, 48)).item())\n",
+    )
+    # -(2 * mean(-2, -3) + (-1) * mean(-0.5, -0.5)) / 2 = -(-5 + 0.5) / 2 = 2.25
+    assert float(loss) == pytest.approx(2.25)
 
 
 # ==== Algorithm 1, step 3: modulation (phi, psi, A_mod, imputation, the judged sample, adaptive beta) ====
@@ -374,7 +511,9 @@ def test_phi_psi_exact_values():
 def test_a_mod_exact_and_degenerate_cases():
     assert S.a_mod(0.5, 0.525, -0.05, 0.2) == pytest.approx(0.5 * 0.525 - 0.01)
     assert S.a_mod(-1.0, 1.0, 0.0, 0.2) == -1.0  # phi = 1, psi = 0: SPIRAL's advantage
-    assert S.a_mod(0.7, 0.0, 1.0, 0.2) == pytest.approx(0.2)  # zero transferability: only beta*psi is left
+    assert S.a_mod(0.7, 0.0, 1.0, 0.2) == pytest.approx(
+        0.2
+    )  # zero transferability: only beta*psi is left
 
 
 def test_impute_with_mean_and_with_nothing_judged():
@@ -385,7 +524,9 @@ def test_impute_with_mean_and_with_nothing_judged():
 
 
 def test_sample_for_judging_is_a_seeded_fraction():
-    assert S.sample_for_judging(10, 0.25, random.Random(0)) == S.sample_for_judging(10, 0.25, random.Random(0))
+    assert S.sample_for_judging(10, 0.25, random.Random(0)) == S.sample_for_judging(
+        10, 0.25, random.Random(0)
+    )
     assert len(S.sample_for_judging(10, 0.25, random.Random(0))) == 3  # ceil(2.5)
     assert len(S.sample_for_judging(3, 0.01, random.Random(0))) == 1
     assert S.sample_for_judging(7, 0.0, random.Random(0)) == []
@@ -394,50 +535,86 @@ def test_sample_for_judging_is_a_seeded_fraction():
 
 def test_modulate_imputes_failures_and_unjudged():
     args = S.Args(beta=0.2)
-    trajs = [S.Trajectory("G", p % 2, [], 1.0, a_game=a) for p, a in enumerate([1.0, -1.0, 0.5, 0.0])]
+    trajs = [
+        S.Trajectory("G", p % 2, [], 1.0, a_game=a) for p, a in enumerate([1.0, -1.0, 0.5, 0.0])
+    ]
     ok = J.Judgement({"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}, None)
     ok2 = J.Judgement({"alpha": 0, "sigma": 0, "rho": 0, "d": -1, "a": -1, "c": -1}, None)
     failed = J.Judgement(None, "timeout")
-    info = S.modulate(trajs, {0: ok, 1: ok2, 2: failed}, args)
+    info = S.modulate(trajs, {0: ok, 1: ok2, 2: failed}, args.entering, args.beta)
     assert info == {"modulated": True, "phi_mean": 0.5, "psi_mean": 0.0}
     assert [t.judged for t in trajs] == [True, True, True, False]
     assert trajs[2].scores is None and trajs[2].phi == 0.5 and trajs[3].phi == 0.5
     assert trajs[0].a_mod == pytest.approx(1.0 * 1.0 + 0.2 * 1.0)
     assert trajs[1].a_mod == pytest.approx(-1.0 * 0.0 + 0.2 * -1.0)
     assert trajs[2].a_mod == pytest.approx(0.5 * 0.5)
-    none = S.modulate(trajs, {3: failed}, args)
+    none = S.modulate(trajs, {3: failed}, args.entering, args.beta)  # only the verdicts given count
     assert none == {"modulated": False, "phi_mean": None, "psi_mean": None}
     assert [t.a_mod for t in trajs] == [t.a_game for t in trajs]
 
 
-def test_modulate_with_centre_psi_centres_beta_psi_on_its_judged_mean():
+def test_modulate_with_no_rubric_entering_is_spiral_whatever_the_verdicts():
+    trajs = [S.Trajectory("G", 0, [], 1.0, a_game=0.7)]
+    ok = J.Judgement({"alpha": 0, "sigma": 0, "rho": 0, "d": 1, "a": 1, "c": 1}, None)
+    info = S.modulate(trajs, {0: ok}, S.entering("spiral", False), 0.2)
+    assert info["modulated"] is False and (trajs[0].phi, trajs[0].psi, trajs[0].a_mod) == (
+        1.0,
+        0.0,
+        0.7,
+    )
+
+
+def test_centre_psi_centres_beta_psi_on_its_judged_mean():
     args = S.Args(beta=0.5, centre_psi=True)
     trajs = [S.Trajectory("G", p % 2, [], 1.0, a_game=a) for p, a in enumerate([1.0, -1.0, 0.5])]
     high = J.Judgement({"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}, None)  # psi 1
-    low = J.Judgement({"alpha": 1, "sigma": 1, "rho": 1, "d": -1, "a": 0, "c": 0}, None)  # psi -0.35
-    heads = {2: {"alpha": 0, "sigma": 0, "rho": 0, "d": 1, "a": 1, "c": 1}}  # --distill's: psi 1, not the mean
-    info = S.modulate(trajs, {0: high, 1: low}, args, heads)
+    low = J.Judgement(
+        {"alpha": 1, "sigma": 1, "rho": 1, "d": -1, "a": 0, "c": 0}, None
+    )  # psi -0.35
+    info = S.modulate(trajs, {0: high, 1: low}, args.entering, args.beta)
+    trajs[2].phi, trajs[2].psi = (
+        0.0,
+        1.0,
+    )  # as --distill's trusted heads set them: psi 1, not the mean
+    info |= modulation.centre_psi(args, trajs, args.beta, S.PAPER)
     centre = (1.0 - 0.35) / 2  # over the judged: the heads' own levels are not a verdict
     assert info["psi_centre"] == pytest.approx(centre) and info["psi_mean"] == pytest.approx(centre)
-    assert [t.psi for t in trajs] == pytest.approx([1.0, -0.35, 1.0])  # psi as judged, or as the heads say
+    assert [t.psi for t in trajs] == pytest.approx(
+        [1.0, -0.35, 1.0]
+    )  # psi as judged, or as the heads say
     assert [t.a_mod for t in trajs] == pytest.approx(
         [1.0 + 0.5 * (1 - centre), -1.0 + 0.5 * (-0.35 - centre), 0.5 * 0 + 0.5 * (1 - centre)]
     )
-    assert sum(t.a_mod - t.a_game * t.phi for t in trajs[:2]) == pytest.approx(0.0)  # the term adds nothing on average
+    assert sum(t.a_mod - t.a_game * t.phi for t in trajs[:2]) == pytest.approx(
+        0.0
+    )  # the term adds nothing on average
+    assert modulation.centre_psi(S.Args(), trajs, 0.5, S.PAPER) == {}  # off: nothing changes
 
 
-def test_modulate_with_judge_shadow_logs_the_scores_and_leaves_a_game_alone():
+def test_judge_shadow_logs_the_scores_and_leaves_a_game_alone():
     args = S.Args(mode="spiral", judge_shadow=True)
-    assert S.judge_prompts.asked(args) == ["transferability", "evolution"] and S.judge_prompts.entering(args) == []
+    assert args.asked == ["transferability", "evolution"] and args.entering == []
     trajs = [S.Trajectory("G", 0, [], 1.0, a_game=0.7), S.Trajectory("G", 1, [], -1.0, a_game=-0.7)]
     ok = J.Judgement({"alpha": 1, "sigma": 0, "rho": 0, "d": 1, "a": 1, "c": 1}, None)
-    info = S.modulate(trajs, {0: ok}, args)
+    info = S.modulate(trajs, {0: ok}, args.entering, args.beta)
+    info |= modulation.rubric_scores(args, trajs, info, S.PAPER)
     assert info == {"modulated": False, "phi_mean": 0.35, "psi_mean": 1.0}
     assert [(t.phi, t.psi, t.a_mod) for t in trajs] == [(1.0, 0.0, 0.7), (1.0, 0.0, -0.7)]
-    assert [t.logged for t in trajs] == [{"phi": 0.35, "psi": 1.0}] * 2  # the unjudged: the judged mean
+    assert [t.logged for t in trajs] == [
+        {"phi": 0.35, "psi": 1.0}
+    ] * 2  # the unjudged: the judged mean
     no_psi = S.Args(no_psi=True, judge_shadow=True)
-    assert S.judge_prompts.entering(no_psi) == ["transferability"] and len(S.judge_prompts.asked(no_psi)) == 2
-    assert S.judge_prompts.asked(S.Args(no_psi=True)) == ["transferability"]
+    assert no_psi.entering == ["transferability"] and len(no_psi.asked) == 2
+    assert S.Args(no_psi=True).asked == ["transferability"]
+
+
+def test_entering_and_asked_decide_what_each_mode_means():
+    assert S.entering("stratagem", False) == ["transferability", "evolution"]
+    assert S.entering("stratagem", True) == ["transferability"]
+    assert S.entering("spiral", False) == [] and S.asked("spiral", False, False) == []
+    assert S.asked("spiral", False, True) == list(S.RUBRICS) and S.asked(
+        "stratagem", True, False
+    ) == ["transferability"]
 
 
 def by_role(body: dict):
@@ -446,9 +623,19 @@ def by_role(body: dict):
     return 200, completion(json.dumps(dict(zip(("alpha", "sigma", "rho"), levels))))
 
 
-def test_after_budget_gives_the_unjudged_the_recent_judged_means_and_resume_keeps_them(tmp_path, secret_key):
+def test_after_budget_gives_the_unjudged_the_recent_judged_means_and_resume_keeps_them(
+    tmp_path, secret_key
+):
     server = JudgeServer(by_role)
-    flags = ["--judge", "openai", "--judge-base-url", server.url, "--judge-sample-rate", "1", "--no-psi"]
+    flags = [
+        "--judge",
+        "openai",
+        "--judge-base-url",
+        server.url,
+        "--judge-sample-rate",
+        "1",
+        "--no-psi",
+    ]
     flags += [
         "--judge-concurrency",
         "1",
@@ -466,10 +653,14 @@ def test_after_budget_gives_the_unjudged_the_recent_judged_means_and_resume_keep
         assert run(["--resume", "--out", str(part), "--steps", "6"]) == 0
     finally:
         server.close()
-    metrics, trajs = check_run(whole, 6, beta=0.2, no_psi=True)  # replays the rule: the last 10 judged steps' means
+    metrics, trajs = check_run(
+        whole, 6, beta=0.2, no_psi=True
+    )  # replays the rule: the last 10 judged steps' means
     judged = [m for m in metrics if m["modulated"]]
     spent = [m for m in metrics if "imputed_after_budget" in m]
-    last = len(judged)  # the step whose requests passed the budget: judged in part, the batch mean still
+    last = len(
+        judged
+    )  # the step whose requests passed the budget: judged in part, the batch mean still
     assert (
         2 <= last <= 4
         and judged == metrics[:last]
@@ -478,9 +669,13 @@ def test_after_budget_gives_the_unjudged_the_recent_judged_means_and_resume_keep
     )
     mean = sum(m["phi_mean"] for m in judged) / last
     assert all(m["imputed_after_budget"] == {"phi": pytest.approx(mean), "psi": 0.0} for m in spent)
-    for t in trajs:  # the scale of A_mod over A_game: phi, continuous across the switch (phi = 1 would jump)
+    for t in (
+        trajs
+    ):  # the scale of A_mod over A_game: phi, continuous across the switch (phi = 1 would jump)
         if t["step"] > last and t["turns"]:
-            assert t["phi"] == pytest.approx(mean) and t["a_mod"] == pytest.approx(t["a_game"] * mean)
+            assert t["phi"] == pytest.approx(mean) and t["a_mod"] == pytest.approx(
+                t["a_game"] * mean
+            )
     assert min(m["phi_mean"] for m in judged) <= mean <= max(m["phi_mean"] for m in judged) < 1
     assert_resumed_exactly(whole, part, 6)  # the recent means ride in the checkpoint
 
@@ -488,15 +683,21 @@ def test_after_budget_gives_the_unjudged_the_recent_judged_means_and_resume_keep
 def judged_batch(a_games: list[float], phis: list[float], psis: list[float]) -> list:
     trajs = []
     for g, f, s in zip(a_games, phis, psis):
-        t = S.Trajectory("KuhnPoker-v1", 0, [S.Turn("", "", "[bet]", [], [])], 0.0, a_game=g, phi=f, psi=s)
+        t = S.Trajectory(
+            "KuhnPoker-v1", 0, [S.Turn("", "", "[bet]", [], [])], 0.0, a_game=g, phi=f, psi=s
+        )
         t.scores = {"alpha": 1.0}  # judged (the share reads the judged ones only)
         trajs.append(t)
     return trajs
 
 
 def test_evolution_share_is_the_rms_ratio_over_the_judged_trajectories():
-    trajs = judged_batch([1.0, -1.0], [0.5, 0.5], [0.5, -0.5])  # RMS(A_game*phi) = 0.5, RMS(psi) = 0.5
-    unjudged = S.Trajectory("KuhnPoker-v1", 1, [S.Turn("", "", "[bet]", [], [])], 0.0, a_game=9.0, phi=1.0, psi=1.0)
+    trajs = judged_batch(
+        [1.0, -1.0], [0.5, 0.5], [0.5, -0.5]
+    )  # RMS(A_game*phi) = 0.5, RMS(psi) = 0.5
+    unjudged = S.Trajectory(
+        "KuhnPoker-v1", 1, [S.Turn("", "", "[bet]", [], [])], 0.0, a_game=9.0, phi=1.0, psi=1.0
+    )
     assert adaptive_beta.evolution_share(trajs + [unjudged], 0.2) == pytest.approx(
         0.1 / (0.5 + 0.1)
     )  # the imputed left out
@@ -507,23 +708,26 @@ def test_evolution_share_is_the_rms_ratio_over_the_judged_trajectories():
     assert adaptive_beta.evolution_share(judged_batch([1.0], [1.0], [0.0]), 0.2) == 0.0
 
 
-def test_adapt_beta_converges_to_the_share_moves_within_its_clip_and_holds_without_a_signal():
+def test_next_beta_converges_to_the_share_moves_within_its_clip_and_holds_without_a_signal():
     """Synthetic batches whose A_game shrinks as RAE's baseline converges: a fixed beta's share drifts up, the
     controller's stays at the target; no step moves beta by more than 0.2 / horizon, nor out of [min, max]."""
-    args = S.dataclasses.replace(S.Args(), beta_share=0.3, beta_horizon=5.0, beta_min=0.01, beta_max=2.0)
-    beta, shares, fixed = 0.2, [], []
+    args = S.dataclasses.replace(
+        S.Args(), beta_share=0.3, beta_horizon=5.0, beta_min=0.01, beta_max=2.0
+    )
+    run_, shares, fixed = S.SimpleNamespace(args=args, beta=0.2), [], []
     for step in range(400):
         scale = 1.0 / (1 + step / 50)  # |A_game| shrinks over the run
         batch = judged_batch([scale, -scale, 0.5 * scale], [0.6, 0.8, 0.7], [0.5, -0.5, 1.0])
         fixed.append(adaptive_beta.evolution_share(batch, 0.2))
-        after, logged = adaptive_beta.adapt(args, beta, batch)
+        beta = run_.beta
+        logged = adaptive_beta.step(run_, batch, beta)
+        after = run_.beta
         assert (
             logged["value"] == beta
             and logged["target"] == 0.3
             and logged["share"] == adaptive_beta.evolution_share(batch, beta)
         )
         assert abs(after / beta - 1) <= 0.2 / 5.0 + 1e-12 and 0.01 <= after <= 2.0
-        beta = after
         shares.append(logged["share"])
     assert fixed[-1] > fixed[0] + 0.2  # a fixed beta drifts with RAE's convergence
     assert all(abs(s - 0.3) < 0.01 for s in shares[-100:])  # the controller holds the target
@@ -535,22 +739,39 @@ def test_adapt_beta_converges_to_the_share_moves_within_its_clip_and_holds_witho
         adaptive_beta.next_beta(1.99, 0.01, 0.3, 1.0, 0.05, 2.0) == 2.0
         and adaptive_beta.next_beta(0.06, 0.9, 0.3, 1.0, 0.05, 2.0) == 0.05
     )
-    off = S.Args()  # --beta-share 0: beta fixed, the share measured all the same
-    assert adaptive_beta.adapt(off, 0.2, batch) == (0.2, {"value": 0.2, "share": fixed[-1], "target": None})
+    off = S.SimpleNamespace(
+        args=S.Args(), beta=None
+    )  # --beta-share 0: beta fixed, the share measured all the same
+    assert adaptive_beta.step(off, batch, 0.2) == {"value": 0.2, "share": fixed[-1], "target": None}
+    assert off.beta is None  # a fixed beta is a value: nothing keeps it but Args
 
 
 def test_beta_share_runs_logs_and_resumes_exactly(tmp_path, talkers):
-    flags = SMALL + talkers + ["--beta-share", "0.05", "--beta-horizon", "1", "--judge-sample-rate", "1"]
+    flags = (
+        SMALL
+        + talkers
+        + ["--beta-share", "0.05", "--beta-horizon", "1", "--judge-sample-rate", "1"]
+    )
     assert run(flags + ["--steps", "3", "--out", str(tmp_path / "whole")]) == 0
     metrics = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
     betas = [m["beta"]["value"] for m in metrics]
-    assert betas[0] == 0.2 and len(set(betas)) == 3 and all(m["beta"]["target"] == 0.05 for m in metrics)
-    for m, nxt in zip(metrics, betas[1:]):  # each step's beta follows from the share the step before measured
-        assert nxt == adaptive_beta.next_beta(m["beta"]["value"], m["beta"]["share"], 0.05, 1.0, 0.01, 1.0)
+    assert (
+        betas[0] == 0.2
+        and len(set(betas)) == 3
+        and all(m["beta"]["target"] == 0.05 for m in metrics)
+    )
+    for m, nxt in zip(
+        metrics, betas[1:]
+    ):  # each step's beta follows from the share the step before measured
+        assert nxt == adaptive_beta.next_beta(
+            m["beta"]["value"], m["beta"]["share"], 0.05, 1.0, 0.01, 1.0
+        )
     trajs = read_jsonl(tmp_path / "whole" / "trajectories.jsonl")
     for r in trajs:  # A_mod with the step's own beta
         assert r["a_mod"] == pytest.approx(r["a_game"] * r["phi"] + betas[r["step"] - 1] * r["psi"])
-    assert "adv/beta/value" in watch.scalars(metrics[0]) and "adv/beta/share" in watch.scalars(metrics[0])
+    assert "adv/beta/value" in watch.scalars(metrics[0]) and "adv/beta/share" in watch.scalars(
+        metrics[0]
+    )
     assert run(flags + ["--steps", "2", "--save-every", "1", "--out", str(tmp_path / "part")]) == 0
     assert run(["--resume", "--out", str(tmp_path / "part"), "--steps", "3"]) == 0
     assert_resumed_exactly(tmp_path / "whole", tmp_path / "part", 3)
@@ -561,7 +782,10 @@ def test_beta_share_runs_logs_and_resumes_exactly(tmp_path, talkers):
     [
         (["--beta-share", "1"], "--beta-share must be in [0, 1), got 1.0"),
         (["--beta-horizon", "0.5"], "--beta-horizon must be in [1, 1000000], got 0.5"),
-        (["--beta-share", "0.3", "--beta-max", "0.1"], "--beta 0.2 must lie in [--beta-min, --beta-max] = [0.01, 0.1]"),
+        (
+            ["--beta-share", "0.3", "--beta-max", "0.1"],
+            "--beta 0.2 must lie in [--beta-min, --beta-max] = [0.01, 0.1]",
+        ),
     ],
 )
 def test_beta_share_flags_out_of_range_are_refused_in_one_line(capsys, tmp_path, argv, message):
@@ -572,11 +796,14 @@ def with_dimension_e(repo: Path) -> None:
     """docs/hacking.md's dimension, pasted verbatim into a copy's judge_prompts.RUBRICS as the recipe says: after
     "c", whose weight goes from 0.40 to 0.30. Nothing else is edited."""
     path = repo / "judge_prompts.py"
-    paste(path, 'never more than one coherent throughout.""",\n            },\n', hacking_blocks()[1])
+    paste(
+        path, 'never more than one coherent throughout.""",\n            },\n', hacking_blocks()[1]
+    )
     assert path.read_text().count('"weight": 0.40') == 1
     path.write_text(path.read_text().replace('"weight": 0.40', '"weight": 0.30'))
 
 
+@pytest.mark.slow
 def test_psi_takes_the_new_rubric_dimension_of_hacking_md_as_one_entry_in_the_table(tmp_path):
     """A copy of the project whose only change is the table: a tiny --distill run with multi-turn games (the
     policy's words end in talk SimpleNegotiation-v1 takes as a move), then `show` and `agree` on it."""
@@ -587,20 +814,46 @@ def test_psi_takes_the_new_rubric_dimension_of_hacking_md_as_one_entry_in_the_ta
         "S.HFPolicy.generate = lambda self, prompts: [(p, r, t + ' \\\\boxed{Let us talk}') "
         "for p, r, t in generate(self, prompts)]\nsys.exit(S.main(sys.argv[1:]))\n"
     )
-    flags = ["--games", "SimpleNegotiation-v1", "--distill", "--judge-sample-rate", "1", "--steps", "2"]
+    flags = [
+        "--games",
+        "SimpleNegotiation-v1",
+        "--distill",
+        "--judge-sample-rate",
+        "1",
+        "--steps",
+        "2",
+    ]
     python_in(repo, "drive.py", *SMALL, *flags, "--out", "run")
     rows = [r for r in read_jsonl(repo / "run" / "trajectories.jsonl") if r["scores"]]
-    assert rows and all(set(r["scores"]) == {"alpha", "sigma", "rho", "d", "a", "c", "e"} for r in rows)
-    for r in rows:  # psi with the new weights; the stand-in gives "e", a dimension it has no feature for, 0
+    assert rows and all(
+        set(r["scores"]) == {"alpha", "sigma", "rho", "d", "a", "c", "e"} for r in rows
+    )
+    for r in (
+        rows
+    ):  # psi with the new weights; the stand-in gives "e", a dimension it has no feature for, 0
         s = r["scores"]
-        assert r["psi"] == pytest.approx(0.35 * s["d"] + 0.25 * s["a"] + 0.30 * s["c"] + 0.10 * s["e"]) and s["e"] == 0
+        assert (
+            r["psi"] == pytest.approx(0.35 * s["d"] + 0.25 * s["a"] + 0.30 * s["c"] + 0.10 * s["e"])
+            and s["e"] == 0
+        )
         assert "e" in r["predicted"]["levels"]  # a seventh head
     shown = python_in(repo, "stratagem.py", "show", "run", "--judged", "--index", "0")
     assert re.search(r"d -?\d  a -?\d  c -?\d  e 0  -> psi", shown)
-    agreed = python_in(repo, "stratagem.py", "agree", "run", "--judges", "heuristic", "distilled:run", "--sample", "20")
+    agreed = python_in(
+        repo,
+        "stratagem.py",
+        "agree",
+        "run",
+        "--judges",
+        "heuristic",
+        "distilled:run",
+        "--sample",
+        "20",
+    )
     assert "kappa e" in agreed and "kappa alpha" in agreed
 
 
+@pytest.mark.slow
 def test_modulate_logs_the_third_rubric_of_hacking_md_and_every_tool_sees_it(tmp_path):
     """The recipe as written: a rubric of role "logged" pasted at the end of RUBRICS, PROMPT_VERSION bumped. A tiny
     run asks it and records its score beside phi and psi, which it leaves alone; show, agree and --dry-run's cost
@@ -608,8 +861,20 @@ def test_modulate_logs_the_third_rubric_of_hacking_md_and_every_tool_sees_it(tmp
     repo = project_copy(tmp_path)
     path = repo / "judge_prompts.py"
     paste(path, "\n}\n\n\ndef keys(rubric", hacking_blocks()[2], before=True)
-    path.write_text(path.read_text().replace('PROMPT_VERSION = "stratagem-rubric-', 'PROMPT_VERSION = "forked-'))
-    flags = ["--tiny", "--games", "KuhnPoker-v1", "--judge-sample-rate", "1", "--steps", "2", "--batch-size", "24"]
+    path.write_text(
+        path.read_text().replace('PROMPT_VERSION = "stratagem-rubric-', 'PROMPT_VERSION = "forked-')
+    )
+    flags = [
+        "--tiny",
+        "--games",
+        "KuhnPoker-v1",
+        "--judge-sample-rate",
+        "1",
+        "--steps",
+        "2",
+        "--batch-size",
+        "24",
+    ]
     python_in(repo, "stratagem.py", *flags, "--num-envs", "8", "--out", "run")
     rows = [r for r in read_jsonl(repo / "run" / "trajectories.jsonl") if r["scores"]]
     assert rows and all(r["scores"]["m"] == 0.5 and r["logged"] == {"f": 0.5} for r in rows)
@@ -621,9 +886,13 @@ def test_modulate_logs_the_third_rubric_of_hacking_md_and_every_tool_sees_it(tmp
     assert all(m["f_mean"] == 0.5 and m["levels_mean"]["m"] == 0.5 for m in metrics)
     shown = python_in(repo, "stratagem.py", "show", "run", "--judged", "--index", "0")
     assert "m 0.5  -> f = 0.5000" in shown
-    agreed = python_in(repo, "stratagem.py", "agree", "run", "--judges", "heuristic", "heuristic", "--sample", "10")
+    agreed = python_in(
+        repo, "stratagem.py", "agree", "run", "--judges", "heuristic", "heuristic", "--sample", "10"
+    )
     assert "kappa m" in agreed and "spearman f" in agreed
-    planned = python_in(repo, "stratagem.py", "--dry-run", "--judge-model", "gpt-4o", "--out", "never")
+    planned = python_in(
+        repo, "stratagem.py", "--dry-run", "--judge-model", "gpt-4o", "--out", "never"
+    )
     assert "transferability + evolution + faithfulness" in planned
 
 
@@ -633,13 +902,17 @@ def test_reinforce_loss_exact_value():
     mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     adv = torch.tensor([2.0, -1.0])
     # -(2 * (-5) + (-1) * (-1)) / 10 = 0.9
-    assert S.reinforce_loss(logps, mask, adv, 10.0).item() == pytest.approx(0.9)
+    assert S.reinforce_loss(logps, S.token_weights(adv, mask), 10.0).item() == pytest.approx(0.9)
 
 
 def test_ppo_clip_loss_against_hand_computed_ratios_and_clipping():
-    logps = torch.log(torch.tensor([[1.5, 0.5, 1.1], [1.5, 0.5, 1.1]])).requires_grad_()  # old = 0: r = these
+    logps = torch.log(
+        torch.tensor([[1.5, 0.5, 1.1], [1.5, 0.5, 1.1]])
+    ).requires_grad_()  # old = 0: r = these
     mask, adv = torch.ones(2, 3), torch.tensor([1.0, -1.0])
-    loss, ratio, clipped = S.ppo_clip_loss(logps, torch.zeros(2, 3), mask, adv, 1.0, 0.2)
+    loss, ratio, clipped = S.ppo_clip_loss(
+        logps, torch.zeros(2, 3), S.token_weights(adv, mask), 1.0, 0.2
+    )
     # A=+1: min(r, clip r) = 1.2 (clipped), 0.5, 1.1; A=-1: min(-r, -clip r) = -1.5, -0.8 (clipped), -1.1
     assert loss.item() == pytest.approx(-(1.2 + 0.5 + 1.1 - 1.5 - 0.8 - 1.1))
     assert torch.allclose(ratio, torch.tensor([[1.5, 0.5, 1.1], [1.5, 0.5, 1.1]]))
@@ -656,14 +929,21 @@ def test_ppo_clip_loss_first_epoch_gradient_is_the_reinforce_gradient_exactly():
     grads = []
     for ppo in (False, True):
         x = logps.clone().requires_grad_()
-        loss = S.ppo_clip_loss(x, x.detach(), mask, adv, 7.0, 0.2)[0] if ppo else S.reinforce_loss(x, mask, adv, 7.0)
+        weights = S.token_weights(adv, mask)
+        loss = (
+            S.ppo_clip_loss(x, x.detach(), weights, 7.0, 0.2)[0]
+            if ppo
+            else S.reinforce_loss(x, weights, 7.0)
+        )
         loss.backward()
         grads.append(x.grad)
     assert torch.equal(grads[0], grads[1])
 
 
 def test_kl_k3_value_and_gradient_against_a_hand_computation():
-    logps = torch.tensor([[math.log(0.5), math.log(0.2)], [math.log(0.3), math.log(0.3)]], requires_grad=True)
+    logps = torch.tensor(
+        [[math.log(0.5), math.log(0.2)], [math.log(0.3), math.log(0.3)]], requires_grad=True
+    )
     ref = torch.tensor([[math.log(0.25), math.log(0.4)], [math.log(0.3), math.log(0.6)]])
     kl = S.kl_k3(logps, ref)  # exp(d) - d - 1, d = log ref - log pi
     assert kl.flatten().tolist() == pytest.approx(
@@ -701,7 +981,7 @@ def test_policy_update_moves_logprob_in_the_direction_of_the_advantage(tiny, sig
     before = logp_of(model, prompt, response)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     S.policy_update(
-        model, opt, make_batch(prompt, [response], [sign]), args, torch.device("cpu"), 0, 8.0, distributed.Dist()
+        learner(model, opt, args, distributed.Dist()), make_batch(prompt, [response], [sign]), 8.0
     )
     assert sign * (logp_of(model, prompt, response) - before) > 0
 
@@ -716,14 +996,9 @@ def test_policy_update_is_the_same_for_any_micro_batch_size(tiny):
         before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
         batch = make_batch(tok("Obs").input_ids, [[3, 4], [5], [6, 7, 8]], [1.0, -0.5, 0.25])
         S.policy_update(
-            model,
-            torch.optim.SGD(model.parameters(), lr=1.0),
+            learner(model, torch.optim.SGD(model.parameters(), lr=1.0), args, distributed.Dist()),
             batch,
-            args,
-            torch.device("cpu"),
-            0,
             24.0,
-            distributed.Dist(),
         )
         deltas.append(torch.cat([p.detach().flatten() for p in model.parameters()]) - before)
     assert deltas[0].abs().max() > 0 and torch.allclose(deltas[0], deltas[1], atol=1e-6)
@@ -735,21 +1010,20 @@ def test_policy_update_scores_tokens_at_the_sampling_temperature(tiny):
     trajs = [S.Trajectory("toy", 0, [S.Turn("", "", "", p, r)], 0.0, a_mod=a) for p, r, a in items]
     ids, attn, mask = S.collate([(p, r) for p, r, _ in items], 0)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+        logits = model(
+            input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)
+        ).logits
     expected = {}
     for t in (0.2, 1.0, 1.7):
-        logps = torch.log_softmax(logits[:, -4:-1] / t, -1).gather(-1, ids[:, -3:, None]).squeeze(-1)  # by hand
+        logps = (
+            torch.log_softmax(logits[:, -4:-1] / t, -1).gather(-1, ids[:, -3:, None]).squeeze(-1)
+        )  # by hand
         expected[t] = -(torch.tensor([1.0, -0.5])[:, None] * logps * mask).sum().item() / 30.0
         args = S.Args(tiny=True, temperature=t, micro_batch_size=2, max_grad_norm=1e9)
         got = S.policy_update(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.0),
+            learner(model, torch.optim.SGD(model.parameters(), lr=0.0), args, distributed.Dist()),
             trajs,
-            args,
-            torch.device("cpu"),
-            0,
             30.0,
-            distributed.Dist(),
         )["loss"]
         assert got == pytest.approx(expected[t], rel=1e-5), t
     assert expected[0.2] != pytest.approx(expected[1.0], rel=1e-3)  # far beyond the tolerance above
@@ -761,17 +1035,19 @@ def test_policy_update_with_two_ppo_epochs_matches_a_hand_computed_update(tiny):
     ratio mean and clip fraction checked against the hand-computed ratios."""
     prompt, responses, advs = [5, 6, 7], [[8, 9, 10], [11], [12, 13]], [1.0, -0.5, 0.8]
     lr, eps, norm = 20.0, 0.05, 24.0
-    args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=2, max_grad_norm=1e9, ppo_epochs=2, clip_range=eps)
+    args = S.Args(
+        tiny=True,
+        max_new_tokens=8,
+        micro_batch_size=2,
+        max_grad_norm=1e9,
+        ppo_epochs=2,
+        clip_range=eps,
+    )
     model, _ = fresh(tiny)
     upd = S.policy_update(
-        model,
-        torch.optim.SGD(model.parameters(), lr=lr),
+        learner(model, torch.optim.SGD(model.parameters(), lr=lr), args, distributed.Dist()),
         make_batch(prompt, responses, advs),
-        args,
-        torch.device("cpu"),
-        0,
         norm,
-        distributed.Dist(),
     )
 
     hand, _ = fresh(tiny)
@@ -792,16 +1068,22 @@ def test_policy_update_with_two_ppo_epochs_matches_a_hand_computed_update(tiny):
     bound = torch.where(adv[:, None] > 0, torch.clamp(r, max=1 + eps), torch.clamp(r, min=1 - eps))
     binding = torch.where(adv[:, None] > 0, r > 1 + eps, r < 1 - eps) & mask.bool()
     opt.zero_grad()
-    (-(adv[:, None] * bound * mask).sum() / norm).backward()  # epoch 2: min(A r, A clip r) written out by case
+    (
+        -(adv[:, None] * bound * mask).sum() / norm
+    ).backward()  # epoch 2: min(A r, A clip r) written out by case
     opt.step()
     for p, q in zip(model.parameters(), hand.parameters()):
         assert torch.allclose(p, q, atol=1e-5)
     [epochs] = [upd["epochs"]]
     summary = lifecycle.ppo_summary([epochs], 1)
     assert summary["ratio_mean"][0] == pytest.approx(1.0) and summary["clip_frac"][0] == 0.0
-    assert summary["ratio_mean"][1] == pytest.approx(((r * mask).sum() / mask.sum()).item(), rel=1e-5)
+    assert summary["ratio_mean"][1] == pytest.approx(
+        ((r * mask).sum() / mask.sum()).item(), rel=1e-5
+    )
     assert summary["clip_frac"][1] == pytest.approx((binding.sum() / mask.sum()).item())
-    assert 0 < summary["clip_frac"][1] < 1 and abs(summary["ratio_mean"][1] - 1) > 1e-3  # both branches exercised
+    assert (
+        0 < summary["clip_frac"][1] < 1 and abs(summary["ratio_mean"][1] - 1) > 1e-3
+    )  # both branches exercised
     assert upd["loss"] == pytest.approx(sum(summary["loss"]) / 2)
 
 
@@ -826,32 +1108,37 @@ def test_policy_update_with_kl_coef_matches_a_hand_written_loss(tiny):
     (0.3 * ((torch.exp(d) - d - 1) * mask).sum() / 24.0).backward()
     before = [p.detach().clone() for p in model.parameters()]
     S.policy_update(
-        model,
-        torch.optim.SGD(model.parameters(), lr=1.0),
+        learner(
+            model,
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            args,
+            distributed.Dist(),
+            reference=reference,
+        ),
         batch,
-        args,
-        torch.device("cpu"),
-        0,
         24.0,
-        distributed.Dist(),
-        reference,
     )
     moved = [b - p.detach() for b, p in zip(before, model.parameters())]
     assert max(m.abs().max() for m in moved) > 0
     assert all(torch.allclose(m, p.grad, atol=1e-6) for m, p in zip(moved, expected.parameters()))
-    same = fresh(tiny)[0].requires_grad_(False)  # the reference equal to the policy: no KL gradient at all
+    same = fresh(tiny)[0].requires_grad_(
+        False
+    )  # the reference equal to the policy: no KL gradient at all
     S.policy_update(
-        model := fresh(tiny)[0],
-        torch.optim.SGD(model.parameters(), lr=1.0),
+        learner(
+            model := fresh(tiny)[0],
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            args,
+            distributed.Dist(),
+            reference=same,
+        ),
         batch,
-        args,
-        torch.device("cpu"),
-        0,
         24.0,
-        distributed.Dist(),
-        same,
     )
-    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), fresh(tiny)[0].parameters()))
+    assert all(
+        torch.allclose(p, q, atol=1e-6)
+        for p, q in zip(model.parameters(), fresh(tiny)[0].parameters())
+    )
 
 
 def test_policy_update_learns_a_toy_one_turn_task_with_hf_sampling(tiny):
@@ -877,14 +1164,9 @@ def test_policy_update_learns_a_toy_one_turn_task_with_hf_sampling(tiny):
         rewards = [1.0 if r[0] % 2 == 0 else 0.0 for _, r, _ in samples]
         mean = sum(rewards) / len(rewards)
         S.policy_update(
-            model,
-            opt,
+            learner(model, opt, args, distributed.Dist(), pad=tok.pad_token_id),
             make_batch(prompt, [r for _, r, _ in samples], [x - mean for x in rewards]),
-            args,
-            torch.device("cpu"),
-            tok.pad_token_id,
             32.0,
-            distributed.Dist(),
         )
     after = p_even()
     assert before < 0.7 and after > 0.9, (before, after)
@@ -945,7 +1227,10 @@ def test_stop_ids_are_spirals_eos_only_for_a_base_model(tiny):
     """SPIRAL's run sets no stop: vLLM stops at the tokenizer's EOS and the generation config's. A base
     checkpoint (EOS <|endoftext|>) is not stopped at <|im_end|>; a chat one (EOS <|im_end|>) is."""
     model, tok = fresh(tiny)
-    end, im_end = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    end, im_end = (
+        tok.convert_tokens_to_ids("<|endoftext|>"),
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    )
     tok.eos_token = "<|endoftext|>"
     model.generation_config.eos_token_id = end
     assert S.stop_ids(tok, model) == [end]
@@ -956,7 +1241,10 @@ def test_stop_ids_are_spirals_eos_only_for_a_base_model(tiny):
 
 def test_stop_ids_keep_the_tokenizers_eos_when_the_generation_config_names_another(tiny):
     model, tok = fresh(tiny)
-    end, im_end = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    end, im_end = (
+        tok.convert_tokens_to_ids("<|endoftext|>"),
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    )
     tok.eos_token = "<|im_end|>"
     for eos in (end, [end]):
         model.generation_config.eos_token_id = eos
@@ -974,15 +1262,24 @@ def test_legal_actions_are_read_off_the_game_and_leave_its_dice_alone():
     env = S.make_env("PigDice-v0", 1, 0)
     pid, obs = env.get_observation()
     state = random.getstate()
-    assert sorted(matches.legal_actions(env, pid, obs)) == ["[hold]", "[roll]"] and random.getstate() == state
-    assert "[Bid: 3, 4]" in matches.candidate_actions("make a bid like '[Bid: 3, 4]' or '[Call]' [GAME] [Player 1]")
+    assert (
+        sorted(matches.legal_actions(env, pid, obs)) == ["[hold]", "[roll]"]
+        and random.getstate() == state
+    )
+    assert "[Bid: 3, 4]" in matches.candidate_actions(
+        "make a bid like '[Bid: 3, 4]' or '[Call]' [GAME] [Player 1]"
+    )
     assert "[GAME]" not in matches.candidate_actions("[GAME] [Player 0] [roll]")
 
 
 def test_wilson_interval_known_values():
     lo, hi = matches.wilson(5, 10)
     assert (round(lo, 3), round(hi, 3)) == (0.237, 0.763)
-    assert matches.wilson(0, 10)[0] == 0.0 and matches.wilson(10, 10)[1] == 1.0 and matches.wilson(0, 0) == (0.0, 1.0)
+    assert (
+        matches.wilson(0, 10)[0] == 0.0
+        and matches.wilson(10, 10)[1] == 1.0
+        and matches.wilson(0, 0) == (0.0, 1.0)
+    )
 
 
 def test_FreshSeeds_draws_seeds_no_evaluation_draws():
@@ -997,15 +1294,11 @@ def test_FreshSeeds_draws_seeds_no_evaluation_draws():
 
 def test_play_matches_alternates_seats_and_scores_from_the_models_seat(tiny):
     _, tok = fresh(tiny)
+    games = S.schedule(["TicTacToe-v0"], 6, random.Random(0))
+    assert [seat for _, seat, _, _ in games] == [0, 1, 0, 1, 0, 1]  # the model's seat alternates
+    opponent = matches.RandomPlayer(random.Random(0))
     records = S.play_matches(
-        ScriptedPolicy(first_free),
-        tok,
-        ["TicTacToe-v0"],
-        6,
-        matches.RandomPlayer(random.Random(0)),
-        random.Random(0),
-        S.Rules(max_turns=50),
-        4,
+        ScriptedPolicy(first_free), tok, opponent, games, S.Rules(max_turns=50), 4
     )
     assert [r["seat"] for r in sorted(records, key=lambda r: r["seat"])] == [0, 0, 0, 1, 1, 1]
     assert not any(r["invalid"] or r["opponent_invalid"] for r in records)
@@ -1021,7 +1314,9 @@ def test_train_holds_the_four_banners_of_algorithm_1_in_order():
     import ast
 
     source = (HERE / "stratagem.py").read_text()
-    train = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    train = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "train"
+    )
     banners = re.findall(r"# ---- Algorithm 1, step (\d)", ast.get_source_segment(source, train))
     assert banners == ["1", "2", "3", "4"]
 
@@ -1029,7 +1324,9 @@ def test_train_holds_the_four_banners_of_algorithm_1_in_order():
 GOOD_PHI, GOOD_PSI = 0.35 * 1 + 0.35 * 0.5 + 0.30 * 0, 0.35 * 1 + 0.25 * 0 + 0.40 * -1
 
 
-def test_train_tiny_run_stratagem_with_a_real_local_judge(tmp_path, judge_server, secret_key, capsys, talkers):
+def test_train_tiny_run_stratagem_with_a_real_local_judge(
+    tmp_path, judge_server, secret_key, capsys, talkers
+):
     out = tmp_path / "run"
     assert (
         run(
@@ -1057,17 +1354,25 @@ def test_train_tiny_run_stratagem_with_a_real_local_judge(tmp_path, judge_server
     metrics, trajs = check_run(out, 2, beta=0.3)
     judged = [t for t in trajs if t["judged"]]
     assert judged and all(len(t["turns"]) == 5 for t in trajs)
-    assert all(t["phi"] == pytest.approx(GOOD_PHI) and t["psi"] == pytest.approx(GOOD_PSI) for t in judged)
+    assert all(
+        t["phi"] == pytest.approx(GOOD_PHI) and t["psi"] == pytest.approx(GOOD_PSI) for t in judged
+    )
     assert len(judge_server.requests) == 2 * len(judged)  # one request per rubric
-    lines = capsys.readouterr().out.splitlines()  # the projection follows the start line, before anything is paid
-    assert lines[1].startswith("judge requests: ~") and lines[2].startswith("judge tokens a request: ~")
+    lines = (
+        capsys.readouterr().out.splitlines()
+    )  # the projection follows the start line, before anything is paid
+    assert lines[1].startswith("judge requests: ~") and lines[2].startswith(
+        "judge tokens a request: ~"
+    )
     assert (
         lines[3]
         == "judge money: judge-test is not in the price table of 2025-06; pass --judge-price-in/out to see money"
     )
     assert all(r["auth"] == f"Bearer {secret_key}" for r in judge_server.requests)
     assert sum(m["judge_prompt_tokens"] for m in metrics) == 100 * len(judge_server.requests)
-    everything = "".join(p.read_text(errors="ignore") for p in out.rglob("*") if p.is_file() and p.suffix != ".pt")
+    everything = "".join(
+        p.read_text(errors="ignore") for p in out.rglob("*") if p.is_file() and p.suffix != ".pt"
+    )
     assert secret_key not in everything + "\n".join(lines)
 
 
@@ -1117,7 +1422,9 @@ def test_no_psi_tiny_run_requests_only_transferability(tmp_path, judge_server, s
         == 0
     )
     _, trajs = check_run(out, 2, beta=0.2, no_psi=True)
-    assert all(t["psi"] == 0.0 and t["a_mod"] == pytest.approx(t["a_game"] * GOOD_PHI) for t in trajs)
+    assert all(
+        t["psi"] == 0.0 and t["a_mod"] == pytest.approx(t["a_game"] * GOOD_PHI) for t in trajs
+    )
     assert {rubric_of(r["body"]) for r in judge_server.requests} == {"transferability"}
 
 

@@ -38,14 +38,19 @@ def check_ids(spec: str, flag: str = "--games") -> list[str]:
             )
         state = random.getstate()  # reset(seed=...) reseeds the global `random`; leave it as it was
         try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+            ):
                 ta.make(gid).reset(num_players=2, seed=0)
         except LookupError:  # nltk's "Resource 'words' not found": the word games download corpora
             raise UserError(
                 f"game {gid!r} needs data it downloads from the network (NLTK corpora); it cannot run offline"
             ) from None
         except Exception as e:  # noqa: BLE001 - any other failure means "this id cannot be played here"
-            raise UserError(f"game {gid!r} cannot be played by two players here: {type(e).__name__}: {e}") from None
+            raise UserError(
+                f"game {gid!r} cannot be played by two players here: {type(e).__name__}: {e}"
+            ) from None
         finally:
             random.setstate(state)
     return ids
@@ -56,5 +61,7 @@ def first_last_ids(spec: str, games: str, flag: str = "--first-last") -> list[st
     ids = items(spec)
     played = {g.strip() for g in games.split(",")}
     if stray := [g for g in ids if g not in played]:
-        raise UserError(f"{flag} names {', '.join(stray)}, which is not evaluated here ({', '.join(sorted(played))})")
+        raise UserError(
+            f"{flag} names {', '.join(stray)}, which is not evaluated here ({', '.join(sorted(played))})"
+        )
     return ids

@@ -48,7 +48,11 @@ def last_box(response: str) -> str | None:
     if not box.startswith("\\boxed{"):  # "\\boxed {x}", "\\fbox{x}": not a box SPIRAL reads
         return None
     content = box[len("\\boxed{") : -1]
-    return content[len("\\text{") : -1] if content.startswith("\\text{") and content.endswith("}") else content
+    return (
+        content[len("\\text{") : -1]
+        if content.startswith("\\text{") and content.endswith("}")
+        else content
+    )
 
 
 _INNER_BOX = re.compile(r"\\boxed\{([^}]*)\}")
@@ -76,7 +80,9 @@ class Accepted:
         self.env, self.pid, self.observation = env, pid, observation
 
     def __contains__(self, action: object) -> bool:
-        return action in candidate_actions(self.observation) and accepts(self.env, self.pid, str(action))
+        return action in candidate_actions(self.observation) and accepts(
+            self.env, self.pid, str(action)
+        )
 
 
 def kuhn_moves(observation: str) -> list[str]:
@@ -92,7 +98,11 @@ def tictactoe_moves(observation: str) -> list[str]:
     whole history, the training default, it finds none and SPIRAL's code stops with an error. Reading the latest
     board gives the list that reader gives on the first/last format."""
     _, found, board = observation.rpartition("Available Moves:")
-    return [f"[{cell}]" for cell in re.findall(r"'\[(\d+)\]'", board.split("Next Action:")[0])] if found else []
+    return (
+        [f"[{cell}]" for cell in re.findall(r"'\[(\d+)\]'", board.split("Next Action:")[0])]
+        if found
+        else []
+    )
 
 
 NEGOTIATION_TALK = [
@@ -100,7 +110,12 @@ NEGOTIATION_TALK = [
     "What are you looking to trade?",
     "I'm open to negotiation.",  # four words: step 3 of the rule brackets it, so no response ever matches it
 ]
-NEGOTIATION_REPLIES = ["[Accept]", "[Deny]", "That sounds good to me. [Accept]", "I'll pass on this offer. [Deny]"]
+NEGOTIATION_REPLIES = [
+    "[Accept]",
+    "[Deny]",
+    "That sounds good to me. [Accept]",
+    "I'll pass on this offer. [Deny]",
+]
 
 
 def negotiation_moves(observation: str) -> list[str]:
@@ -113,7 +128,9 @@ def negotiation_moves(observation: str) -> list[str]:
         return ["I'll think about my strategy."]
     held = {name: int(qty) for name, qty in re.findall(r"\[(\w+)\]\s+Qty:\s+(\d+)", observation)}
     moves = []
-    offers = list(re.finditer(r"Player (\d+) made the following offer to Player (\d+):", observation))
+    offers = list(
+        re.finditer(r"Player (\d+) made the following offer to Player (\d+):", observation)
+    )
     if offers and int(offers[-1].group(2)) == int(me.group(1)):
         if not re.search(r"(accepted|denied|implicitly denied)", observation[offers[-1].end() :]):
             moves += NEGOTIATION_REPLIES

@@ -30,17 +30,25 @@ import re
 import textarena as ta
 from textarena.envs.registration import ENV_REGISTRY, register
 from textarena.wrappers import LLMObservationWrapper
-from textarena.wrappers.ObservationWrappers.llm_observation_wrapper import FirstLastObservationWrapper
+from textarena.wrappers.ObservationWrappers.llm_observation_wrapper import (
+    FirstLastObservationWrapper,
+)
 
 from machinery import UserError
 
-GAME, MESSAGE, ACTION = ta.GAME_ID, ta.ObservationType.GAME_MESSAGE, ta.ObservationType.PLAYER_ACTION
+GAME, MESSAGE, ACTION = (
+    ta.GAME_ID,
+    ta.ObservationType.GAME_MESSAGE,
+    ta.ObservationType.PLAYER_ACTION,
+)
 
 
 class SpiralState(ta.TwoPlayerState):
     """0.7.4's two-player state with TextArena 0.6.4's two rules that SPIRAL's games rely on."""
 
-    def add_observation(self, message: str, observation_type, from_id: int = GAME, to_id: int = -1) -> None:
+    def add_observation(
+        self, message: str, observation_type, from_id: int = GAME, to_id: int = -1
+    ) -> None:
         """A message as sent: 0.7.4's state strips role tags ("[GAME]", "[Player 0]") from a player's words."""
         self.logs.append((from_id, message))
         for pid in range(self.num_players) if to_id == -1 else [to_id]:
@@ -58,10 +66,14 @@ class SpiralGame(ta.Env):
     """What the forks share: messages from the game, a player's words shown to both players."""
 
     def say(self, message: str, to: int = -1) -> None:
-        self.state.add_observation(message=message, observation_type=MESSAGE, from_id=GAME, to_id=to)
+        self.state.add_observation(
+            message=message, observation_type=MESSAGE, from_id=GAME, to_id=to
+        )
 
     def show_action(self, action: str) -> None:
-        self.state.add_observation(message=action, observation_type=ACTION, from_id=self.state.current_player_id)
+        self.state.add_observation(
+            message=action, observation_type=ACTION, from_id=self.state.current_player_id
+        )
 
 
 # ----------------------------------------------------------------------------------- Kuhn Poker
@@ -86,7 +98,11 @@ class KuhnPokerV1(SpiralGame):
 
     def reset(self, num_players: int, seed: int | None = None):
         self.state = SpiralState(num_players=num_players, seed=seed)
-        self.deck = [0, 1, 2]  # shuffled in place each round, as SPIRAL's code does: a seed deals its cards
+        self.deck = [
+            0,
+            1,
+            2,
+        ]  # shuffled in place each round, as SPIRAL's code does: a seed deals its cards
         self.state.reset(
             game_state={"chips": {0: 0, 1: 0}, "round": 0, "opener": 0, "round_over": False},
             player_prompt_function=self._prompt,
@@ -111,22 +127,32 @@ class KuhnPokerV1(SpiralGame):
     def _start_round(self):
         gs = self.state.game_state
         random.shuffle(self.deck)
-        gs["cards"], gs["pot"], gs["tree"] = {0: self.deck[0], 1: self.deck[1]}, 2 * self.ante, self.TREE
+        gs["cards"], gs["pot"], gs["tree"] = (
+            {0: self.deck[0], 1: self.deck[1]},
+            2 * self.ante,
+            self.TREE,
+        )
         gs["round"] += 1
         gs["opener"] = opener = 1 - gs["opener"]
         for p in (0, 1):
             gs["chips"][p] -= self.ante
             message = (
-                f"Starting round {gs['round']} out of {self.max_rounds} rounds.\nYour card is: {CARD[gs['cards'][p]]}\n"
+                f"Starting round {gs['round']} out of {self.max_rounds} rounds.\n"
+                f"Your card is: {CARD[gs['cards'][p]]}\n"
             )
-            self.say(message + (f"Your available actions are: {self._options()}" if p == opener else ""), to=p)
+            self.say(
+                message + (f"Your available actions are: {self._options()}" if p == opener else ""),
+                to=p,
+            )
         self.state.current_player_id = opener
 
     def _options(self) -> str:
         return ", ".join(f"[{k}]" for k in self.state.game_state["tree"])
 
     def get_observation(self):
-        if self.state.game_state["round_over"]:  # the next round is dealt when someone is to act in it
+        if self.state.game_state[
+            "round_over"
+        ]:  # the next round is dealt when someone is to act in it
             self.state.game_state["round_over"] = False
             self._start_round()
         return self.state.current_player_id, self.state.get_current_player_observation()
@@ -157,15 +183,20 @@ class KuhnPokerV1(SpiralGame):
         else:
             self.say(f"Your available actions are: {self._options()}", to=1 - pid)
             return self.state.step()
-        return self.state.step(rotate_player=False)  # the next round's opener is set when it is dealt
+        return self.state.step(
+            rotate_player=False
+        )  # the next round's opener is set when it is dealt
 
     def _round_won_by(self, pid: int, reason: str):
         gs = self.state.game_state
         gs["chips"][pid] += gs["pot"]
         self.say(reason)
-        if gs["round"] >= self.max_rounds:  # SPIRAL's terminal rule: the last round's winner wins the game
+        if (
+            gs["round"] >= self.max_rounds
+        ):  # SPIRAL's terminal rule: the last round's winner wins the game
             self.state.set_winner(
-                pid, f"Player {pid} won by having more chips at the end of all {self.max_rounds} rounds."
+                pid,
+                f"Player {pid} won by having more chips at the end of all {self.max_rounds} rounds.",
             )
         else:
             gs["round_over"] = True
@@ -184,7 +215,9 @@ class SimpleNegotiationV1(SpiralGame):
     RESOURCES = ("Wood", "Gold")
     VALUES = {0: {"Wood": 5, "Gold": 15}, 1: {"Wood": 15, "Gold": 5}}
     ACCEPT, DENY = re.compile(r"\[Accept\]", re.IGNORECASE), re.compile(r"\[Deny\]", re.IGNORECASE)
-    OFFER = re.compile(r"\[Offer:\s*(?:I\s+(?:give|offer)\s+)?([^\[\]]+?)\s*\.*\]", re.IGNORECASE | re.DOTALL)
+    OFFER = re.compile(
+        r"\[Offer:\s*(?:I\s+(?:give|offer)\s+)?([^\[\]]+?)\s*\.*\]", re.IGNORECASE | re.DOTALL
+    )
 
     def __init__(self, max_turns: int = 10):
         self.max_turns = max_turns
@@ -193,12 +226,15 @@ class SimpleNegotiationV1(SpiralGame):
         self.state = SpiralState(num_players=num_players, seed=seed, max_turns=self.max_turns)
         holdings = {p: {"Wood": 10, "Gold": 10} for p in (0, 1)}
         self.state.reset(
-            game_state={"offer": None, "resources": holdings, "history": []}, player_prompt_function=self._prompt
+            game_state={"offer": None, "resources": holdings, "history": []},
+            player_prompt_function=self._prompt,
         )
         self.initial = {p: self.value(p) for p in (0, 1)}
 
     def value(self, pid: int) -> int:
-        return sum(q * self.VALUES[pid][r] for r, q in self.state.game_state["resources"][pid].items())
+        return sum(
+            q * self.VALUES[pid][r] for r, q in self.state.game_state["resources"][pid].items()
+        )
 
     def _prompt(self, player_id: int, game_state: dict) -> str:
         held = "\n\t+ ".join(
@@ -234,7 +270,9 @@ class SimpleNegotiationV1(SpiralGame):
                 self.state.set_draw("Same change in inventory value for all players. Draw.")
             else:
                 w = 0 if gain[0] > gain[1] else 1
-                self.state.set_winner(w, f"Player {w} won by having a larger gain in inventory value.")
+                self.state.set_winner(
+                    w, f"Player {w} won by having a larger gain in inventory value."
+                )
         return self.state.step()
 
     def _has(self, pid: int, goods: dict) -> bool:
@@ -247,7 +285,9 @@ class SimpleNegotiationV1(SpiralGame):
             return
         if pid != offer["to"]:
             if self.ACCEPT.search(action):
-                self.state.set_invalid_move(reason=f"Player {pid} tried to accept an offer that was not made to them.")
+                self.state.set_invalid_move(
+                    reason=f"Player {pid} tried to accept an offer that was not made to them."
+                )
             return
         if self.ACCEPT.search(action):
             self._trade(offer)
@@ -285,7 +325,9 @@ class SimpleNegotiationV1(SpiralGame):
             return
         parsed = self.parse_offer(match.group(1).strip())
         if parsed is None:
-            self.state.set_invalid_move(reason=f"Player {pid} made a trade offer in an incorrect format.")
+            self.state.set_invalid_move(
+                reason=f"Player {pid} made a trade offer in an incorrect format."
+            )
         elif not self._has(pid, parsed[0]):
             self.state.set_invalid_move(
                 reason=f"Player {pid} tried to make a trade offer without having the necessary resources."
@@ -293,7 +335,9 @@ class SimpleNegotiationV1(SpiralGame):
         else:
             previous = gs["offer"]
             if previous is not None and previous["to"] == pid:
-                self.say(f"Player {pid} implicitly denied the previous offer by making a counter-offer.")
+                self.say(
+                    f"Player {pid} implicitly denied the previous offer by making a counter-offer."
+                )
                 gs["history"].append({**previous, "outcome": "Implicitly Denied"})
             gs["offer"] = {"from": pid, "to": 1 - pid, "give": parsed[0], "get": parsed[1]}
             listed = [", ".join(f"{q} {r}" for r, q in goods.items()) for goods in parsed]
@@ -316,8 +360,12 @@ class SimpleNegotiationV1(SpiralGame):
     @classmethod
     def _goods(cls, text: str) -> dict | None:
         goods: dict[str, int] = {}
-        for item in filter(None, (s.strip() for s in re.split(r",\s*|\s+and\s+", text, flags=re.IGNORECASE))):
-            m = re.match(r"^(\d{1,100})\s+(.+)$", item)  # a longer number is no quantity (and int() may refuse it)
+        for item in filter(
+            None, (s.strip() for s in re.split(r",\s*|\s+and\s+", text, flags=re.IGNORECASE))
+        ):
+            m = re.match(
+                r"^(\d{1,100})\s+(.+)$", item
+            )  # a longer number is no quantity (and int() may refuse it)
             if not m:
                 return None
             qty, name = int(m.group(1)), m.group(2).strip().title()
@@ -344,9 +392,12 @@ class PigDiceV1(SpiralGame):
     def reset(self, num_players: int, seed: int | None = None):
         self.state = SpiralState(num_players=num_players, seed=seed)
         self.state.reset(
-            game_state={"scores": [0, 0], "turn_total": 0, "turn_count": 0}, player_prompt_function=self._prompt
+            game_state={"scores": [0, 0], "turn_total": 0, "turn_count": 0},
+            player_prompt_function=self._prompt,
         )
-        self.say(f"Game starting! Player 0 goes first.\n\n{self._scores()}\n\nCurrent turn total: 0")
+        self.say(
+            f"Game starting! Player 0 goes first.\n\n{self._scores()}\n\nCurrent turn total: 0"
+        )
         self.say(self.OPTIONS, to=0)
 
     def _prompt(self, player_id: int, game_state: dict) -> str:
@@ -364,7 +415,9 @@ class PigDiceV1(SpiralGame):
         )
 
     def _scores(self) -> str:
-        return "\n".join(f"Player {i} score: {s}" for i, s in enumerate(self.state.game_state["scores"]))
+        return "\n".join(
+            f"Player {i} score: {s}" for i, s in enumerate(self.state.game_state["scores"])
+        )
 
     def step(self, action: str):
         pid, gs = self.state.current_player_id, self.state.game_state
@@ -387,7 +440,9 @@ class PigDiceV1(SpiralGame):
                 self.say(self.OPTIONS, to=pid)
         else:
             gs["scores"][pid] += gs["turn_total"]
-            self.say(f"Player {pid} holds and banks {gs['turn_total']} points. Total score: {gs['scores'][pid]}")
+            self.say(
+                f"Player {pid} holds and banks {gs['turn_total']} points. Total score: {gs['scores'][pid]}"
+            )
             self._end_turn()
         return self.state.step(rotate_player=False)  # _end_turn hands the die over
 
@@ -397,16 +452,26 @@ class PigDiceV1(SpiralGame):
         lead = None if s[0] == s[1] else int(s[1] > s[0])
         if gs["turn_count"] + 1 >= self.max_turns:
             if lead is None:
-                self.state.set_draw(f"The turn limit has been reached and all players have the same score: {s}")
+                self.state.set_draw(
+                    f"The turn limit has been reached and all players have the same score: {s}"
+                )
             else:
-                self.state.set_winner(lead, f"Player {lead} won by having a higher score at the turn limit ({s})")
+                self.state.set_winner(
+                    lead, f"Player {lead} won by having a higher score at the turn limit ({s})"
+                )
         elif max(s) >= self.winning_score:
             if min(s) >= self.winning_score and lead is None:
-                self.state.set_draw(f"Both players reached {self.winning_score} with the same score!")
+                self.state.set_draw(
+                    f"Both players reached {self.winning_score} with the same score!"
+                )
             elif min(s) >= self.winning_score:
-                self.state.set_winner(lead, f"Player {lead} won with the higher score ({s[lead]} vs {s[1 - lead]})!")
+                self.state.set_winner(
+                    lead, f"Player {lead} won with the higher score ({s[lead]} vs {s[1 - lead]})!"
+                )
             else:
-                self.state.set_winner(lead, f"Player {lead} won by reaching the target score of {self.winning_score}!")
+                self.state.set_winner(
+                    lead, f"Player {lead} won by reaching the target score of {self.winning_score}!"
+                )
         else:
             gs["turn_count"] += 1
             gs["turn_total"] = 0
@@ -424,14 +489,18 @@ class LiarsDiceV1(SpiralGame):
     [Call] (checked first) challenges the last bid: if fewer than Q dice show F the bidder loses a die,
     else the caller does; the loser opens the next round with fresh dice. No dice left loses the game."""
 
-    BID = re.compile(r"\[bid\s*:?\s*(\d{1,100})[,\s]+(\d{1,100})\]", re.IGNORECASE)  # longer: no bid (nor int())
+    BID = re.compile(
+        r"\[bid\s*:?\s*(\d{1,100})[,\s]+(\d{1,100})\]", re.IGNORECASE
+    )  # longer: no bid (nor int())
     CALL = re.compile(r"\[call\]", re.IGNORECASE)
 
     def __init__(self, num_dice: int = 5):
         self.num_dice = num_dice
 
     def reset(self, num_players: int, seed: int | None = None):
-        dice = {p: [random.randint(1, 6) for _ in range(self.num_dice)] for p in (0, 1)}  # before the seed, as SPIRAL
+        dice = {
+            p: [random.randint(1, 6) for _ in range(self.num_dice)] for p in (0, 1)
+        }  # before the seed, as SPIRAL
         self.state = SpiralState(num_players=num_players, seed=seed)
         self.state.reset(
             game_state={
@@ -484,7 +553,9 @@ class LiarsDiceV1(SpiralGame):
             return self.state.step(rotate_player=False)  # the loser opens the next round
         bid = self.BID.search(action)
         if not bid:
-            self.state.set_invalid_move(reason="Action not recognized as either a valid '[Bid: X, Y]' or '[Call]'.")
+            self.state.set_invalid_move(
+                reason="Action not recognized as either a valid '[Bid: X, Y]' or '[Call]'."
+            )
             return self.state.step()
         q, f = int(bid.group(1)), int(bid.group(2))
         problem = self.bid_problem(q, f, gs["bid"], sum(gs["dice_left"].values()))
@@ -496,7 +567,8 @@ class LiarsDiceV1(SpiralGame):
         done, info = self.state.step()
         if not done:
             self.say(
-                f"Current bid: {q} of face {f}\nYour turn, Player {1 - pid}. '[Bid: X, Y]' or '[Call]'?", to=1 - pid
+                f"Current bid: {q} of face {f}\nYour turn, Player {1 - pid}. '[Bid: X, Y]' or '[Call]'?",
+                to=1 - pid,
             )
         return done, info
 
@@ -523,10 +595,14 @@ class LiarsDiceV1(SpiralGame):
         gs["dice_left"][loser] -= 1
         if gs["dice_left"][loser] == 0:
             self.say(f"Player {loser} is eliminated!")
-            self.state.set_winner(1 - loser, f"Player {1 - loser} wins! All other players ran out of dice.")
+            self.state.set_winner(
+                1 - loser, f"Player {1 - loser} wins! All other players ran out of dice."
+            )
             return
         gs["bid"], gs["bidder"] = (0, 0), None
-        gs["dice"] = {p: [random.randint(1, 6) for _ in range(n)] for p, n in gs["dice_left"].items()}
+        gs["dice"] = {
+            p: [random.randint(1, 6) for _ in range(n)] for p, n in gs["dice_left"].items()
+        }
         for p, dice in gs["dice"].items():
             self.say(
                 f"Your new dice are: {', '.join(map(str, dice))}\nRemaining dice:\n"
@@ -545,12 +621,19 @@ class TruthAndDeceptionV1(SpiralGame):
     wrong, the Deceiver wins; neither, an invalid move. (As in SPIRAL's code, an answer naming both facts
     counts as right.)"""
 
-    GUESS = {1: re.compile(r"\[Fact 1\]", re.IGNORECASE), 2: re.compile(r"\[Fact 2\]", re.IGNORECASE)}
+    GUESS = {
+        1: re.compile(r"\[Fact 1\]", re.IGNORECASE),
+        2: re.compile(r"\[Fact 2\]", re.IGNORECASE),
+    }
 
     def __init__(self, max_turns: int = 6):
         assert max_turns % 2 == 0, f"max_turns must be even, got {max_turns}"
         self.max_turns = max_turns
-        with importlib.resources.files("textarena.envs.TruthAndDeception").joinpath("facts.json").open() as f:
+        with (
+            importlib.resources.files("textarena.envs.TruthAndDeception")
+            .joinpath("facts.json")
+            .open() as f
+        ):
             self.facts = json.load(f)
 
     def reset(self, num_players: int, seed: int | None = None):
@@ -562,7 +645,9 @@ class TruthAndDeceptionV1(SpiralGame):
         random.shuffle(facts)
         self.state = SpiralState(num_players=num_players, seed=seed)
         self.state.reset(
-            game_state={"facts": facts}, player_prompt_function=self._prompt, role_mapping={0: "Deceiver", 1: "Guesser"}
+            game_state={"facts": facts},
+            player_prompt_function=self._prompt,
+            role_mapping={0: "Deceiver", 1: "Guesser"},
         )
 
     def _prompt(self, player_id: int, game_state: dict) -> str:
@@ -589,14 +674,20 @@ class TruthAndDeceptionV1(SpiralGame):
 
     def step(self, action: str):
         self.show_action(action)
-        if self.state.turn < self.max_turns - 1:  # the conversation, the Deceiver's last message included
+        if (
+            self.state.turn < self.max_turns - 1
+        ):  # the conversation, the Deceiver's last message included
             done, info = self.state.step()
             if self.state.turn == self.max_turns - 1 and not done:
-                self.say("Now guess which of the two facts are correct by returning '[Fact 1]' or '[Fact 2]'.")
+                self.say(
+                    "Now guess which of the two facts are correct by returning '[Fact 1]' or '[Fact 2]'."
+                )
             return done, info
         named = [k for k, pattern in self.GUESS.items() if pattern.search(action)]
         if not named:
-            self.state.set_invalid_move(reason="Player 1 did not make their guess in the correct format.")
+            self.state.set_invalid_move(
+                reason="Player 1 did not make their guess in the correct format."
+            )
         elif any(self.state.game_state["facts"][k - 1][1] for k in named):
             self.state.set_winner(1, "Player 1 guessed correct fact.")
         else:
@@ -631,16 +722,22 @@ class TicTacToeV0(SpiralGame):
         board = self.state.game_state["board"]
         rows = ["|".join(f" {board[r * 3 + c] or r * 3 + c} " for c in range(3)) for r in range(3)]
         free = ", ".join(f"'[{i}]'" for i in range(9) if not board[i])
-        self.say("Current Board:\n\n" + "\n---+---+---\n".join(rows) + f"\n\nAvailable Moves: {free}")
+        self.say(
+            "Current Board:\n\n" + "\n---+---+---\n".join(rows) + f"\n\nAvailable Moves: {free}"
+        )
 
     def step(self, action: str):
         pid, board = self.state.current_player_id, self.state.game_state["board"]
         self.show_action(action)
         match = re.search(r"\[\s*(\d+)\s*\]", action)
         if match is None:
-            self.state.set_invalid_move(reason=f"Invalid move format. Player {pid} did not respond with a valid move.")
+            self.state.set_invalid_move(
+                reason=f"Invalid move format. Player {pid} did not respond with a valid move."
+            )
         elif not 0 <= (cell := int(match.group(1))) <= 8:
-            self.state.set_invalid_move(reason=f"Invalid cell number: {cell}. Must be between 0 and 8.")
+            self.state.set_invalid_move(
+                reason=f"Invalid cell number: {cell}. Must be between 0 and 8."
+            )
         elif board[cell]:
             self.state.set_invalid_move(
                 reason=f"Invalid move. Player {pid} selected cell {cell} which is already occupied."
@@ -665,7 +762,9 @@ SPIRAL_IDS = {  # id: (game, arguments), as `spiral/envs/__init__.py` registers 
     "TruthAndDeception-v1": (TruthAndDeceptionV1, dict(max_turns=6)),
 }
 for _id, (_cls, _kwargs) in SPIRAL_IDS.items():
-    if _id not in ENV_REGISTRY:  # TextArena's own id stays TextArena's for `ta.make`; make() below builds ours
+    if (
+        _id not in ENV_REGISTRY
+    ):  # TextArena's own id stays TextArena's for `ta.make`; make() below builds ours
         register(id=_id, entry_point=_cls, default_wrappers=[LLMObservationWrapper], **_kwargs)
 
 
@@ -680,7 +779,9 @@ def make(game_id: str, first_last: bool = False) -> ta.Env:
     elif f"{game_id}-raw" in ENV_REGISTRY:
         bare = ta.make(f"{game_id}-raw")
     elif first_last:
-        raise UserError(f"{game_id} has no bare game to show in the first/last format; name its default id")
+        raise UserError(
+            f"{game_id} has no bare game to show in the first/last format; name its default id"
+        )
     else:
         return ta.make(game_id)
     return FirstLastObservationWrapper(bare) if first_last else LLMObservationWrapper(bare)

@@ -42,7 +42,11 @@ from machinery import UserError
 
 GAME = "WhoIsTheSpy-v0"
 PHASES = ("performance", "detection")
-MASKS = {"summarize": 0.2, "write": 0.2, "math": 0.4}  # the paper's fraction removed for the spy, per task
+MASKS = {
+    "summarize": 0.2,
+    "write": 0.2,
+    "math": 0.4,
+}  # the paper's fraction removed for the spy, per task
 # task -> (what every player is given, what it writes, its plural, the instruction); --spy-task
 TASKS = {
     "summarize": (
@@ -112,7 +116,14 @@ def text_room(context: int, task: str, players: int, max_new_tokens: int, count=
     thing, output, outputs, _ = TASKS[task]
     written = "\n\n".join(f"Player {k}:\n| " for k in range(players))
     frame = VOTE.format(
-        seat=players - 1, n=players, thing=thing, output=output, outputs=outputs, text="", written=written, example=0
+        seat=players - 1,
+        n=players,
+        thing=thing,
+        output=output,
+        outputs=outputs,
+        text="",
+        written=written,
+        example=0,
     )
     return context - count(frame) - max_new_tokens * (3 * players + 1)
 
@@ -124,7 +135,9 @@ def lone_surrogate(text: str) -> str | None:
     return None if bad is None else f"\\u{ord(bad):04x}"
 
 
-def load_texts(path: str, mask: float, tiny: bool, room: int | None = None, count=None) -> list[dict]:
+def load_texts(
+    path: str, mask: float, tiny: bool, room: int | None = None, count=None
+) -> list[dict]:
     """--spy-data: one JSON object per line, {"text": ..., "reference": ... (optional)}. Every flaw ends in one
     line naming the file and the line: not there, not UTF-8, not a JSON object (or nested too deeply to read),
     no "text", a text too short for --spy-mask to remove anything, a reference that is not a string, a lone
@@ -149,20 +162,30 @@ def load_texts(path: str, mask: float, tiny: bool, room: int | None = None, coun
         try:
             item = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError as e:
-            raise UserError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
+            raise UserError(
+                f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+            ) from None
         except ValueError as e:
             raise UserError(f"{where}: not JSON ({e})") from None
         except RecursionError:  # "[[[[..." a hundred thousand deep
             raise UserError(f"{where}: nested too deeply to be read as JSON") from None
-        if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not item["text"].strip():
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("text"), str)
+            or not item["text"].strip()
+        ):
             raise UserError(f'{where}: needs an object with a non-empty "text" string')
         if not isinstance(item.get("reference", ""), str):
             raise UserError(f'{where}: "reference" must be a string')
         for field in ("text", "reference"):
             if bad := lone_surrogate(item.get(field, "")):
-                raise UserError(f"{where}: the {field} holds a lone surrogate ({bad}), which is not text")
+                raise UserError(
+                    f"{where}: the {field} holds a lone surrogate ({bad}), which is not text"
+                )
         text = item["text"].strip()
-        size = len(text.encode("utf-8"))  # at least its tokens (a byte-level tokenizer's at most a token a byte)
+        size = len(
+            text.encode("utf-8")
+        )  # at least its tokens (a byte-level tokenizer's at most a token a byte)
         if room is not None and size > room and (n := count(text) if count else size) > room:
             raise UserError(
                 f"{where}: the text takes up to {n} tokens, and a game's prompts leave it room for {room} (the "
@@ -174,7 +197,9 @@ def load_texts(path: str, mask: float, tiny: bool, room: int | None = None, coun
                 f"{where}: the text is too short to degrade ({len(units)} word(s); --spy-mask {mask} "
                 f"would remove {removed_count(len(units), mask)})"
             )
-        texts.append({"text": text, **({"reference": item["reference"]} if "reference" in item else {})})
+        texts.append(
+            {"text": text, **({"reference": item["reference"]} if "reference" in item else {})}
+        )
     if not texts:
         raise UserError(f"--spy-data {path}: no texts in it")
     if any("reference" in t for t in texts):
@@ -214,7 +239,9 @@ def degrade(text: str, fraction: float, rng: random.Random) -> tuple[str, list[t
 
 # ------------------------------------------------------------------ votes and rewards (pure)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_SEAT = re.compile(r"\s*(?:player\s*)?\[?\s*(\d{1,100})\s*\]?\s*", re.IGNORECASE)  # longer: no seat (nor int())
+_SEAT = re.compile(
+    r"\s*(?:player\s*)?\[?\s*(\d{1,100})\s*\]?\s*", re.IGNORECASE
+)  # longer: no seat (nor int())
 
 
 def visible_output(response: str) -> str:
@@ -261,7 +288,9 @@ def rouge_scorer():
     try:
         from rouge_score import rouge_scorer as rs
     except ImportError:
-        raise UserError("--spy-data has references, scored with ROUGE-L: pip install rouge-score") from None
+        raise UserError(
+            "--spy-data has references, scored with ROUGE-L: pip install rouge-score"
+        ) from None
     return rs.RougeScorer(["rougeL"], use_stemmer=True)
 
 
@@ -286,7 +315,12 @@ class WhoIsTheSpyEnv(ta.Env):
         lam: float = 0.5,
     ):
         self.texts = texts if texts is not None else default_texts()
-        self.task, self.mask, self.beta, self.lam = task, MASKS[task] if mask is None else mask, beta, lam
+        self.task, self.mask, self.beta, self.lam = (
+            task,
+            MASKS[task] if mask is None else mask,
+            beta,
+            lam,
+        )
 
     def reset(self, num_players: int = 5, seed: int | None = None) -> None:
         if num_players < 3:
@@ -301,7 +335,9 @@ class WhoIsTheSpyEnv(ta.Env):
 
     def observation(self, seat: int) -> str:
         thing, output, outputs, instruction = TASKS[self.task]
-        fill = dict(seat=seat, n=self.n, thing=thing, output=output, outputs=outputs, text=self.inputs[seat])
+        fill = dict(
+            seat=seat, n=self.n, thing=thing, output=output, outputs=outputs, text=self.inputs[seat]
+        )
         if self.phase == "performance":
             return PERFORM.format(instruction=instruction, **fill)
         written = "\n\n".join(f"Player {k}:\n{quote(y)}" for k, y in enumerate(self.outputs))
@@ -326,7 +362,11 @@ class WhoIsTheSpyEnv(ta.Env):
         elif self.current == self.n:
             self.done = True
             self.rewards = dict(
-                enumerate(performance_rewards(vote_shares(self.votes, self.n), self.spy, self.beta, self.lam))
+                enumerate(
+                    performance_rewards(
+                        vote_shares(self.votes, self.n), self.spy, self.beta, self.lam
+                    )
+                )
             )
         return self.done, {}
 
@@ -365,7 +405,11 @@ class WhoIsTheSpyEnv(ta.Env):
         for k in range(self.n):
             role = info[k]["role"]
             rouge = (
-                {"rouge_l": scorer.score(self.item["reference"], self.outputs[k])["rougeL"].fmeasure}
+                {
+                    "rouge_l": scorer.score(self.item["reference"], self.outputs[k])[
+                        "rougeL"
+                    ].fmeasure
+                }
                 if scorer is not None and role == "civilian"
                 else {}
             )
@@ -374,7 +418,14 @@ class WhoIsTheSpyEnv(ta.Env):
                     k,
                     0,
                     rewards[k],
-                    {"phase": PHASES[0], "role": role, "seat": k, "key": f"{self.task}/{role}", **rouge, **game},
+                    {
+                        "phase": PHASES[0],
+                        "role": role,
+                        "seat": k,
+                        "key": f"{self.task}/{role}",
+                        **rouge,
+                        **game,
+                    },
                 )
             )
         out += [
@@ -418,14 +469,27 @@ def play(games: list[WhoIsTheSpyEnv], generate, wave: int, timer) -> tuple[list[
                 for (g, pid, obs), (prompt_ids, response_ids, text) in zip(seats, outputs):
                     games[g].step(text)
                     vote = games[g].votes[-1] if phase else None
-                    moves[g][pid, phase] = (obs, text, "" if vote is None else f"[{vote}]", prompt_ids, response_ids)
+                    moves[g][pid, phase] = (
+                        obs,
+                        text,
+                        "" if vote is None else f"[{vote}]",
+                        prompt_ids,
+                        response_ids,
+                    )
     return moves, calls
 
 
 def new_game(texts: list[dict], args, seed: int) -> WhoIsTheSpyEnv:
     """A game as the trainer plays it, from its flags (--spy-task, --spy-mask, --spy-beta, --spy-lambda,
     --spy-players)."""
-    env = ta.make(GAME, texts=texts, task=args.spy_task, mask=args.spy_mask, beta=args.spy_beta, lam=args.spy_lambda)
+    env = ta.make(
+        GAME,
+        texts=texts,
+        task=args.spy_task,
+        mask=args.spy_mask,
+        beta=args.spy_beta,
+        lam=args.spy_lambda,
+    )
     env.reset(num_players=args.spy_players, seed=seed)
     return env
 
@@ -437,14 +501,21 @@ def trained_phases(step: int, alternate: int) -> tuple[str, ...]:
 
 def games_needed(target: int, n: int, phases: tuple[str, ...]) -> int:
     """Games whose turns of `phases` (n outputs, n - 1 civilian votes a game) reach `target`."""
-    return math.ceil(target / ((n if "performance" in phases else 0) + (n - 1 if "detection" in phases else 0)))
+    return math.ceil(
+        target / ((n if "performance" in phases else 0) + (n - 1 if "detection" in phases else 0))
+    )
 
 
 def outcomes(trajs: list) -> dict:
     """The step's outcome counts in metrics.jsonl's `games` shape, by role: the spy wins when r^P > 0 (it
     drew less suspicion than the civilians), loses when < 0; `invalid` counts invalid votes. The spy row
     counts every game once."""
-    counts = {GAME: {role: dict.fromkeys(("win", "draw", "loss", "invalid"), 0) for role in ("spy", "civilian")}}
+    counts = {
+        GAME: {
+            role: dict.fromkeys(("win", "draw", "loss", "invalid"), 0)
+            for role in ("spy", "civilian")
+        }
+    }
     for t in trajs:
         if t.info["phase"] == "performance":
             c = counts[GAME][t.info["role"]]
@@ -466,7 +537,9 @@ def step_metrics(trajs: list, phases: tuple[str, ...]) -> dict:
     games = [t.info for t in trajs if t.info["phase"] == "performance" and t.info["role"] == "spy"]
     groups = {
         "spy": [t for t in trajs if t.info["role"] == "spy"],
-        "civilian": [t for t in trajs if t.info["role"] == "civilian" and t.info["phase"] == "performance"],
+        "civilian": [
+            t for t in trajs if t.info["role"] == "civilian" and t.info["phase"] == "performance"
+        ],
         "vote": [t for t in trajs if t.info["phase"] == "detection"],
     }
     return {

@@ -5,8 +5,12 @@
     judge.py         the judge's machinery: the stand-in and OpenAI-compatible judges, verdict parsing, and
                      JudgeRunner (cache, budget, money ledger, concurrency)
     flags.py         the Args dataclass as a command line (field docstrings become --help text), the layering of
-                     defaults, presets and a resumed run's config, bounds, a resumed folder's checks
-    distributed.py   torchrun / FSDP2 data parallelism and the choice of device
+                     defaults, presets and a resumed run's config, a resumed folder's checks; stratagem.py's
+                     choices, bounds and checks of its flags (validate)
+    modulation.py    step 3's extensions, each one call in train() after modulate(): after the judge budget,
+                     --centre-psi, the scores of rubrics that do not enter A_mod (logged, --judge-shadow)
+    distributed.py   torchrun / FSDP2 data parallelism (even micro-batches, the sharded gradient norm) and the
+                     choice of device
     vllm_engine.py   the vLLM generation engine and the weight sync into it
     runfiles.py      run files: JSONL logs and their repair, atomic writes, checkpoints, resume state,
                      the run folder's lock and config history, the judge's verdict cache and money

@@ -18,7 +18,9 @@ def evolution_share(trajs: list, beta: float) -> float | None:
     return evolution / (game + evolution) if game + evolution > 0 else None
 
 
-def next_beta(beta: float, share: float | None, target: float, horizon: float, low: float, high: float) -> float:
+def next_beta(
+    beta: float, share: float | None, target: float, horizon: float, low: float, high: float
+) -> float:
     """The next step's beta: the share's relative error e = share / target - 1, clipped to +-0.2, moves it by a
     factor 1 - e / horizon, within [low, high]. Held where the share is unknown or 0 (psi 0 on every judged
     trajectory: beta cannot move the share then)."""
@@ -28,12 +30,29 @@ def next_beta(beta: float, share: float | None, target: float, horizon: float, l
     return min(high, max(low, beta * (1 - error / horizon)))
 
 
-def adapt(args, beta: float, trajs: list) -> tuple[float, dict | None]:
-    """The next step's beta, and this step's for the metrics: its value, the share measured, the target (None:
-    beta fixed); None for SPIRAL, where beta plays no part."""
+def first(args) -> float | None:
+    """The controller's beta at a fresh start: --beta; None where beta is fixed (no --beta-share)."""
+    return args.beta if args.beta_share else None
+
+
+def resumed(args, saved) -> float | None:
+    """The controller's beta read back from a checkpoint: the saved one if it is a number in
+    [--beta-min, --beta-max], else --beta; None where beta is fixed."""
+    if not args.beta_share:
+        return None
+    ok = isinstance(saved, int | float) and not isinstance(saved, bool)
+    return float(saved) if ok and args.beta_min <= saved <= args.beta_max else args.beta
+
+
+def step(run, trajs: list, beta: float) -> dict | None:
+    """--beta-share: the controller moves run.beta for the next step. Returns this step's record for
+    metrics.jsonl (its value, the share measured, the target: None where beta is fixed), or None for
+    SPIRAL, where beta plays no part."""
+    args = run.args
     if args.mode == "spiral":
-        return beta, None
+        return None
     share = evolution_share(trajs, beta)
     target = args.beta_share or None
-    after = next_beta(beta, share, target, args.beta_horizon, args.beta_min, args.beta_max) if target else beta
-    return after, {"value": beta, "share": share, "target": target}
+    if target:
+        run.beta = next_beta(beta, share, target, args.beta_horizon, args.beta_min, args.beta_max)
+    return {"value": beta, "share": share, "target": target}

@@ -28,7 +28,10 @@ OS_ERRORS = {  # the file system's refusals a user can cause, in words
 
 def os_error(e: OSError, run_dir: Path | None) -> str:
     """One line for an OSError: what happened, to which file, and how to go on (a full disk: make room, resume)."""
-    what, full = OS_ERRORS.get(e.errno, e.strerror or type(e).__name__), e.errno in (errno.ENOSPC, errno.EDQUOT)
+    what, full = (
+        OS_ERRORS.get(e.errno, e.strerror or type(e).__name__),
+        e.errno in (errno.ENOSPC, errno.EDQUOT),
+    )
     if full:
         return f"{what} writing {e.filename or 'a file'}" + (
             f"; make room, then continue with --resume --out {run_dir}" if run_dir else ""
@@ -40,7 +43,9 @@ def main(prog: str, argv: list[str], parse, train, commands: dict) -> int:
     """`prog [flags]` trains: `parse(argv)` -> the run's arguments, `train(args)` -> its folder (None on
     other ranks, for --dry-run and for a finished run); `prog COMMAND ...` runs commands[COMMAND](rest)."""
     in_main_thread = threading.current_thread() is threading.main_thread()
-    on_stop = stop_handler()  # machinery/distributed.py: the first stop signal stops, later ones wait
+    on_stop = (
+        stop_handler()
+    )  # machinery/distributed.py: the first stop signal stops, later ones wait
     previous = {s: signal.signal(s, on_stop) for s in STOP_SIGNALS} if in_main_thread else {}
     run_dir = None  # set once a training run is resolved: the resume advice names it
     try:
@@ -56,9 +61,13 @@ def main(prog: str, argv: list[str], parse, train, commands: dict) -> int:
         print(f"{prog}: error: {visible(str(e), lines=False)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `stratagem.py show RUN | head` closed the pipe: not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint at exit
+        os.dup2(
+            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+        )  # no second complaint at exit
         return 0
-    except OSError as e:  # the file system said no: a name too long, a full disk, a read-only folder, ...
+    except (
+        OSError
+    ) as e:  # the file system said no: a name too long, a full disk, a read-only folder, ...
         print(f"{prog}: error: {visible(os_error(e, run_dir), lines=False)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
@@ -68,6 +77,8 @@ def main(prog: str, argv: list[str], parse, train, commands: dict) -> int:
         return 128 + signal.Signals[name]  # as the signal's default action would: 130, 143, 129
     finally:
         runfiles.release_runs()
-        for s, handler in previous.items() if not on_stop.stopping else ():  # stopped: it stays till exit
+        for s, handler in (
+            previous.items() if not on_stop.stopping else ()
+        ):  # stopped: it stays till exit
             signal.signal(s, handler)
     return 0

@@ -40,7 +40,10 @@ PRICES = {
     "gemini-2.0-flash": (0.10, 0.40),
 }
 CHARS_PER_TOKEN = 4  # English text in GPT-4-class tokenizers; the judge's tokenizer is not at hand
-EXAMPLE = (1000, 200)  # response and reply tokens of the plan's example (an illustration, not a measurement)
+EXAMPLE = (
+    1000,
+    200,
+)  # response and reply tokens of the plan's example (an illustration, not a measurement)
 PAPER_MONEY = 100  # "about $100 a run" (the STRATAGEM paper, as its reviews report it)
 
 
@@ -64,10 +67,16 @@ def project(
     trajectories a step, where a run measured them (default: batch / turns)."""
     trajectories = per_step or batch_size / turns  # a step's player-trajectories
     judged = math.ceil(sample_rate * trajectories)  # as sample_for_judging counts them
-    multi = {r: judge_prompts.RUBRICS[r]["turns"] > 1 for r in rubrics}  # not asked of one-turn trajectories
-    asked = {r: judged * samples * (1 - one_turn if multi[r] else 1) for r in rubrics}  # requests a step
+    multi = {
+        r: judge_prompts.RUBRICS[r]["turns"] > 1 for r in rubrics
+    }  # not asked of one-turn trajectories
+    asked = {
+        r: judged * samples * (1 - one_turn if multi[r] else 1) for r in rubrics
+    }  # requests a step
     requests = steps * sum(asked.values())
-    prompt = steps * sum(n * (chars[r] / CHARS_PER_TOKEN + turns * response_tokens) for r, n in asked.items())
+    prompt = steps * sum(
+        n * (chars[r] / CHARS_PER_TOKEN + turns * response_tokens) for r, n in asked.items()
+    )
     completion = requests * reply_tokens
     return {
         "trajectories": trajectories,
@@ -114,19 +123,26 @@ def measured(metrics: list[dict]) -> dict | None:
         "steps": len(metrics),
         "trajectories": played / len(metrics),
         "turns": sum(m["transitions"] for m in metrics) / max(1, played),
-        "one_turn": one_turn / valid if valid and any(m["judge_evolution_rules"] for m in metrics) else None,
+        "one_turn": one_turn / valid
+        if valid and any(m["judge_evolution_rules"] for m in metrics)
+        else None,
     }
 
 
-def judge_projection(args, games: list[str], make_env, steps: int, counts: dict | None = None) -> dict:
+def judge_projection(
+    args, games: list[str], make_env, steps: int, counts: dict | None = None
+) -> dict:
     """This run's judge, projected from a dry render (the requests' text) and `counts`, the trajectory counts its
     own policy played (measured()), or without them the dry render's: the bound, the example, and what they rest
     on."""
-    rubrics = judge_prompts.asked(args)
+    rubrics = args.asked
     sampled = sample_games(make_env, games, args.seed, args.max_turns)
     chars = {
         r: sum(
-            sum(len(m["content"]) for m in judge_prompts.build_messages(r, judge_prompts.render_trajectory(g, p, t)))
+            sum(
+                len(m["content"])
+                for m in judge_prompts.build_messages(r, judge_prompts.render_trajectory(g, p, t))
+            )
             for g, p, t in sampled
         )
         / len(sampled)
@@ -139,8 +155,20 @@ def judge_projection(args, games: list[str], make_env, steps: int, counts: dict 
         turns, per_step = counts["turns"], counts["trajectories"]
         one_turn = one_turn if counts["one_turn"] is None else counts["one_turn"]
     prices = (args.judge_price_in, args.judge_price_out) if args.judge == "openai" else (0.0, 0.0)
-    common = (steps, args.batch_size, args.judge_sample_rate, rubrics, args.judge_samples, turns, one_turn, chars)
-    example = (min(EXAMPLE[0], args.max_new_tokens), min(EXAMPLE[1], args.judge_max_tokens))  # never past the bound
+    common = (
+        steps,
+        args.batch_size,
+        args.judge_sample_rate,
+        rubrics,
+        args.judge_samples,
+        turns,
+        one_turn,
+        chars,
+    )
+    example = (
+        min(EXAMPLE[0], args.max_new_tokens),
+        min(EXAMPLE[1], args.judge_max_tokens),
+    )  # never past the bound
     return {
         "rubrics": rubrics,
         "turns": turns,
@@ -201,12 +229,20 @@ def projection_lines(args, p: dict) -> list[str]:
     ]
 
 
-def plan(args, out, games: list[str], device, engine: str, projection: dict | None, memory: list[str] = ()) -> str:
+def plan(
+    args,
+    out,
+    games: list[str],
+    device,
+    engine: str,
+    projection: dict | None,
+    memory: list[str] = (),
+) -> str:
     """--dry-run: what the run would do and cost, and the memory it would take (`memory`, machinery/memory.py's
     lines). Nothing is loaded, run or written."""
     judge = (
         "none (--mode spiral)"
-        if not judge_prompts.asked(args)
+        if not args.asked
         else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
         if args.judge == "openai"
         else "heuristic stand-in (offline, NOT the paper's judge)"
@@ -215,12 +251,20 @@ def plan(args, out, games: list[str], device, engine: str, projection: dict | No
     lines = [
         "stratagem --dry-run: the plan; nothing is loaded, run or written",
         f"run directory: {out}"
-        + (" (exists: a run needs --resume or another --out)" if out.exists() and not args.resume else ""),
+        + (
+            " (exists: a run needs --resume or another --out)"
+            if out.exists() and not args.resume
+            else ""
+        ),
         f"model: {watch.tiny_model(args) if args.tiny else args.model}",
         f"engine: {args.backend} on {device} ({engine})",
         f"games: {', '.join(games)}, one sampled uniformly per episode, turn cap {args.max_turns}",
         f"steps: {args.steps}, batch {args.batch_size} transitions ({args.steps * args.batch_size:,} in all), "
-        f"lr {args.lr:g}, mode {args.mode}" + ("" if args.mode == "spiral" else f", beta {args.beta}"),
-        f"judge: {judge}" + (f", {args.judge_sample_rate:.0%} of trajectories" if judge_prompts.asked(args) else ""),
+        f"lr {args.lr:g}, mode {args.mode}"
+        + ("" if args.mode == "spiral" else f", beta {args.beta}"),
+        f"judge: {judge}"
+        + (f", {args.judge_sample_rate:.0%} of trajectories" if args.asked else ""),
     ]
-    return "\n".join(lines + (projection_lines(args, projection) if projection else []) + list(memory))
+    return "\n".join(
+        lines + (projection_lines(args, projection) if projection else []) + list(memory)
+    )

@@ -6,7 +6,7 @@ judge's style carries into the policy) is its review's own suggestion, not the a
 
 1. features: one no-grad pass of the current policy over the step's turns, the last hidden state (after the
    final norm) averaged over each trajectory's response tokens, all turns together, detached;
-2. the heads, one per rubric dimension (alpha, sigma, rho on {0, .5, 1}; d, a, c on {-1, 0, 1}), predict every
+2. the heads, one per rubric dimension (every key of judge_prompts.RUBRICS, on its rubric's levels), predict every
    trajectory's levels; the evolution rules (one turn, stagnation) apply to their verdict as to a judge's;
 3. a seeded share of the step's judged trajectories is held out, never trained on: the last N (prediction,
    verdict) pairs per dimension give Cohen's kappa per dimension and Spearman's rho of phi and psi;
@@ -35,7 +35,7 @@ import torch
 import judge_prompts
 
 RUBRIC_OF = judge_prompts.RUBRIC_OF  # "alpha" -> "transferability"
-KEYS = judge_prompts.ALL_KEYS  # alpha, sigma, rho, d, a, c (the rubric table's): the heads' order
+KEYS = judge_prompts.ALL_KEYS  # every key of the rubric table, in its order: the heads' order
 HOLDOUT = 0.25  # the share of each step's valid verdicts held out: compared with the heads, never trained on
 EPOCHS = 20  # full-batch Adam steps on the training window per training step
 WEIGHT_DECAY = 1e-3  # L2 on the heads' weights: a few hundred examples, up to thousands of features
@@ -83,18 +83,31 @@ def trusted(kappas: dict[str, float], counts: dict[str, int], bar: float, window
     """Every dimension given has a full window of held-out pairs and kappa >= bar. A nan kappa on a full window
     means both raters gave one and the same level throughout (chance agreement 1): perfect agreement. The 1e-9
     of slack is float rounding's: a kappa of exactly 3/5 can compute as 0.5999999999999996."""
-    return all(counts[k] >= window and (kappas[k] >= bar - 1e-9 or math.isnan(kappas[k])) for k in kappas)
+    return all(
+        counts[k] >= window and (kappas[k] >= bar - 1e-9 or math.isnan(kappas[k])) for k in kappas
+    )
 
 
 # ------------------------------------------------------------------ features: the policy's own hidden states
 def final_norm(model) -> torch.nn.Module:
     """The decoder's last module, whose output is the last hidden state (Qwen, Llama, Mistral: `norm`)."""
     decoder = model.get_decoder()
-    return next(getattr(decoder, name) for name in ("norm", "final_layernorm", "ln_f") if hasattr(decoder, name))
+    return next(
+        getattr(decoder, name)
+        for name in ("norm", "final_layernorm", "ln_f")
+        if hasattr(decoder, name)
+    )
 
 
 def features(
-    model, trajs: list, collate, pad_id: int, micro_batch_size: int, device: torch.device, dist, timer
+    model,
+    trajs: list,
+    collate,
+    pad_id: int,
+    micro_batch_size: int,
+    device: torch.device,
+    dist,
+    timer,
 ) -> list[torch.Tensor | None] | None:
     """Every trajectory's mean last hidden state over its response tokens (all its turns), [H] float32 on the CPU;
     None for a seat that never moved. Each rank passes its own trajectories; rank 0 gets the whole batch in rank
@@ -107,18 +120,26 @@ def features(
     )
     chunks = [items[k : k + micro_batch_size] for k in range(0, len(items), micro_batch_size)]
     n_real = len(chunks)
-    chunks += chunks[-1:] * (max(dist.gather(len(chunks))) - len(chunks))  # FSDP: every rank makes as many passes
+    chunks += chunks[-1:] * (
+        max(dist.gather(len(chunks))) - len(chunks)
+    )  # FSDP: every rank makes as many passes
     sums = [None] * len(trajs)
     counts = [0.0] * len(trajs)
     caught = {}
-    hook = final_norm(model).register_forward_hook(lambda module, args, output: caught.update(hidden=output))
+    hook = final_norm(model).register_forward_hook(
+        lambda module, args, output: caught.update(hidden=output)
+    )
     was_training = model.training
     model.eval()
     try:
         with timer("features"), torch.no_grad():
             for k, chunk in enumerate(chunks):
-                ids, attn, mask = (x.to(device) for x in collate([(p, r) for _, p, r in chunk], pad_id))
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                ids, attn, mask = (
+                    x.to(device) for x in collate([(p, r) for _, p, r in chunk], pad_id)
+                )
+                with torch.autocast(
+                    device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"
+                ):
                     model(
                         input_ids=ids,
                         attention_mask=attn,
@@ -128,7 +149,9 @@ def features(
                     )
                 if k >= n_real:  # a repeat that only keeps the ranks in step
                     continue
-                hidden = caught["hidden"][:, -mask.shape[1] :].float()  # [b, R, H]: response positions (left-padded)
+                hidden = caught["hidden"][
+                    :, -mask.shape[1] :
+                ].float()  # [b, R, H]: response positions (left-padded)
                 pooled = (hidden * mask[..., None]).sum(1).cpu()  # [b, H]
                 for (j, _, _), row, n in zip(chunk, pooled, mask.sum(1).tolist()):
                     sums[j] = row if sums[j] is None else sums[j] + row
@@ -148,8 +171,31 @@ def features_of(run, mine: list, collate, timer) -> list | None:
     if not run.args.distill:
         return None
     return features(
-        run.model, mine, collate, run.tokenizer.pad_token_id, run.args.micro_batch_size, run.device, run.dist, timer
+        run.model,
+        mine,
+        collate,
+        run.tokenizer.pad_token_id,
+        run.args.micro_batch_size,
+        run.device,
+        run.dist,
+        timer,
     )
+
+
+def use_heads(run, trajs: list, feats: list | None, judged: dict, beta: float, paper) -> dict:
+    """--distill's call in step 3: the heads predict every played trajectory, learn from this step's
+    verdicts and, while trusted, score the unjudged with levels of their own in place of the batch
+    mean (A_mod recomputed with the paper's phi, psi and a_mod). Returns nothing for metrics.jsonl:
+    the heads' report is the run's distill entry."""
+    if run.distiller is None:
+        return {}
+    estimates = run.distiller.step(trajs, feats, judged)
+    rubrics = run.args.entering
+    for i, levels in estimates.items():
+        t = trajs[i]
+        t.phi, t.psi = paper.phi(levels, rubrics), paper.psi(levels, rubrics)
+        t.a_mod = paper.a_mod(t.a_game, t.phi, t.psi, beta)
+    return {}
 
 
 class OrdinalHeads(torch.nn.Module):
@@ -161,18 +207,26 @@ class OrdinalHeads(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(n_dims, dim))  # [D, H]
         self.first_cut = torch.nn.Parameter(torch.full((n_dims,), -1.0))  # [D]
-        self.gap = torch.nn.Parameter(torch.full((n_dims,), math.log(math.expm1(2.0))))  # [D]; softplus(gap) = 2
+        self.gap = torch.nn.Parameter(
+            torch.full((n_dims,), math.log(math.expm1(2.0)))
+        )  # [D]; softplus(gap) = 2
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] (standardised) -> log P(level k) [N, D, 3]."""
         score = x @ self.weight.T  # [N, D]
-        cuts = torch.stack([self.first_cut, self.first_cut + torch.nn.functional.softplus(self.gap)], -1)  # [D, 2]
+        cuts = torch.stack(
+            [self.first_cut, self.first_cut + torch.nn.functional.softplus(self.gap)], -1
+        )  # [D, 2]
         below = torch.sigmoid(cuts[None] - score[..., None])  # [N, D, 2]: P(level <= k)
-        probs = torch.cat([below[..., :1], below[..., 1:] - below[..., :1], 1 - below[..., 1:]], -1)  # [N, D, 3]
+        probs = torch.cat(
+            [below[..., :1], below[..., 1:] - below[..., :1], 1 - below[..., 1:]], -1
+        )  # [N, D, 3]
         return probs.clamp_min(1e-12).log()
 
 
-def ordinal_loss(log_probs: torch.Tensor, levels: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+def ordinal_loss(
+    log_probs: torch.Tensor, levels: torch.Tensor, known: torch.Tensor
+) -> torch.Tensor:
     """Mean negative log-likelihood of the judge's level indices over the known entries.
     log_probs [N, D, 3]; levels [N, D] long; known [N, D] bool."""
     nll = -log_probs.gather(-1, levels[..., None]).squeeze(-1)  # [N, D]
@@ -190,14 +244,24 @@ class Distiller:
 
     def __init__(self, dim: int, args):
         self.args = args
-        self.used = [k for k in KEYS if RUBRIC_OF[k] in judge_prompts.entering(args)]  # trust is judged on these
+        self.used = [k for k in KEYS if RUBRIC_OF[k] in args.entering]  # trust is judged on these
         self.heads = OrdinalHeads(dim)
         self.optimizer = torch.optim.Adam(self.heads.parameters(), lr=args.distill_lr)
-        self.rng = random.Random(f"distill:{args.seed}")  # the holdout split; the run's own streams stay untouched
-        span = round(args.distill_window * (1 - HOLDOUT) / HOLDOUT)  # the training window covers the holdout's steps
-        self.train_x: deque = deque(maxlen=span)  # [H] features of judged, not held-out trajectories
-        self.train_y: deque = deque(maxlen=span)  # their verdicts (levels; None where a rule decided)
-        self.pairs = {k: deque(maxlen=args.distill_window) for k in (*KEYS, *judge_prompts.SCORES)}  # (heads, judge)
+        self.rng = random.Random(
+            f"distill:{args.seed}"
+        )  # the holdout split; the run's own streams stay untouched
+        span = round(
+            args.distill_window * (1 - HOLDOUT) / HOLDOUT
+        )  # the training window covers the holdout's steps
+        self.train_x: deque = deque(
+            maxlen=span
+        )  # [H] features of judged, not held-out trajectories
+        self.train_y: deque = deque(
+            maxlen=span
+        )  # their verdicts (levels; None where a rule decided)
+        self.pairs = {
+            k: deque(maxlen=args.distill_window) for k in (*KEYS, *judge_prompts.SCORES)
+        }  # (heads, judge)
         self.trusted = False
         self.report: dict = {}
 
@@ -219,7 +283,10 @@ class Distiller:
     def predict(self, x: torch.Tensor) -> list[dict[str, float]]:
         """The most probable level of every dimension. x [N, H] -> N dicts."""
         best = self.heads.log_probs(self.standardise(x)).argmax(-1)  # [N, D]
-        return [{k: judge_prompts.RUBRICS[RUBRIC_OF[k]]["levels"][int(i)] for k, i in zip(KEYS, row)} for row in best]
+        return [
+            {k: judge_prompts.RUBRICS[RUBRIC_OF[k]]["levels"][int(i)] for k, i in zip(KEYS, row)}
+            for row in best
+        ]
 
     def train(self) -> float:
         """EPOCHS full-batch Adam steps on the training window; returns the last loss."""
@@ -231,7 +298,8 @@ class Distiller:
         for _ in range(EPOCHS):
             self.optimizer.zero_grad(set_to_none=True)
             loss = (
-                ordinal_loss(self.heads.log_probs(x), levels, known) + WEIGHT_DECAY * self.heads.weight.square().sum()
+                ordinal_loss(self.heads.log_probs(x), levels, known)
+                + WEIGHT_DECAY * self.heads.weight.square().sum()
             )
             loss.backward()
             self.optimizer.step()
@@ -239,16 +307,24 @@ class Distiller:
 
     def agreement(self) -> tuple[dict[str, float], dict[str, float]]:
         """Kappa per dimension and Spearman of each rubric's score (phi, psi) on the held-out window."""
-        kappas = {k: cohen_kappa([p for p, _ in self.pairs[k]], [v for _, v in self.pairs[k]]) for k in KEYS}
-        rhos = {k: spearman([p for p, _ in self.pairs[k]], [v for _, v in self.pairs[k]]) for k in judge_prompts.SCORES}
+        kappas = {
+            k: cohen_kappa([p for p, _ in self.pairs[k]], [v for _, v in self.pairs[k]])
+            for k in KEYS
+        }
+        rhos = {
+            k: spearman([p for p, _ in self.pairs[k]], [v for _, v in self.pairs[k]])
+            for k in judge_prompts.SCORES
+        }
         return kappas, rhos
 
     def file(self, x: torch.Tensor, predicted: dict, judgement) -> bool:
         """One valid verdict: held out (a seeded HOLDOUT share: a (heads, judge) pair per dimension, and of each
-        rubric's score) or kept to train on. The keys of a rubric with rules (evolution's d, a, c) count only where no
+        rubric's score) or kept to train on. The keys of a rubric with rules (judge_prompts.RULES) count only where no
         rule decided them. Returns whether it trains."""
         free = {k: RUBRIC_OF[k] not in judge_prompts.RULES or judgement.rule is None for k in KEYS}
-        verdict = {k: judgement.scores[k] if free[k] and k in judgement.scores else None for k in KEYS}
+        verdict = {
+            k: judgement.scores[k] if free[k] and k in judgement.scores else None for k in KEYS
+        }
         if self.rng.random() >= HOLDOUT:
             self.train_x.append(x)
             self.train_y.append(verdict)
@@ -259,7 +335,10 @@ class Distiller:
         for rubric, spec in judge_prompts.RUBRICS.items():  # each score, weighted as the table says
             name = spec["score"]
             if all(verdict[k] is not None for k in judge_prompts.keys(rubric)):
-                pair = (judge_prompts.weighted(rubric, predicted), judge_prompts.weighted(rubric, verdict))
+                pair = (
+                    judge_prompts.weighted(rubric, predicted),
+                    judge_prompts.weighted(rubric, verdict),
+                )
                 self.pairs[name].append(pair)
         return False
 
@@ -268,15 +347,28 @@ class Distiller:
         update trust, train on the rest. A trajectory whose features are not finite (a diverged policy) gets no
         prediction and is not learned from: the judge's verdict on it stands, else the batch mean. Returns the
         heads' levels for every predicted trajectory without a valid verdict while trusted, else {}. `judged`:
-        index -> Judgement (its scores and the rule that set d, a, c)."""
-        rate = self.sample_rate()  # the rate this step was judged at (trust as the last step left it)
+        index -> Judgement (its scores and the rule that set some of them, if one did)."""
+        rate = (
+            self.sample_rate()
+        )  # the rate this step was judged at (trust as the last step left it)
         played = [i for i, f in enumerate(feats) if f is not None]
-        usable = [i for i in played if bool(torch.isfinite(feats[i]).all())]  # a diverged policy's NaN, Inf: left out
-        x = torch.stack([feats[i] for i in usable]) if usable else torch.zeros(0, self.heads.weight.shape[1])  # [P, H]
+        usable = [
+            i for i in played if bool(torch.isfinite(feats[i]).all())
+        ]  # a diverged policy's NaN, Inf: left out
+        x = (
+            torch.stack([feats[i] for i in usable])
+            if usable
+            else torch.zeros(0, self.heads.weight.shape[1])
+        )  # [P, H]
         predicted = {}
         for i, raw in zip(usable, self.predict(x)):
-            observations, responses = [t.observation for t in trajs[i].turns], [t.response for t in trajs[i].turns]
-            for rules in judge_prompts.RULES.values():  # the rules bind the heads as they bind a judge
+            observations, responses = (
+                [t.observation for t in trajs[i].turns],
+                [t.response for t in trajs[i].turns],
+            )
+            for (
+                rules
+            ) in judge_prompts.RULES.values():  # the rules bind the heads as they bind a judge
                 raw = rules(observations, responses, raw)[0]
             predicted[i] = raw
             trajs[i].predicted = {"levels": predicted[i], "used": False}
@@ -287,7 +379,10 @@ class Distiller:
         kappas, rhos = self.agreement()
         counts = {k: len(self.pairs[k]) for k in KEYS}
         self.trusted = trusted(
-            {k: kappas[k] for k in self.used}, counts, self.args.distill_kappa, self.args.distill_window
+            {k: kappas[k] for k in self.used},
+            counts,
+            self.args.distill_kappa,
+            self.args.distill_window,
         )
         estimates = {i: predicted[i] for i in predicted if i not in valid} if self.trusted else {}
         for i in estimates:

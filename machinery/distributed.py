@@ -20,7 +20,6 @@ import time
 
 import torch
 
-import judge_prompts
 from machinery import UserError
 from machinery.openai_api import judge_seconds
 
@@ -32,10 +31,10 @@ def collective_timeout(args, world: int) -> float:
     transitions <= world * (ceil(batch / world) + num_envs * max_turns) (games running at the target play
     on to their end). A --dist-timeout shorter than that judging is refused."""
     most = world * (math.ceil(args.batch_size / world) + args.num_envs * args.max_turns)
-    requests = math.ceil(args.judge_sample_rate * most) * len(judge_prompts.asked(args)) * args.judge_samples
+    requests = math.ceil(args.judge_sample_rate * most) * len(args.asked) * args.judge_samples
     judging = (
         judge_seconds(requests, args.judge_concurrency, args.judge_timeout, args.judge_retries)
-        if judge_prompts.asked(args) and args.judge == "openai"
+        if args.asked and args.judge == "openai"
         else 0.0
     )
     if world > 1 and 0 < args.dist_timeout < judging:
@@ -100,7 +99,9 @@ class Dist:
     def close(self) -> None:
         """Leave together and tear the group down: a gloo group left to the interpreter's exit can
         abort the process ("terminate called without an active exception")."""
-        if self.world > 1 and torch.distributed.is_initialized():  # vLLM's teardown may have done it
+        if (
+            self.world > 1 and torch.distributed.is_initialized()
+        ):  # vLLM's teardown may have done it
             with self.collective():
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
@@ -113,7 +114,9 @@ def shard(model) -> None:
     reduce-scattered, i.e. averaged over ranks."""
     from torch.distributed.fsdp import fully_shard
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: the layers hold the adapters
+    base = (
+        model.get_base_model() if hasattr(model, "get_base_model") else model
+    )  # LoRA: the layers hold the adapters
     for layer in base.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -135,6 +138,21 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return api.get_model_state_dict(model, options=api.StateDictOptions(full_state_dict=True))
 
 
+def even_micro_batches(chunks: list[list[tuple]], dist: Dist) -> tuple[list[list[tuple]], int]:
+    """FSDP: every rank runs as many forward and backward passes as the others, since each is a
+    collective. A rank with fewer micro-batches repeats its last one at advantage 0, which adds no
+    gradient. Returns the micro-batches and how many of them are real."""
+    real = len(chunks)
+    repeat = [(prompt, response, 0.0) for prompt, response, _ in chunks[-1]]
+    return chunks + [repeat] * (max(dist.gather(real)) - real), real
+
+
+def clip_grad_norm(model, max_norm: float) -> float:
+    """torch's clip_grad_norm_, returning the norm over every rank's shard (FSDP: a DTensor)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+
+
 def optimizer_state(model, optimizer) -> dict:
     """The optimizer's state as one whole dict (on rank 0 under FSDP)."""
     if (api := fsdp_api(model)) is None:
@@ -146,7 +164,9 @@ def optimizer_state(model, optimizer) -> dict:
 def load_optimizer_state(model, optimizer, state: dict) -> None:
     if (api := fsdp_api(model)) is None:
         return optimizer.load_state_dict(state)
-    api.set_optimizer_state_dict(model, optimizer, state, options=api.StateDictOptions(full_state_dict=True))
+    api.set_optimizer_state_dict(
+        model, optimizer, state, options=api.StateDictOptions(full_state_dict=True)
+    )
 
 
 def pick_device(spec: str, local_rank: int = 0) -> torch.device:
@@ -157,11 +177,15 @@ def pick_device(spec: str, local_rank: int = 0) -> torch.device:
     try:
         device = torch.device(spec)
     except RuntimeError:
-        raise UserError(f"--device {spec!r} is not a torch device (auto, cpu, cuda, cuda:1, ...)") from None
+        raise UserError(
+            f"--device {spec!r} is not a torch device (auto, cpu, cuda, cuda:1, ...)"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {spec}: no CUDA GPU is available here (use --device cpu)")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        raise UserError(
+            f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA GPU(s)"
+        )
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"--device {spec}: MPS is not available here")
     if device.type not in ("cpu", "cuda", "mps"):
@@ -179,7 +203,11 @@ def pick_threads(device: torch.device) -> tuple[int, str]:
     if given.isdigit() and int(given) >= 1:
         threads, why = int(given), "OMP_NUM_THREADS"
     elif device.type == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
         threads, why = max(1, cores // 2), f"half of {cores} cores; OMP_NUM_THREADS sets it"
     else:
         return torch.get_num_threads(), "torch's default"
@@ -257,7 +285,11 @@ def stop_handler():
     def handler(signum, frame):
         handler.stopping.append(signum)
         if len(handler.stopping) == 1:
-            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signal.Signals(signum).name)
+            raise (
+                KeyboardInterrupt()
+                if signum == signal.SIGINT
+                else Terminated(signal.Signals(signum).name)
+            )
 
     handler.stopping = []
     return handler

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from machinery import UserError, runfiles
+from machinery.distributed import pick_device
+from machinery.openai_api import check_base_url
 
 
 def field_docs(cls) -> dict[str, tuple[str, str]]:
@@ -32,7 +34,11 @@ def field_docs(cls) -> dict[str, tuple[str, str]]:
                 group = m.group(1)
             groups[number] = group
         for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+            ):
                 docs[node.target.id] = (groups[node.lineno], " ".join(nxt.value.value.split()))
     return docs
 
@@ -49,7 +55,12 @@ class FriendlyParser(argparse.ArgumentParser):
         """One line; a mistyped flag gets the nearest real ones ("--step": did you mean --steps?)."""
         if message.startswith("unrecognized arguments: "):
             words = message.split(": ", 1)[1].split()
-            near = [m for k, w in enumerate(words) if w.startswith("--") for m in self.nearest(w, words[k + 1 :])]
+            near = [
+                m
+                for k, w in enumerate(words)
+                if w.startswith("--")
+                for m in self.nearest(w, words[k + 1 :])
+            ]
             message += f" (did you mean {' or '.join(dict.fromkeys(near))}?)" if near else ""
         if m := re.match(r"argument --([\w-]+): invalid choice: '([^']*)'", message):
             hint = self.hints.get((m.group(1).replace("-", "_"), m.group(2)))
@@ -71,10 +82,14 @@ class FriendlyParser(argparse.ArgumentParser):
                 return False
 
         fits = [o for o in longer if takes(o)]
-        return sorted(fits or longer, key=len)[:2] or difflib.get_close_matches(flag, self._option_string_actions, n=1)
+        return sorted(fits or longer, key=len)[:2] or difflib.get_close_matches(
+            flag, self._option_string_actions, n=1
+        )
 
 
-def dataclass_parser(cls, choices: dict, presets: dict[str, dict], hidden=(), **kwargs) -> argparse.ArgumentParser:
+def dataclass_parser(
+    cls, choices: dict, presets: dict[str, dict], hidden=(), **kwargs
+) -> argparse.ArgumentParser:
     """One flag per field of `cls`, grouped by section, each with its docstring, its default and the defaults
     that `presets` ({"--tiny": {field: default}, "--spy-task math": ...}) give it. The parsed namespace holds
     only the flags actually given (argparse.SUPPRESS), so that defaults, presets and a saved config can be layered."""
@@ -89,7 +104,9 @@ def dataclass_parser(cls, choices: dict, presets: dict[str, dict], hidden=(), **
         if kind is bool:
             section.add_argument(flag, action="store_true", help=doc)
             continue
-        preset = "".join(f"; with {flag}: {values[name]!r}" for flag, values in presets.items() if name in values)
+        preset = "".join(
+            f"; with {flag}: {values[name]!r}" for flag, values in presets.items() if name in values
+        )
         section.add_argument(
             flag,
             type=kind,
@@ -133,7 +150,9 @@ def resolve(cls, explicit: dict, saved: dict | None, resumable: set, presets: di
         changed = sorted(k for k, v in explicit.items() if k not in resumable and saved.get(k) != v)
         if changed:
             flags = ", ".join("--" + k.replace("_", "-") for k in changed)
-            raise UserError(f"--resume continues the saved config; these flags cannot change: {flags}")
+            raise UserError(
+                f"--resume continues the saved config; these flags cannot change: {flags}"
+            )
         values = {**saved, **explicit}
     else:
         values = dict(explicit)
@@ -142,12 +161,16 @@ def resolve(cls, explicit: dict, saved: dict | None, resumable: set, presets: di
     args = cls(**values)
     if not args.out:
         tags = f"{'-nopsi' if args.no_psi else ''}{'-tiny' if args.tiny else ''}"
-        args.out = os.path.join("runs", f"{args.mode}{tags}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+        args.out = os.path.join(
+            "runs", f"{args.mode}{tags}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
     check(args)
     return args
 
 
-MODE_SCRIPTS = {"spyrl": "spyrl.py"}  # the script that trains each mode; every other mode: stratagem.py
+MODE_SCRIPTS = {
+    "spyrl": "spyrl.py"
+}  # the script that trains each mode; every other mode: stratagem.py
 
 
 def saved_config(explicit: dict, cls, script: str) -> dict | None:
@@ -159,15 +182,160 @@ def saved_config(explicit: dict, cls, script: str) -> dict | None:
         raise UserError("--resume needs --out (the run directory to continue)")
     out = Path(explicit["out"])
     if out.is_symlink() and not out.exists():
-        raise UserError(f"--resume: {out} is a symbolic link to {os.readlink(out)}, which does not exist")
+        raise UserError(
+            f"--resume: {out} is a symbolic link to {os.readlink(out)}, which does not exist"
+        )
     if out.exists() and not out.is_dir():
         raise UserError(f"--resume: {out} is a file, not a run folder")
     runfiles.check_no_links(out)  # before a file of it is read
     if not (out / "config.json").exists():
         why = "it has no config.json" if out.is_dir() else "it does not exist"
-        raise UserError(f"--resume --out {out}: not a run folder ({why}); --out names the run to continue")
+        raise UserError(
+            f"--resume --out {out}: not a run folder ({why}); --out names the run to continue"
+        )
     mode = runfiles.read_config(out).get("mode")
     theirs = MODE_SCRIPTS.get(mode, "stratagem.py")
     if theirs != script:
         raise UserError(f"{out} is a --mode {mode} run: continue it with python {theirs} --resume")
     return runfiles.read_config(out, cls.__dataclass_fields__)
+
+
+# ---- stratagem.py's flags: their choices, the ones a resume may change, their bounds, the checks
+CHOICES = {
+    "mode": ("stratagem", "spiral"),
+    "action_rule": ("lenient", "spiral"),
+    "tiny_init": ("warm", "random"),
+    "backend": ("auto", "hf", "vllm"),
+    "judge": ("openai", "heuristic"),
+    "judge_aggregate": ("majority", "mean"),
+    "judge_structured": ("auto", "on", "off"),
+    "report_to": ("none", "tensorboard", "wandb"),
+}
+# The flags a resumed run may change; everything else is read back from its config.json.
+RESUMABLE = set(
+    "out resume steps save_every judge_base_url judge_concurrency judge_budget judge_timeout judge_retries "
+    "device backend vllm_gpu_memory_utilization report_to vllm_enforce_eager dry_run dist_timeout".split()
+)
+# (fields, test, wording) of every number flag. Upper bounds: past them a value is a slip of the
+# keyboard that would overflow a timer, a tensor or the memory hours into a run.
+BOUNDS = [
+    (
+        "steps save_every ppo_epochs batch_size micro_batch_size num_envs max_new_tokens max_turns eval_n "
+        "eval_max_turns judge_max_tokens judge_concurrency judge_samples distill_window".split(),
+        lambda v: v >= 1,
+        ">= 1",
+    ),
+    (
+        "error_allowance eval_every beta judge_temperature judge_retries judge_budget kl_coef dist_timeout "
+        "lora_rank lora_alpha best_eval_n".split(),
+        lambda v: v >= 0,
+        ">= 0",
+    ),
+    (("judge_price_in", "judge_price_out"), lambda v: v >= 0, ">= 0 (or -1: the price table's)"),
+    (("max_grad_norm", "judge_timeout"), lambda v: v > 0, "> 0"),
+    (("lr", "distill_lr"), lambda v: 0 < v <= 1, "in (0, 1]"),
+    (("temperature",), lambda v: 1e-3 <= v <= 100, "in [0.001, 100]"),  # below: logits / T overflow
+    (("ema", "lora_dropout"), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (
+        ("judge_sample_rate", "distill_kappa", "distill_audit_rate"),
+        lambda v: 0 <= v <= 1,
+        "in [0, 1]",
+    ),
+    (("vllm_gpu_memory_utilization", "clip_range"), lambda v: 0 < v < 1, "in (0, 1)"),
+    (("seed",), lambda v: 0 <= v < 2**31, "in [0, 2147483647]"),  # NumPy: below 2**32 (+ rank)
+    (("judge_timeout", "dist_timeout"), lambda v: v <= 86400, "<= 86400 (one day)"),
+    (("judge_temperature",), lambda v: v <= 100, "<= 100"),
+    (("beta", "kl_coef", "beta_max"), lambda v: v <= 1000, "<= 1000"),
+    (("beta_share",), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("beta_min",), lambda v: v > 0, "> 0"),
+    (("beta_horizon",), lambda v: 1 <= v <= 10**6, "in [1, 1000000]"),
+    (("judge_samples", "judge_retries", "ppo_epochs"), lambda v: v <= 100, "<= 100"),
+    (("lora_rank",), lambda v: v <= 4096, "<= 4096"),  # a rank past the width adapts nothing more
+    (
+        ("lora_alpha",),
+        lambda v: v <= 65536,
+        "<= 65536",
+    ),  # alpha / R scales the update: 1e300 is NaN at once
+    (("judge_concurrency",), lambda v: v <= 4096, "<= 4096"),
+    (("num_envs",), lambda v: v <= 65536, "<= 65536"),
+    (("judge_max_tokens", "max_new_tokens"), lambda v: v <= 1 << 20, "<= 1048576"),
+    (
+        "max_turns eval_max_turns eval_n best_eval_n distill_window error_allowance".split(),
+        lambda v: v <= 10**6,
+        "<= 1000000",
+    ),
+    (("batch_size",), lambda v: v <= 10**7, "<= 10000000"),
+    (
+        ("steps", "save_every", "eval_every", "micro_batch_size"),
+        lambda v: v <= 10**9,
+        "<= 1000000000",
+    ),
+]
+
+
+def validate(args, context: int | None, warm_start: Path) -> None:
+    """Every flag of a run's Args in its range and consistent with the others, else one line naming
+    it (UserError). `context`: the policy's context length, if known; `warm_start`: --tiny's
+    weights."""
+    from games import check_ids, first_last_ids  # not at the top: games imports this module
+
+    if args.tiny and args.model != "tiny":
+        raise UserError("--tiny builds its own model; drop --model")
+    if context is not None and args.max_new_tokens >= context:
+        raise UserError(
+            f"--max-new-tokens must be < {context}, the model's context, got {args.max_new_tokens}"
+        )
+    check_bounds(args, BOUNDS)
+    for name in ("invalid_rewards", "rejected_rewards"):  # not two numbers: number_pair's UserError
+        text, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        if not all(-1000 <= r <= 1000 for r in number_pair(text, flag)):
+            raise UserError(f"{flag} must be two numbers in [-1000, 1000], got {text!r}")
+    check_ids(args.games)
+    if args.eval_every:
+        check_ids(args.eval_games, "--eval-games")
+    first_last_ids(args.eval_first_last, args.eval_games, "--eval-first-last")
+    if not all(0 <= b < 1 for b in args.betas):
+        raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
+    if args.distill and args.mode != "stratagem":
+        raise UserError(
+            f"--distill learns the judge of --mode stratagem; --mode {args.mode} has none"
+        )
+    lora_flags = {"lora_alpha": 0.0, "lora_dropout": 0.0, "lora_targets": type(args).lora_targets}
+    if not args.lora_rank and any(getattr(args, k) != v for k, v in lora_flags.items()):
+        raise UserError(
+            "--lora-alpha, --lora-dropout and --lora-targets shape LoRA's adapters: give --lora-rank R"
+        )
+    if args.lora_rank and not all(
+        re.fullmatch(r"[A-Za-z_][\w.]*", t) for t in args.lora_targets.split(",")
+    ):
+        raise UserError(
+            f"--lora-targets must be comma-separated layer names, got {args.lora_targets!r}"
+        )
+    if args.judge_budget and not args.judge_price_in + args.judge_price_out:
+        raise UserError(
+            "--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost"
+        )
+    if args.beta_share and not args.beta_min <= args.beta <= args.beta_max:
+        raise UserError(
+            f"--beta {args.beta} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
+        )
+    if args.keep_best and not args.eval_every:
+        raise UserError("--keep-best keeps the best evaluated policy: give --eval-every N")
+    if args.keep_best and args.lora_rank:
+        raise UserError(
+            "--keep-best keeps whole models; with --lora-rank, merge a checkpoint: stratagem.py merge-lora"
+        )
+    if args.judge_shadow and not (args.mode == "spiral" or args.no_psi):
+        raise UserError(
+            "--judge-shadow scores what does not enter A_mod: give --mode spiral or --no-psi"
+        )
+    if args.centre_psi and (args.mode == "spiral" or args.no_psi):
+        raise UserError(
+            "--centre-psi centres psi in A_mod, which --mode spiral and --no-psi leave out"
+        )
+    if args.tiny and args.tiny_init == "warm" and not (warm_start / "config.json").is_file():
+        raise UserError(
+            f"the warm start {warm_start} is missing: python stratagem.py warmstart {warm_start}"
+        )
+    check_base_url(args.judge_base_url, "--judge-base-url")
+    pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work

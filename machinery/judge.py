@@ -1,6 +1,7 @@
 """The judge's machinery: everything between a trajectory and its verdict that a reader of Algorithm 1 can skip.
-stratagem.py's step 3 samples the trajectories, calls JudgeRunner.judge and turns the verdicts into phi and psi;
-this module renders, asks, caches, budgets, records the money and validates.
+stratagem.py's step 3 samples the trajectories, builds each request (stratagem.verdict: the messages, one chat
+call, parse_scores), applies the rules code decides and turns the verdicts into phi and psi; this module renders,
+sends, caches, budgets, records the money and validates.
 
     parse_scores    the verdict in a judge's reply (the last JSON object with every key of the rubric)
     aggregate       several verdicts on one rubric (--judge-samples) combined into one
@@ -44,7 +45,9 @@ def parse_scores(reply: str, rubric: str) -> dict[str, float]:
     (objects, but none with every key), bad_value (booleans, NaN, or a level outside the rubric's set).
     It raises nothing else, whatever the reply (huge numbers, deep nesting: see the tests' fuzzing)."""
     keys = judge_prompts.keys(rubric)
-    tail = loosen_numbers(reply[-65536:])  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
+    tail = loosen_numbers(
+        reply[-65536:]
+    )  # the verdict comes last; bounding the scan keeps a 1 MB reply cheap
     decoder, partial = json.JSONDecoder(), False
     for pos in reversed([m.start() for m in re.finditer(r"\{", tail)][-256:]):
         try:
@@ -60,7 +63,9 @@ def parse_scores(reply: str, rubric: str) -> dict[str, float]:
             return {k: judge_prompts.level(rubric, k, obj[k]) for k in keys}
         except ValueError as e:
             raise JudgeFailure("bad_value", str(e)) from None
-    raise JudgeFailure("missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(keys))
+    raise JudgeFailure(
+        "missing_keys" if partial else "no_json", "no JSON object with " + ", ".join(keys)
+    )
 
 
 def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
@@ -68,7 +73,10 @@ def aggregate(verdicts: list[dict[str, float]], how: str) -> dict[str, float]:
     most frequent level with ties going to the lower level (an unsure judge does not pay more)."""
     if how == "mean":
         return {k: sum(v[k] for v in verdicts) / len(verdicts) for k in verdicts[0]}
-    return {k: min({v[k] for v in verdicts}, key=lambda x: (-sum(v[k] == x for v in verdicts), x)) for k in verdicts[0]}
+    return {
+        k: min({v[k] for v in verdicts}, key=lambda x: (-sum(v[k] == x for v in verdicts), x))
+        for k in verdicts[0]
+    }
 
 
 class HeuristicJudge:
@@ -87,9 +95,13 @@ class HeuristicJudge:
         re.IGNORECASE,
     )
     _STRUCTURE = re.compile(
-        r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)", re.IGNORECASE | re.MULTILINE
+        r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)",
+        re.IGNORECASE | re.MULTILINE,
     )
-    _REASON = re.compile(r"\b(because|since|so that|therefore|thus|in general|always|never|principle)\b", re.IGNORECASE)
+    _REASON = re.compile(
+        r"\b(because|since|so that|therefore|thus|in general|always|never|principle)\b",
+        re.IGNORECASE,
+    )
     _COUNTS = {  # transferability: per turn, the count that sets each dimension's level
         "alpha": lambda x: len({m.lower() for m in HeuristicJudge._ABSTRACT.findall(x)}),
         "sigma": lambda x: len(HeuristicJudge._STRUCTURE.findall(x)),
@@ -108,7 +120,9 @@ class HeuristicJudge:
     def scores(self, rubric: str, trajectory_text: str) -> dict[str, float]:
         """The rubric's verdict, by the rubric's name; a rubric it has no features for (a new one in
         the table) gets its middle level on every key."""
-        turns = judge_prompts.read_turns(trajectory_text)  # the renderer's turns; quoted text cannot add one
+        turns = judge_prompts.read_turns(
+            trajectory_text
+        )  # the renderer's turns; quoted text cannot add one
         featured = {"transferability": self._transferability, "evolution": self._evolution}
         features = featured[rubric](turns) if rubric in featured else {}
         return {k: features.get(k, self._middle(rubric)) for k in judge_prompts.keys(rubric)}
@@ -116,28 +130,39 @@ class HeuristicJudge:
     def _transferability(self, turns: list[dict]) -> dict[str, float]:
         """Each level is the typical turn's (the rubric's rule): counts of general words, structure, reasons."""
         texts = [t["response"] for t in turns]
-        return {k: judge_prompts.typical_level([self._level(n(x)) for x in texts]) for k, n in self._COUNTS.items()}
+        return {
+            k: judge_prompts.typical_level([self._level(n(x)) for x in texts])
+            for k, n in self._COUNTS.items()
+        }
 
     @staticmethod
     def _new_words(texts: list[str]) -> bool:
         """Deepening as new content, not more characters: the last turn's reasoning (its move left out) has a word
         of three letters or more that no earlier turn's had."""
-        words = [set(re.findall(r"[a-z]{3,}", judge_prompts.reasoning_text(x).lower())) for x in texts]
+        words = [
+            set(re.findall(r"[a-z]{3,}", judge_prompts.reasoning_text(x).lower())) for x in texts
+        ]
         return bool(words[-1] - set().union(*words[:-1]))
 
     def _evolution(self, turns: list[dict]) -> dict[str, float]:
         texts, actions = [t["response"] for t in turns], [t["action"] for t in turns]
-        repeated = any(judge_prompts.same_reasoning(x, y) for k, x in enumerate(texts) for y in texts[:k])
+        repeated = any(
+            judge_prompts.same_reasoning(x, y) for k, x in enumerate(texts) for y in texts[:k]
+        )
         verdict = {
             "d": -1.0 if repeated else (1.0 if len(texts) > 1 and self._new_words(texts) else 0.0),
             "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
             "c": 1.0 if all(actions) else (-1.0 if not actions[-1] else 0.0),
         }
-        full = {k: verdict.get(k, self._middle("evolution")) for k in judge_prompts.keys("evolution")}
+        full = {
+            k: verdict.get(k, self._middle("evolution")) for k in judge_prompts.keys("evolution")
+        }
         return judge_prompts.evolution_rules([t["observation"] for t in turns], texts, full)[0]
 
-    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
-        return json.dumps(self.scores(rubric, trajectory_text)), 0, 0
+    def complete(self, rubric: str, messages: list[dict]) -> tuple[str, int, int]:
+        """The reply to build_messages' request: the verdict on the trajectory it quotes."""
+        text = judge_prompts.trajectory_in(messages[-1]["content"])
+        return json.dumps(self.scores(rubric, text)), 0, 0
 
 
 # The start-up check: ONE chat request of a few tokens, made as every judge request is made, whose reply must parse
@@ -145,8 +170,15 @@ class HeuristicJudge:
 # name the server does not serve, a server that is no OpenAI-compatible chat endpoint, and a model that does not
 # answer in JSON. Its tokens are said at start-up and are not in the budget or the ledger.
 PROBE_RUBRIC = "transferability"
-PROBES = 3  # replies the check reads before it says that a judge which answers does not answer verdicts
-ANSWERED = ("finish_length", "finish_other", "empty", "bad_response")  # it answered: worth asking again
+PROBES = (
+    3  # replies the check reads before it says that a judge which answers does not answer verdicts
+)
+ANSWERED = (
+    "finish_length",
+    "finish_other",
+    "empty",
+    "bad_response",
+)  # it answered: worth asking again
 
 
 class ProbeFailed(UserError):
@@ -158,7 +190,8 @@ class ProbeFailed(UserError):
 
 
 PROBE_TEXT = (
-    "This is a connection check, not a trajectory to score. Reply with exactly this JSON object and nothing else:"
+    "This is a connection check, not a trajectory to score. "
+    "Reply with exactly this JSON object and nothing else:"
 )
 
 
@@ -172,13 +205,17 @@ def probe_messages() -> list[dict]:
     return [{"role": "user", "content": f"{PROBE_TEXT} {json.dumps(probe_verdict())}"}]
 
 
-def probe_hint(kind: str, status: int, base_url: str, model: str, served: list[str] | None, max_tokens: int) -> str:
+def probe_hint(
+    kind: str, status: int, base_url: str, model: str, served: list[str] | None, max_tokens: int
+) -> str:
     """What to try when the probe fails as `kind` (HTTP `status`, 0 without one), from what is known: the URL's path
     and the models the server lists."""
     if status in (400, 404, 422) and served is not None and model not in served:
         more = ", ..." if len(served) > 6 else ""
         return f"it lists the models {', '.join(served[:6])}{more}: pass one as --judge-model"
-    if (status in (404, 405, 501) or kind == "bad_response") and not base_url.rstrip("/").endswith("/v1"):
+    if (status in (404, 405, 501) or kind == "bad_response") and not base_url.rstrip("/").endswith(
+        "/v1"
+    ):
         return f"did you mean --judge-base-url {base_url.rstrip('/')}/v1?"
     if status in (405, 501) or kind == "bad_response":
         return "is it an OpenAI-compatible chat endpoint (POST /chat/completions under --judge-base-url)?"
@@ -202,7 +239,11 @@ class OpenAIJudge:
         self.name, self.base_url, self.args = model, base_url, args
         self.structured = args.judge_structured == "on"  # auto: decided by the start-up check
         self.client = openai_client(
-            base_url, args.judge_timeout, args.judge_retries, "--judge openai", args.judge_max_tokens
+            base_url,
+            args.judge_timeout,
+            args.judge_retries,
+            "--judge openai",
+            args.judge_max_tokens,
         )
 
     def check_reachable(self) -> str:
@@ -217,12 +258,22 @@ class OpenAIJudge:
             try:
                 tries, tokens = self._probe(served, structured=True)
                 self.structured = True
-            except ProbeFailed as e:  # auto: a server that refuses the schema (or ignores it) gets free text
-                if mode == "on" or e.kind not in ANSWERED + ("http_400", "http_422", "not_a_verdict"):
+            except (
+                ProbeFailed
+            ) as e:  # auto: a server that refuses the schema (or ignores it) gets free text
+                if mode == "on" or e.kind not in ANSWERED + (
+                    "http_400",
+                    "http_422",
+                    "not_a_verdict",
+                ):
                     raise
         if not self.structured:
             tries, tokens = self._probe(served, structured=False)
-        how = "structured (response_format: the rubric's JSON schema)" if self.structured else "free text, parsed"
+        how = (
+            "structured (response_format: the rubric's JSON schema)"
+            if self.structured
+            else "free text, parsed"
+        )
         how += f"; --judge-structured {mode}" + (
             ": the server refused the schema" if mode == "auto" and not self.structured else ""
         )
@@ -240,7 +291,9 @@ class OpenAIJudge:
         tokens = [0, 0]
         fmt = {"response_format": judge_prompts.response_format(PROBE_RUBRIC)} if structured else {}
         where = f"the judge at {self.url} (--judge-model {self.name})"
-        for attempt in range(1, PROBES + 1):  # a server that cuts one reply short under load is not refused for it
+        for attempt in range(
+            1, PROBES + 1
+        ):  # a server that cuts one reply short under load is not refused for it
             try:
                 reply, p_tok, c_tok = chat(
                     self.client,
@@ -252,16 +305,29 @@ class OpenAIJudge:
                 )
             except JudgeFailure as e:
                 tokens = [tokens[0] + e.tokens[0], tokens[1] + e.tokens[1]]
-                if e.kind in ANSWERED and attempt < PROBES:  # it answered, but cut short or empty: ask again
+                if (
+                    e.kind in ANSWERED and attempt < PROBES
+                ):  # it answered, but cut short or empty: ask again
                     continue
-                status = int(re.match(r"HTTP (\d+)", e.detail).group(1)) if e.detail.startswith("HTTP ") else 0
+                status = (
+                    int(re.match(r"HTTP (\d+)", e.detail).group(1))
+                    if e.detail.startswith("HTTP ")
+                    else 0
+                )
                 what = e.detail if status else f"{e.kind.replace('_', ' ')} ({e.detail or e.kind})"
                 what += f"; {PROBES} replies tried" if e.kind in ANSWERED else ""
                 base = self.base_url or "https://api.openai.com/v1"
-                hint = probe_hint(e.kind, status, base, self.name, served, self.args.judge_max_tokens)
-                if structured and status in (400, 422):  # the schema refused: say how to go without it
+                hint = probe_hint(
+                    e.kind, status, base, self.name, served, self.args.judge_max_tokens
+                )
+                if structured and status in (
+                    400,
+                    422,
+                ):  # the schema refused: say how to go without it
                     hint += "; a judge without structured outputs is asked in free text with --judge-structured off"
-                raise ProbeFailed(e.kind, f"{where} failed its start-up check: {what}; {hint}") from None
+                raise ProbeFailed(
+                    e.kind, f"{where} failed its start-up check: {what}; {hint}"
+                ) from None
             tokens = [tokens[0] + p_tok, tokens[1] + c_tok]
             try:
                 parse_scores(reply, PROBE_RUBRIC)
@@ -270,7 +336,14 @@ class OpenAIJudge:
                 if attempt < PROBES:
                     continue
                 text = " ".join(reply.split())
-                hint = probe_hint("not_a_verdict", 200, self.base_url, self.name, served, self.args.judge_max_tokens)
+                hint = probe_hint(
+                    "not_a_verdict",
+                    200,
+                    self.base_url,
+                    self.name,
+                    served,
+                    self.args.judge_max_tokens,
+                )
                 shown = f"{text[:120]!r}{'...' if len(text) > 120 else ''}"
                 raise ProbeFailed(
                     "not_a_verdict",
@@ -279,12 +352,14 @@ class OpenAIJudge:
                 ) from None
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
+    def complete(self, rubric: str, messages: list[dict]) -> tuple[str, int, int]:
+        """One chat request (with the rubric's schema where verdicts are structured): the reply and
+        its prompt and completion tokens."""
         fmt = {"response_format": judge_prompts.response_format(rubric)} if self.structured else {}
         return chat(
             self.client,
             model=self.name,
-            messages=judge_prompts.build_messages(rubric, trajectory_text),
+            messages=messages,
             temperature=self.args.judge_temperature,
             max_tokens=self.args.judge_max_tokens,
             **fmt,
@@ -292,11 +367,17 @@ class OpenAIJudge:
 
 
 def make_judge(args) -> HeuristicJudge | OpenAIJudge:
-    return HeuristicJudge() if args.judge == "heuristic" else OpenAIJudge(args.judge_model, args.judge_base_url, args)
+    return (
+        HeuristicJudge()
+        if args.judge == "heuristic"
+        else OpenAIJudge(args.judge_model, args.judge_base_url, args)
+    )
 
 
 def render_for_judge(traj) -> str:
-    return judge_prompts.render_trajectory(traj.game, traj.role, [dataclasses.asdict(t) for t in traj.turns])
+    return judge_prompts.render_trajectory(
+        traj.game, traj.role, [dataclasses.asdict(t) for t in traj.turns]
+    )
 
 
 @dataclass
@@ -307,7 +388,9 @@ class Judgement:
     scores: dict | None
     failure: str | None = None
     skipped: bool = False
-    rule: str | None = None  # the evolution rule that set d, a, c (judge_prompts.evolution_rules), if one did
+    rule: str | None = (
+        None  # the rule of code that set some levels (stratagem.judge_trajectories), if one did
+    )
 
 
 class JudgeRunner:
@@ -317,19 +400,32 @@ class JudgeRunner:
     a resumed run's money totals are read back from it (`totals` restores the checkpoint's others)."""
 
     def __init__(
-        self, client, args, cache: runfiles.JudgeCache, ledger: Path | None = None, totals: dict | None = None
+        self,
+        client,
+        args,
+        cache: runfiles.JudgeCache,
+        ledger: Path | None = None,
+        totals: dict | None = None,
     ):
         self.client, self.args, self.cache, self.ledger = client, args, cache, ledger
         self.lock = threading.Lock()
-        self.totals = dict.fromkeys(("requests", "cache_hits", "prompt_tokens", "completion_tokens", "cost"), 0)
+        self.totals = dict.fromkeys(
+            ("requests", "cache_hits", "prompt_tokens", "completion_tokens", "cost"), 0
+        )
         self.totals.update(totals or {})
-        if ledger is not None and ledger.exists():  # what was really spent, a crashed step's requests included
+        if (
+            ledger is not None and ledger.exists()
+        ):  # what was really spent, a crashed step's requests included
             self.totals.update(runfiles.ledger_totals(ledger))
 
     def budget_exhausted(self) -> bool:
         return 0 < self.args.judge_budget <= self.totals["cost"]
 
-    def _request(self, rubric: str, sample: int, text: str, step: dict) -> tuple[dict | None, str | None]:
+    def _request(
+        self, verdict, rubric: str, sample: int, text: str, step: dict
+    ) -> tuple[dict | None, str | None]:
+        """One verdict: from the cache, else `verdict(chat, rubric, text)` (stratagem.verdict), whose one `chat`
+        call is sent here, paid and put on the ledger before its reply is read. Returns (levels, failure kind)."""
         key = runfiles.JudgeCache.key(
             self.client.name,
             rubric,
@@ -342,36 +438,38 @@ class JudgeRunner:
         if self.client.cacheable and (hit := self.cache.entries.get(key)) is not None:
             self._count(step, cache_hits=1)
             return hit, None
-        if self.budget_exhausted():  # checked per request: at most judge_concurrency requests overshoot
+        if (
+            self.budget_exhausted()
+        ):  # checked per request: at most judge_concurrency requests overshoot
             return None, "budget"
-        reply, kind, scores = None, None, None
+
+        def chat(messages: list[dict]) -> str:
+            try:
+                reply, p_tok, c_tok = self.client.complete(rubric, messages)
+            except JudgeFailure as e:
+                self._pay(step, rubric, key, e.kind, e.tokens)
+                raise
+            self._pay(step, rubric, key, None, (p_tok, c_tok))
+            return reply
+
         try:
-            reply, p_tok, c_tok = self.client.complete(rubric, text)
+            scores = verdict(chat, rubric, text)
         except JudgeFailure as e:
-            kind, (p_tok, c_tok) = e.kind, e.tokens
+            return None, e.kind
+        if self.client.cacheable:
+            self.cache.put(key, rubric, scores)
+        return scores, None
+
+    def _pay(self, step: dict, rubric: str, key: str, kind: str | None, tokens) -> None:
+        """A request's tokens and money in the totals and, as paid, on the ledger."""
+        p_tok, c_tok = tokens
         cost = p_tok * self.args.judge_price_in / 1e6 + c_tok * self.args.judge_price_out / 1e6
         self._count(step, requests=1, prompt_tokens=p_tok, completion_tokens=c_tok, cost=cost)
         if self.ledger is not None:  # on record as paid before its reply is read at all
+            line = {"rubric": rubric, "key": key, "failure": kind, "prompt_tokens": p_tok}
+            line |= {"completion_tokens": c_tok, "cost": cost}
             with self.lock:
-                runfiles.append_jsonl(
-                    self.ledger,
-                    {
-                        "rubric": rubric,
-                        "key": key,
-                        "failure": kind,
-                        "prompt_tokens": p_tok,
-                        "completion_tokens": c_tok,
-                        "cost": cost,
-                    },
-                )
-        if reply is not None:
-            try:
-                scores = parse_scores(reply, rubric)
-            except JudgeFailure as e:
-                kind = e.kind
-        if scores is not None and self.client.cacheable:
-            self.cache.put(key, rubric, scores)
-        return scores, kind
+                runfiles.append_jsonl(self.ledger, line)
 
     def _count(self, step: dict, **amounts) -> None:
         with self.lock:
@@ -380,28 +478,37 @@ class JudgeRunner:
                 step[k] = step.get(k, 0) + v
 
     def judge(
-        self, trajs: list, rubrics: list[str], progress: watch.Progress | None = None
+        self, trajs: list, rubrics: list[str], verdict, progress: watch.Progress | None = None
     ) -> tuple[list[Judgement], dict]:
-        """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits).
-        `progress` hears of every request answered (cache hits and failures included). A one-turn
-        trajectory is not asked a rubric that needs more turns (evolution); a rubric's rules (judge_prompts.RULES)
-        apply to every verdict."""
+        """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits). Each
+        trajectory is asked each rubric it has the turns for (evolution needs two), --judge-samples times, the
+        requests in flight together; `verdict` makes each (stratagem.verdict). `progress` hears of every request
+        answered (cache hits and failures included). The rules code decides are stratagem's to apply."""
         texts = [render_for_judge(t) for t in trajs]
-        asked = [[r for r in rubrics if len(t.turns) >= judge_prompts.RUBRICS[r]["turns"]] for t in trajs]
-        jobs = [(i, r, s) for i in range(len(trajs)) for r in asked[i] for s in range(self.args.judge_samples)]
+        asked = [
+            [r for r in rubrics if len(t.turns) >= judge_prompts.RUBRICS[r]["turns"]] for t in trajs
+        ]
+        jobs = [
+            (i, r, s)
+            for i in range(len(trajs))
+            for r in asked[i]
+            for s in range(self.args.judge_samples)
+        ]
         step: dict = {}
         done = itertools.count(1)  # next() on a count is atomic under the GIL: a thread-safe tally
 
         def request(job):
-            result = self._request(job[1], job[2], texts[job[0]], step)
+            result = self._request(verdict, job[1], job[2], texts[job[0]], step)
             if progress is not None:
                 progress.phase(f"judge {next(done)}/{len(jobs)} requests")
             return result
 
-        results = concurrently(request, jobs, self.args.judge_concurrency)  # a stop signal does not wait for them
+        results = concurrently(
+            request, jobs, self.args.judge_concurrency
+        )  # a stop signal does not wait for them
         judgements = []
-        for i, t in enumerate(trajs):
-            scores, kinds, rule = {}, [], None
+        for i in range(len(trajs)):
+            scores, kinds = {}, []
             for rubric in asked[i]:
                 mine = [res for (j, r, _), res in zip(jobs, results) if j == i and r == rubric]
                 valid = [s for s, _ in mine if s is not None]
@@ -409,10 +516,7 @@ class JudgeRunner:
                     scores.update(aggregate(valid, self.args.judge_aggregate))
                 else:
                     kinds.append(next(k for _, k in mine if k))
-            for rubric in (r for r in rubrics if r in judge_prompts.RULES and not kinds):
-                observations, responses = [x.observation for x in t.turns], [x.response for x in t.turns]
-                scores, rule = judge_prompts.RULES[rubric](observations, responses, scores)
             failure = next((k for k in kinds if k != "budget"), None)
             skipped = bool(kinds) and failure is None
-            judgements.append(Judgement(None if kinds else scores, failure, skipped, rule))
+            judgements.append(Judgement(None if kinds else scores, failure, skipped))
         return judgements, step

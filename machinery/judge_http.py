@@ -21,7 +21,9 @@ import httpcore
 import httpx
 import openai
 
-_attempt = threading.local()  # .deadline: time.monotonic() by which this thread's current attempt ends
+_attempt = (
+    threading.local()
+)  # .deadline: time.monotonic() by which this thread's current attempt ends
 
 
 def _wait(timeout: float | None, late: type[Exception]) -> float | None:
@@ -52,7 +54,9 @@ class _BoundedStream(httpcore.NetworkStream):
 
     def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> _BoundedStream:
         return _BoundedStream(
-            self.stream.start_tls(ssl_context, server_hostname, _wait(timeout, httpcore.ConnectTimeout))
+            self.stream.start_tls(
+                ssl_context, server_hostname, _wait(timeout, httpcore.ConnectTimeout)
+            )
         )
 
     def get_extra_info(self, info: str):
@@ -65,14 +69,20 @@ class _BoundedBackend(httpcore.NetworkBackend):
     def __init__(self, backend: httpcore.NetworkBackend):
         self.backend = backend
 
-    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None) -> _BoundedStream:
+    def connect_tcp(
+        self, host, port, timeout=None, local_address=None, socket_options=None
+    ) -> _BoundedStream:
         return _BoundedStream(
-            self.backend.connect_tcp(host, port, _wait(timeout, httpcore.ConnectTimeout), local_address, socket_options)
+            self.backend.connect_tcp(
+                host, port, _wait(timeout, httpcore.ConnectTimeout), local_address, socket_options
+            )
         )
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None) -> _BoundedStream:
         return _BoundedStream(
-            self.backend.connect_unix_socket(path, _wait(timeout, httpcore.ConnectTimeout), socket_options)
+            self.backend.connect_unix_socket(
+                path, _wait(timeout, httpcore.ConnectTimeout), socket_options
+            )
         )
 
     def sleep(self, seconds: float) -> None:
@@ -93,7 +103,9 @@ class ReplyEncoded(openai.APIConnectionError):
     retried (the same server compresses again); at start-up, check_reachable says so in one line."""
 
     def __init__(self, request, encoding: str):
-        super().__init__(message=f"the reply is compressed (Content-Encoding: {encoding})", request=request)
+        super().__init__(
+            message=f"the reply is compressed (Content-Encoding: {encoding})", request=request
+        )
         self.encoding = encoding
 
 

@@ -29,8 +29,14 @@ import torch
 from safetensors import SafetensorError
 
 import judge_prompts
-from machinery import UserError, costs, distill, flags, lora, memory, runfiles, watch
-from machinery.distributed import Dist, load_optimizer_state, pick_backend, pick_device, pick_threads
+from machinery import UserError, adaptive_beta, costs, distill, flags, memory, runfiles, watch
+from machinery.distributed import (
+    Dist,
+    load_optimizer_state,
+    pick_backend,
+    pick_device,
+    pick_threads,
+)
 from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
 
 
@@ -44,24 +50,42 @@ class Run:
     device: torch.device
     games: list[str]
     eval_games: list[str]
-    rng: random.Random  # our own draws (games, judge sampling); checkpointed with the global streams
+    rng: (
+        random.Random
+    )  # our own draws (games, judge sampling); checkpointed with the global streams
     model: torch.nn.Module
     tokenizer: object
     policy: object  # stratagem.HFPolicy or machinery/vllm_engine.VLLMPolicy
     optimizer: torch.optim.Optimizer
-    reference: torch.nn.Module | None  # the initial policy, frozen: the KL penalty's (--kl-coef > 0), else None
-    distiller: distill.Distiller | None = None  # --distill: the heads, their holdout and trust (rank 0)
-    baselines: dict[str, float] = field(default_factory=dict)  # RAE: b[G, p], keyed "game/playerP"; SpyRL "task/role"
-    beta: float = 0.0  # this step's beta: --beta, or where --beta-share's controller has moved it (set by start_run)
-    lengths: dict[str, float] = field(default_factory=dict)  # transitions per game id, to size the batch
+    reference: (
+        torch.nn.Module | None
+    )  # the initial policy, frozen: the KL penalty's (--kl-coef > 0), else None
+    distiller: distill.Distiller | None = (
+        None  # --distill: the heads, their holdout and trust (rank 0)
+    )
+    baselines: dict[str, float] = field(
+        default_factory=dict
+    )  # RAE: b[G, p], keyed "game/playerP"; SpyRL "task/role"
+    beta: float | None = (
+        None  # --beta-share: where its controller has moved beta (else None: --beta)
+    )
+    lengths: dict[str, float] = field(
+        default_factory=dict
+    )  # transitions per game id, to size the batch
     start: int = 0  # steps already done (a resumed run)
     elapsed: float = 0.0
     runner: JudgeRunner | None = None
     reporter: watch.Reporter | None = None
     announced: bool = False  # the judge budget's banner is shown once
-    recent: list = field(default_factory=list)  # {score: batch mean} of the steps judged: stratagem.after_budget
-    reproject: object = None  # the judge's projection again, (steps, counts) -> projection: made after step 1
-    judged: int = 0  # trajectories judged and failures, over this process's steps: the end-of-run alarm
+    recent: list = field(
+        default_factory=list
+    )  # {score: batch mean} of the steps judged: modulation.after_budget
+    reproject: object = (
+        None  # the judge's projection again, (steps, counts) -> projection: made after step 1
+    )
+    judged: int = (
+        0  # trajectories judged and failures, over this process's steps: the end-of-run alarm
+    )
     failures: Counter = field(default_factory=Counter)
 
 
@@ -70,9 +94,9 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     checkpoint to resume) before --out is claimed, then the policy and the judge (a fresh --out whose run
     fails to start is removed again), then the run's files. Returns None, touching nothing, for --dry-run (the
     plan printed) and for a resumed run that has already done --steps. From the trainer: `load(args, checkpoint,
-    dist, device)` -> (model, tokenizer, generation engine, KL reference or None), `make_env` (the judge's cost
-    projection plays a few games), `seed(seed)` -> the run's own Random (its seeding block) and `shape(args)` -> the
-    model's config fields or None (--dry-run's memory projection)."""
+    dist, device)` -> (model, tokenizer, generation engine, KL reference or None, optimizer), `make_env` (the
+    judge's cost projection plays a few games), `seed(seed)` -> the run's own Random (its seeding block) and
+    `shape(args)` -> the model's config fields or None (--dry-run's memory projection)."""
     watch.quiet_transformers()
     dist, out = Dist(args), Path(args.out)
     if args.keep_best and dist.world > 1:
@@ -80,35 +104,59 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     games = flags.items(args.games)  # checked by the trainer's validate()
     eval_games = flags.items(args.eval_games) if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
-    threads = pick_threads(device)  # torch's intra-op threads: OMP_NUM_THREADS, else half the cores on a CPU
+    threads = pick_threads(
+        device
+    )  # torch's intra-op threads: OMP_NUM_THREADS, else half the cores on a CPU
     requested = args.backend
-    args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine taken
-    if args.resume and dist.main:  # another job on the run may be in the middle of a save: refused before a read
+    args.backend, engine = pick_backend(
+        args.backend, device
+    )  # config.json records the engine taken
+    if (
+        args.resume and dist.main
+    ):  # another job on the run may be in the middle of a save: refused before a read
         runfiles.check_not_in_use(out)
     # the checkpoint to resume (None: no save yet); a LoRA run's holds its adapter in place of the model
-    ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world, args.lora_rank > 0) if args.resume else None
+    ckpt = (
+        runfiles.resume_checkpoint(out, args.steps, dist.world, args.lora_rank > 0)
+        if args.resume
+        else None
+    )
     done = runfiles.checkpoint_step(ckpt) if ckpt is not None else 0
     steps_left = args.steps - done
     reproject = (
         functools.partial(costs.judge_projection, args, games, make_env)
-        if judge_prompts.asked(args) and dist.main and (args.dry_run or args.judge == "openai")
+        if args.asked and dist.main and (args.dry_run or args.judge == "openai")
         else None
     )
     counts = (  # a resumed run projects from what its own policy played (its metrics up to the checkpoint)
-        costs.measured([m for m in runfiles.read_jsonl(out / "metrics.jsonl") if m.get("step", math.inf) <= done])
+        costs.measured(
+            [
+                m
+                for m in runfiles.read_jsonl(out / "metrics.jsonl")
+                if m.get("step", math.inf) <= done
+            ]
+        )
         if done and reproject is not None and (out / "metrics.jsonl").exists()
         else None
     )
-    projection = reproject(steps_left, counts) if reproject is not None else None  # before any money is spent
+    projection = (
+        reproject(steps_left, counts) if reproject is not None else None
+    )  # before any money is spent
     if args.dry_run:
         if dist.main:
-            total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-            fit = memory.plan_lines(args, shape(args) if shape else None, device, dist.world, total, requested)
+            total = (
+                torch.cuda.get_device_properties(device).total_memory
+                if device.type == "cuda"
+                else None
+            )
+            fit = memory.plan_lines(
+                args, shape(args) if shape else None, device, dist.world, total, requested
+            )
             print(costs.plan(args, out, games, device, engine, projection, fit))
         dist.close()
         return None
     rng = seed(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
-    judge = make_judge(args) if judge_prompts.asked(args) and dist.main else None  # SPIRAL: none, unless shadowed
+    judge = make_judge(args) if args.asked and dist.main else None  # SPIRAL: none, unless shadowed
     if ckpt is not None and steps_left == 0:  # a re-queued job ends cleanly
         if dist.main:
             print(
@@ -118,20 +166,30 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
         dist.close()
         return None
     if dist.main:
-        runfiles.check_writable_dir(out, "--out")  # first: a file or a dangling link is said as such
+        runfiles.check_writable_dir(
+            out, "--out"
+        )  # first: a file or a dangling link is said as such
         if not args.resume and out.exists():
             if (out / "config.json").exists():
-                raise UserError(f"{out} already exists; pass --resume to continue it, or choose another --out")
-            raise UserError(f"{out} already exists and is no run folder (no config.json): choose another --out")
+                raise UserError(
+                    f"{out} already exists; pass --resume to continue it, or choose another --out"
+                )
+            raise UserError(
+                f"{out} already exists and is no run folder (no config.json): choose another --out"
+            )
         if judge is not None and args.judge_cache:
             runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
     reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None
     if dist.main:
         # the judge's probe first, before the run folder exists or anything is said of the run or paid
         checked = judge.check_reachable() if isinstance(judge, OpenAIJudge) else None
-        runfiles.claim_run(out, fresh=not args.resume)  # one job per run folder; released by main() or finish_run()
+        runfiles.claim_run(
+            out, fresh=not args.resume
+        )  # one job per run folder; released by main() or finish_run()
         structured = judge.structured if isinstance(judge, OpenAIJudge) else None
-        print(watch.start_line(args, out, device, engine, threads, dist.world, structured), flush=True)
+        print(
+            watch.start_line(args, out, device, engine, threads, dist.world, structured), flush=True
+        )
         if projection is not None:
             print("\n".join(costs.projection_lines(args, projection)), flush=True)
         if checked:
@@ -141,14 +199,31 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             flush=True,
         )
     t_load = time.perf_counter()
-    model, tokenizer, policy, reference = load(args, ckpt, dist, device)
+    model, tokenizer, policy, reference, optimizer = load(args, ckpt, dist, device)
     if dist.main:
-        print(f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)", flush=True)
-    optimizer = torch.optim.Adam(lora.trainable(model), lr=args.lr, betas=args.betas)  # LoRA: the adapters only
-    run = Run(args, dist, out, device, games, eval_games, rng, model, tokenizer, policy, optimizer, reference)
-    run.beta = args.beta
+        print(
+            f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)",
+            flush=True,
+        )
+    run = Run(
+        args,
+        dist,
+        out,
+        device,
+        games,
+        eval_games,
+        rng,
+        model,
+        tokenizer,
+        policy,
+        optimizer,
+        reference,
+    )
+    run.beta = adaptive_beta.first(args)
     run.reproject = reproject
-    run.distiller = distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
+    run.distiller = (
+        distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
+    )
     judge_totals = None
     if ckpt is not None:
         state = runfiles.load_state(ckpt / "trainer_state.pt", runfiles.TRAINER_STATE)
@@ -160,16 +235,20 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             state["judge_totals"],
         )
         recent = state.get("recent", [])  # a checkpoint written before it was kept has none
-        run.recent = [dict(zip(("phi", "psi"), r)) if isinstance(r, list) else r for r in recent]  # old: pairs
+        run.recent = [
+            dict(zip(("phi", "psi"), r)) if isinstance(r, list) else r for r in recent
+        ]  # old: pairs
         run.lengths = own["lengths"]
-        run.beta = state.get("beta", args.beta)  # (a checkpoint from before --beta-share: the flag's)
+        run.beta = adaptive_beta.resumed(args, state.get("beta"))
         try:  # what the schema cannot see: an optimizer or heads' state of another shape
             load_optimizer_state(model, optimizer, state["optimizer"])
             if run.distiller is not None:
                 run.distiller.load_state_dict(state["distill"])
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
             why = " ".join(str(e).split())[:160]
-            raise UserError(f"--resume: {ckpt} does not fit this run ({type(e).__name__}: {why}); restore it") from None
+            raise UserError(
+                f"--resume: {ckpt} does not fit this run ({type(e).__name__}: {why}); restore it"
+            ) from None
         runfiles.set_rng_states(rng, own["rng"])
         policy.sync(model)
     elif dist.main:
@@ -177,7 +256,10 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     if not dist.main:
         return run
     if args.resume:  # lines logged after the checkpoint are replayed; without one, from step 0 with the saved config
-        for name in ("metrics.jsonl", "trajectories.jsonl"):  # no checkpoint: step 0's evaluation is played again
+        for name in (
+            "metrics.jsonl",
+            "trajectories.jsonl",
+        ):  # no checkpoint: step 0's evaluation is played again
             runfiles.truncate_jsonl(out / name, run.start if ckpt else -1)
         print(
             f"resuming {out} from step {run.start}"
@@ -185,12 +267,16 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             else f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config"
         )
     if reporter is not None:
-        reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it (release_runs)
+        reporter.open(
+            out, args, run.start
+        )  # if it fails, a fresh --out goes with it (release_runs)
     run.reporter = reporter
     if changes := runfiles.write_config(out, dataclasses.asdict(args), run.start):
         print(changes, flush=True)
     if judge is not None:
-        cache = runfiles.JudgeCache(Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl")
+        cache = runfiles.JudgeCache(
+            Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl"
+        )
         if cache.skipped:
             print(
                 f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
@@ -236,11 +322,13 @@ def summarize(values: list[float]) -> tuple[float, float]:
 
 
 def levels_mean(trajs: list) -> dict[str, float | None]:
-    """Per rubric dimension (alpha, sigma, rho, d, a, c: the table's), the mean level over the judged trajectories
+    """Per rubric dimension (every key of judge_prompts.RUBRICS), the mean level over the judged trajectories
     that have it; None where none has."""
     out = {}
     for key in judge_prompts.ALL_KEYS:
-        known = [t.scores[key] for t in trajs if t.scores is not None and t.scores.get(key) is not None]
+        known = [
+            t.scores[key] for t in trajs if t.scores is not None and t.scores.get(key) is not None
+        ]
         out[key] = sum(known) / len(known) if known else None
     return out
 
@@ -300,10 +388,17 @@ def step_metrics(
         "judge_failures": failures,
         "judge_skipped_budget": sum(j.skipped for j in judged.values()),
         "judge_evolution_rules": Counter(j.rule for j in judged.values() if j.rule),
-        "judged_multi_turn": sum(t.judged and len(t.turns) > 1 for t in played),  # psi has turns to compare
-        "psi_nonzero": sum(t.judged and t.logged.get("psi", t.psi) != 0 for t in played),  # --judge-shadow: logged
+        "judged_multi_turn": sum(
+            t.judged and len(t.turns) > 1 for t in played
+        ),  # psi has turns to compare
+        "psi_nonzero": sum(
+            t.judged and t.logged.get("psi", t.psi) != 0 for t in played
+        ),  # --judge-shadow: logged
         "levels_mean": levels_mean(played),
-        **{f"judge_{k}": usage.get(k, 0) for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")},
+        **{
+            f"judge_{k}": usage.get(k, 0)
+            for k in ("requests", "cache_hits", "prompt_tokens", "completion_tokens")
+        },
         "judge_cost": usage.get("cost", 0.0),
         "judge_cost_total": runner.totals["cost"] if runner else 0.0,
         "judge_budget_exhausted": bool(runner and runner.budget_exhausted()),
@@ -314,7 +409,11 @@ def step_metrics(
         "a_mod_std": a_mod_std,
         "loss": sum(r[2] for r in ranks) / run.dist.world,
         "grad_norm": grad_norm,
-        **({"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)} if run.args.ppo_epochs > 1 else {}),
+        **(
+            {"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)}
+            if run.args.ppo_epochs > 1
+            else {}
+        ),
         **(
             {"kl": sum(e["kl"] for r in ranks for e in r[3]) / (len(ranks[0][3]) * run.dist.world)}
             if run.reference is not None
@@ -347,17 +446,32 @@ def end_step(
     step_time = time.perf_counter() - timer.start
     run.elapsed += step_time
     if run.dist.main:
-        if mod.get("modulated"):  # the judged means that stratagem.after_budget averages once the budget is spent
+        if mod.get(
+            "modulated"
+        ):  # the judged means that modulation.after_budget averages once the budget is spent
             means = {s: mod.get(f"{s}_mean") for s in judge_prompts.SCORES}
             run.recent.append({s: v for s, v in means.items() if v is not None})
         metrics = step_metrics(
-            run, step, trajs, ranks, judged, usage, mod, update["grad_norm"], evaluation, timer, step_time, extra
+            run,
+            step,
+            trajs,
+            ranks,
+            judged,
+            usage,
+            mod,
+            update["grad_norm"],
+            evaluation,
+            timer,
+            step_time,
+            extra,
         )
         if run.runner is not None and run.runner.budget_exhausted() and not run.announced:
             watch.announce_budget(run.runner.totals["cost"], run.args.judge_budget, step)
             run.announced = True
         log_step(run, metrics, trajs)
-        if run.reproject is not None and step == 1 and step < run.args.steps:  # now on this policy's own counts
+        if (
+            run.reproject is not None and step == 1 and step < run.args.steps
+        ):  # now on this policy's own counts
             projection = run.reproject(run.args.steps - step, costs.measured([metrics]))
             print("\n".join(costs.projection_lines(run.args, projection)), flush=True)
     if evaluation:
@@ -371,13 +485,19 @@ def first_eval(run: Run, evaluation: dict | None) -> None:
     {"step": 0, "eval": ...} and step line, so that a learning curve starts where the policy started."""
     if evaluation:
         runfiles.append_jsonl(run.out / "metrics.jsonl", {"step": 0, "eval": evaluation})
-        print(f"step 0/{run.args.steps} | before any update | {watch.eval_text(evaluation)}", flush=True)
+        print(
+            f"step 0/{run.args.steps} | before any update | {watch.eval_text(evaluation)}",
+            flush=True,
+        )
         keep_best(run, 0, evaluation)
 
 
 BEST = {  # what best/best.json must hold: (in words, the test)
     "step": ("a step number", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "win_rate": ("a rate", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1),
+    "win_rate": (
+        "a rate",
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,
+    ),
 }
 
 
@@ -396,10 +516,18 @@ def read_best(out: Path) -> dict | None:
     try:
         record = json.loads(runfiles.read_small(best / "best.json"))
     except (OSError, ValueError) as e:
-        raise UserError(f"{best / 'best.json'} is unreadable ({type(e).__name__}); move {best} away") from None
-    bad = [k for k, (_, ok) in BEST.items() if not isinstance(record, dict) or k not in record or not ok(record[k])]
+        raise UserError(
+            f"{best / 'best.json'} is unreadable ({type(e).__name__}); move {best} away"
+        ) from None
+    bad = [
+        k
+        for k, (_, ok) in BEST.items()
+        if not isinstance(record, dict) or k not in record or not ok(record[k])
+    ]
     if bad:
-        raise UserError(f"{best / 'best.json'} is malformed ({bad[0]!r} is not {BEST[bad[0]][0]}); move {best} away")
+        raise UserError(
+            f"{best / 'best.json'} is malformed ({bad[0]!r} is not {BEST[bad[0]][0]}); move {best} away"
+        )
     return record
 
 
@@ -417,16 +545,26 @@ def keep_best(run: Run, step: int, evaluation: dict) -> None:
         return
     tmp, old, final = run.out / ".best-tmp", run.out / ".best-old", run.out / "best"
     try:
-        runfiles.remove(tmp)  # left by a kill during an earlier write; a link there goes, not what it points to
+        runfiles.remove(
+            tmp
+        )  # left by a kill during an earlier write; a link there goes, not what it points to
         tmp.mkdir(mode=0o700)
         run.model.save_pretrained(tmp)
         run.tokenizer.save_pretrained(tmp)
-        runfiles.write_atomic(tmp / "best.json", json.dumps({"step": step, **evaluation}, indent=1).encode())
+        runfiles.write_atomic(
+            tmp / "best.json", json.dumps({"step": step, **evaluation}, indent=1).encode()
+        )
         runfiles.follow_umask(tmp)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: safetensors raises its own error
+    except (
+        OSError,
+        RuntimeError,
+        SafetensorError,
+    ) as e:  # a full disk: safetensors raises its own error
         runfiles.remove(tmp)
         kept = f"step {best['step']}'s" if best else "nothing yet"
-        watch.warn(f"could not keep step {step}'s policy in {final} ({str(e).strip()[:120]}); it holds {kept}")
+        watch.warn(
+            f"could not keep step {step}'s policy in {final} ({str(e).strip()[:120]}); it holds {kept}"
+        )
         return
     runfiles.remove(old)
     if final.exists():
@@ -448,7 +586,9 @@ def log_step(run: Run, metrics: dict, trajs: list) -> None:
     run.failures.update(metrics["judge_failures"])
     if metrics["judge_judged"] and 2 * metrics["judge_failed"] >= metrics["judge_judged"]:
         print(
-            watch.judge_alarm(metrics["judge_judged"], metrics["judge_failures"], f"at step {metrics['step']}"),
+            watch.judge_alarm(
+                metrics["judge_judged"], metrics["judge_failures"], f"at step {metrics['step']}"
+            ),
             file=sys.stderr,
             flush=True,
         )
@@ -480,7 +620,9 @@ def save(run: Run, step: int) -> None:
 def finish_run(run: Run) -> Path | None:
     """The end-of-run judge alarm, the engines and process group closed. Returns the run folder on rank 0 (main()
     prints the closing line with the next commands for it; bench, whose folder is temporary, does not), else None."""
-    if run.runner is not None and (line := watch.run_alarm(run.judged, run.failures, run.start + 1, run.args.steps)):
+    if run.runner is not None and (
+        line := watch.run_alarm(run.judged, run.failures, run.start + 1, run.args.steps)
+    ):
         print(line, file=sys.stderr, flush=True)
     if run.reporter is not None:
         run.reporter.close()

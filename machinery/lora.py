@@ -59,13 +59,19 @@ def add_adapters(model, args, checkpoint=None):
 
     model.requires_grad_(False)
     with warnings.catch_warnings(), torch.random.fork_rng():
-        warnings.simplefilter("ignore", FutureWarning)  # peft reads an attribute transformers 5 has deprecated
+        warnings.simplefilter(
+            "ignore", FutureWarning
+        )  # peft reads an attribute transformers 5 has deprecated
         torch.manual_seed(args.seed)
         try:
             model = get_peft_model(model, lora_config(args))
         except ValueError as e:  # a --lora-targets name the model does not have
-            raise UserError(f"--lora-targets {args.lora_targets}: {str(e).strip().splitlines()[0]}") from None
-    model.peft_config[ADAPTER].base_model_name_or_path = args.model  # not the folder it was read from
+            raise UserError(
+                f"--lora-targets {args.lora_targets}: {str(e).strip().splitlines()[0]}"
+            ) from None
+    model.peft_config[
+        ADAPTER
+    ].base_model_name_or_path = args.model  # not the folder it was read from
     return model
 
 
@@ -82,7 +88,9 @@ def check_adapter_config(checkpoint) -> dict:
     r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
     if not (isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= 4096):
         raise UserError(f"{path}: r must be a whole number in [1, 4096], got {r!r:.40}")
-    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < abs(alpha) <= 65536):
+    if not (
+        isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < abs(alpha) <= 65536
+    ):
         raise UserError(f"{path}: lora_alpha must be a number in (0, 65536], got {alpha!r:.40}")
     if not (isinstance(targets, (list, str)) and all(isinstance(t, str) for t in targets)):
         raise UserError(f"{path}: target_modules must be layer names, got {targets!r:.60}")
@@ -107,16 +115,26 @@ def load_adapters(model, checkpoint, trainable: bool):
             peft_model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=trainable)
     except Exception as e:  # noqa: BLE001 - whatever a damaged adapter makes PEFT raise is one line
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(f"{checkpoint}: its LoRA adapter cannot be loaded ({type(e).__name__}: {first})") from None
+        raise UserError(
+            f"{checkpoint}: its LoRA adapter cannot be loaded ({type(e).__name__}: {first})"
+        ) from None
     wanted = {
-        k.replace(f".{ADAPTER}.", "."): tuple(v.shape) for k, v in peft_model.state_dict().items() if ".lora_" in k
+        k.replace(f".{ADAPTER}.", "."): tuple(v.shape)
+        for k, v in peft_model.state_dict().items()
+        if ".lora_" in k
     }
     problems = [f"{k} is missing" for k in sorted(set(wanted) - set(saved))]
     problems += [f"{k} is not one of the adapter's" for k in sorted(set(saved) - set(wanted))]
-    problems += [f"{k} has shape {saved[k]}, the adapter's is {v}" for k, v in wanted.items() if saved.get(k, v) != v]
+    problems += [
+        f"{k} has shape {saved[k]}, the adapter's is {v}"
+        for k, v in wanted.items()
+        if saved.get(k, v) != v
+    ]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UserError(f"{weights} does not fit its adapter_config.json: tensor {problems[0]}{more}")
+        raise UserError(
+            f"{weights} does not fit its adapter_config.json: tensor {problems[0]}{more}"
+        )
     return peft_model
 
 
@@ -125,7 +143,9 @@ def adapter_scalings(model) -> dict[str, float]:
     return {name: m.scaling[ADAPTER] for name, m in model.named_modules() if hasattr(m, "lora_A")}
 
 
-def merge_adapters(weights: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
+def merge_adapters(
+    weights: dict[str, torch.Tensor], scalings: dict[str, float]
+) -> dict[str, torch.Tensor]:
     """A PEFT model's state dict -> the base model's, adapters merged: W' = W + s B A, computed in fp32 and returned
     in W's dtype (s = alpha / R per layer, `scalings`). Names lose PEFT's `base_model.model.` prefix and
     `.base_layer`; the adapters' own tensors are dropped. W [out, in], A [R, in], B [out, R]."""
@@ -133,7 +153,9 @@ def merge_adapters(weights: dict[str, torch.Tensor], scalings: dict[str, float])
     for name, tensor in weights.items():
         if ".lora_" in name:
             continue
-        layer, _, kind = name.removeprefix("base_model.model.").rpartition(".")  # kind: weight / bias
+        layer, _, kind = name.removeprefix("base_model.model.").rpartition(
+            "."
+        )  # kind: weight / bias
         module = name.rpartition(".")[0].removesuffix(".base_layer")
         if module in scalings and kind == "weight":
             a = weights[f"{module}.lora_A.{ADAPTER}.weight"].float()  # [R, in]

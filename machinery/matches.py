@@ -35,7 +35,9 @@ def candidate_actions(observation: str) -> list[str]:
     """Every bracketed action the game's text shows ('[4]', '[col 4]', '[Bid: 3, 4]', '[roll]', ...), and
     each of them with its numbers (at most two) replaced by every value 0..15: a superset of the legal
     moves of TextArena's board, card and dice games, read off the text so any game id works."""
-    shown = dict.fromkeys(m for m in re.findall(r"\[[^\[\]\n]{1,60}\]", observation) if not _ROLE_TAG.fullmatch(m))
+    shown = dict.fromkeys(
+        m for m in re.findall(r"\[[^\[\]\n]{1,60}\]", observation) if not _ROLE_TAG.fullmatch(m)
+    )
     out = dict.fromkeys(shown)
     for action in shown:
         numbers = list(re.finditer(r"\d+", action))
@@ -58,7 +60,9 @@ def legal_actions(env, pid: int, observation: str) -> list[str]:
 SMALL = 32  # candidate moves up to which every one is tried; above, a legal move is found by rejection sampling
 
 
-def random_legal_move(env, pid: int, observation: str, rng: random.Random) -> tuple[str, tuple[str, ...]]:
+def random_legal_move(
+    env, pid: int, observation: str, rng: random.Random
+) -> tuple[str, tuple[str, ...]]:
     """(a uniformly random legal move or "" if there is none, the legal moves or () where they were not enumerated).
     Up to SMALL candidates (TicTacToe, Kuhn Poker) every one is tried; with more (SimpleNegotiation's ~200 offers,
     Liar's Dice's bids) by rejection sampling: a uniform draw from the candidates, kept once the game accepts it, is
@@ -68,7 +72,9 @@ def random_legal_move(env, pid: int, observation: str, rng: random.Random) -> tu
         for _ in range(4 * len(candidates)):
             if accepts(env, pid, action := rng.choice(candidates)):
                 return action, ()
-    legal = tuple(legal_actions(env, pid, observation))  # a small set, or (almost) nothing legal in a large one
+    legal = tuple(
+        legal_actions(env, pid, observation)
+    )  # a small set, or (almost) nothing legal in a large one
     return (rng.choice(legal) if legal else ""), legal
 
 
@@ -93,7 +99,10 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
         return 0.0, 1.0
     p, denom = k / n, 1 + z * z / n
-    centre, half = (p + z * z / (2 * n)) / denom, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    centre, half = (
+        (p + z * z / (2 * n)) / denom,
+        z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom,
+    )
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
@@ -102,11 +111,22 @@ def summarize_matches(records: list[dict]) -> dict:
     table: dict = {}
     for game in dict.fromkeys(r["game"] for r in records):
         for seat in ("seat0", "seat1", "both"):
-            rows = [r for r in records if r["game"] == game and (seat == "both" or f"seat{r['seat']}" == seat)]
-            cell = {"n": len(rows), "turns_mean": sum(r["turns"] for r in rows) / len(rows) if rows else 0.0}
+            rows = [
+                r
+                for r in records
+                if r["game"] == game and (seat == "both" or f"seat{r['seat']}" == seat)
+            ]
+            cell = {
+                "n": len(rows),
+                "turns_mean": sum(r["turns"] for r in rows) / len(rows) if rows else 0.0,
+            }
             for key in ("win", "draw", "loss", "invalid"):
                 k = sum(r["invalid"] if key == "invalid" else r["outcome"] == key for r in rows)
-                cell[key] = {"count": k, "rate": k / len(rows) if rows else 0.0, "ci95": wilson(k, len(rows))}
+                cell[key] = {
+                    "count": k,
+                    "rate": k / len(rows) if rows else 0.0,
+                    "ci95": wilson(k, len(rows)),
+                }
             table.setdefault(game, {})[seat] = cell
     wins = sum(r["outcome"] == "win" for r in records)
     return {

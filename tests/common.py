@@ -27,7 +27,9 @@ import stratagem as S
 from machinery import judge as J
 from tools import serve_judge
 
-HERE = Path(__file__).resolve().parent.parent  # the repository's root (this file is tests/common.py)
+HERE = (
+    Path(__file__).resolve().parent.parent
+)  # the repository's root (this file is tests/common.py)
 
 
 # ---- the session's hygiene: no process left behind
@@ -44,8 +46,13 @@ def marked(tag: str) -> dict[int, str]:
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
-            if needle in (proc / "environ").read_bytes().split(b"\0") and (proc / "stat").read_text().split()[2] != "Z":
-                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if (
+                needle in (proc / "environ").read_bytes().split(b"\0")
+                and (proc / "stat").read_text().split()[2] != "Z"
+            ):
+                found[int(proc.name)] = (
+                    (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
@@ -101,7 +108,11 @@ def not_for_the_vllm_tests():
         pytest.skip("STRATAGEM_TESTS=vllm: only the vLLM tests run in this environment")
 
 
-VLLM_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # the README's CPU settings
+VLLM_ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}  # the README's CPU settings
 
 
 VLLM = ["--backend", "vllm", "--device", "cpu", "--vllm-enforce-eager"]
@@ -122,8 +133,32 @@ def fresh(tiny):
 
 def make_batch(prompt, responses, advantages):
     return [
-        S.Trajectory("toy", 0, [S.Turn("", "", "", prompt, r)], 0.0, a_mod=a) for r, a in zip(responses, advantages)
+        S.Trajectory("toy", 0, [S.Turn("", "", "", prompt, r)], 0.0, a_mod=a)
+        for r, a in zip(responses, advantages)
     ]
+
+
+def learner(model, optimizer, args, dist=None, pad=0, reference=None):
+    """What S.policy_update reads of a run: the model, its optimizer and arguments, the device, the pad id, the
+    ranks and the KL reference."""
+    tokenizer = S.SimpleNamespace(pad_token_id=pad)
+    return S.SimpleNamespace(
+        model=model,
+        optimizer=optimizer,
+        args=args,
+        device=torch.device("cpu"),
+        tokenizer=tokenizer,
+        dist=dist or S.Dist(),
+        reference=reference,
+    )
+
+
+def self_play(policy, tokenizer, args, games, rng, timer, lengths, target, progress=None):
+    """S.self_play on a run made of these parts (what it reads of one)."""
+    run = S.SimpleNamespace(
+        policy=policy, tokenizer=tokenizer, args=args, games=games, rng=rng, lengths=lengths
+    )
+    return S.self_play(run, target, timer, progress)
 
 
 class ScriptedPolicy:
@@ -148,7 +183,13 @@ def completion(content: str, prompt_tokens: int = 100, completion_tokens: int = 
         "object": "chat.completion",
         "created": 0,
         "model": "judge-test",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": "stop",
+            }
+        ],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -162,14 +203,19 @@ def rubric_of(body: dict) -> str:
     return next(r for r in judge_prompts.RUBRICS if judge_prompts.rubric_text(r) in content)
 
 
-GOOD = {"transferability": {"alpha": 1, "sigma": 0.5, "rho": 0}, "evolution": {"d": 1, "a": 0, "c": -1}}
+GOOD = {
+    "transferability": {"alpha": 1, "sigma": 0.5, "rho": 0},
+    "evolution": {"d": 1, "a": 0, "c": -1},
+}
 
 
 def good_judge(body: dict):
     """Thinks first, then a fenced JSON verdict with an extra key (which must be ignored)."""
     verdict = dict(GOOD[rubric_of(body)], comment="fine")
     return 200, completion(
-        "<think>Let me weigh the turns {draft}.</think>\nVerdict:\n```json\n" + json.dumps(verdict) + "\n```"
+        "<think>Let me weigh the turns {draft}.</think>\nVerdict:\n```json\n"
+        + json.dumps(verdict)
+        + "\n```"
     )
 
 
@@ -186,8 +232,14 @@ class JudgeServer:
     verdict (so a run starts, and the behaviour plays a judge that goes bad after it), unless `answer_probe` is
     False: then the behaviour answers it too. `close_after_probe`: connection refused from the probe on."""
 
-    def __init__(self, behaviour=good_judge, close_after_probe: bool = False, answer_probe: bool = True):
-        self.behaviour, self.close_after_probe, self.answer_probe = behaviour, close_after_probe, answer_probe
+    def __init__(
+        self, behaviour=good_judge, close_after_probe: bool = False, answer_probe: bool = True
+    ):
+        self.behaviour, self.close_after_probe, self.answer_probe = (
+            behaviour,
+            close_after_probe,
+            answer_probe,
+        )
         self.requests: list[dict] = []
         self.probes = 0
         self.lock = threading.Lock()
@@ -198,7 +250,9 @@ class JudgeServer:
                 pass
 
             def _send(self, status: int, payload: dict | bytes, headers: dict | None = None):
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()  # bytes: a raw body
+                data = (
+                    payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                )  # bytes: a raw body
                 self.send_response(status)
                 for k, v in {
                     "Content-Type": "application/json",
@@ -210,7 +264,9 @@ class JudgeServer:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._send(200, {"object": "list", "data": [{"id": "judge-test", "object": "model"}]})
+                self._send(
+                    200, {"object": "list", "data": [{"id": "judge-test", "object": "model"}]}
+                )
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -221,10 +277,14 @@ class JudgeServer:
                         threading.Thread(target=server.close).start()
                     return
                 with server.lock:
-                    server.requests.append({"body": body, "auth": self.headers.get("Authorization")})
+                    server.requests.append(
+                        {"body": body, "auth": self.headers.get("Authorization")}
+                    )
                 self._send(*server.behaviour(body))
 
-        self.httpd = serve_judge.JudgeHTTPServer(("127.0.0.1", 0), Handler)  # a deep backlog, as real servers have
+        self.httpd = serve_judge.JudgeHTTPServer(
+            ("127.0.0.1", 0), Handler
+        )  # a deep backlog, as real servers have
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -254,7 +314,9 @@ def secret_key_fixture(monkeypatch):
 
 
 def judge_args(url: str = "", **kw) -> S.Args:
-    return S.dataclasses.replace(S.Args(), **{"judge": "openai", "judge_base_url": url, "judge_retries": 0, **kw})
+    return S.dataclasses.replace(
+        S.Args(), **{"judge": "openai", "judge_base_url": url, "judge_retries": 0, **kw}
+    )
 
 
 def role1(body: dict) -> bool:
@@ -327,7 +389,11 @@ def endless_body(conn, body):  # a chunked reply that never ends
         time.sleep(0.2)
 
 
-BY_GAME = {"TicTacToe-v0": (1, 0, 0.5), "KuhnPoker-v1": (0, 1, 1), "SimpleNegotiation-v1": (0.5, 0.5, 0)}
+BY_GAME = {
+    "TicTacToe-v0": (1, 0, 0.5),
+    "KuhnPoker-v1": (0, 1, 1),
+    "SimpleNegotiation-v1": (0.5, 0.5, 0),
+}
 
 
 def by_game(body: dict):
@@ -373,7 +439,9 @@ def check_run(out: Path, steps: int, beta: float, mode: str = "stratagem", no_ps
         assert t["a_mod"] == pytest.approx(t["a_game"] * t["phi"] + beta * t["psi"])
         assert t["reward"] in (-1.0, 0.0, 1.0)
         assert all(set(x) == {"observation", "response", "action", "prompt"} for x in t["turns"])
-        assert t["turns"] or (not t["judged"] and t["reward"] >= 0)  # a seat that never moved: RAE only
+        assert t["turns"] or (
+            not t["judged"] and t["reward"] >= 0
+        )  # a seat that never moved: RAE only
     for m in metrics:
         rows = [t for t in trajs if t["step"] == m["step"]]
         valid = [t for t in rows if t["scores"] is not None]
@@ -382,7 +450,9 @@ def check_run(out: Path, steps: int, beta: float, mode: str = "stratagem", no_ps
             and m["idle_seats"] == len(rows) - m["trajectories"]
         )
         assert m["transitions"] == sum(len(t["turns"]) for t in rows)
-        assert m["transitions"] >= config["batch_size"] and m["judge_judged"] == sum(t["judged"] for t in rows)
+        assert m["transitions"] >= config["batch_size"] and m["judge_judged"] == sum(
+            t["judged"] for t in rows
+        )
         assert m["judge_failed"] == m["judge_judged"] - len(valid)
         for t in valid:
             s = t["scores"]
@@ -391,18 +461,28 @@ def check_run(out: Path, steps: int, beta: float, mode: str = "stratagem", no_ps
             if len(t["turns"]) == 1 and not no_psi:  # nothing to compare: 0 by rule, never asked
                 assert (s["d"], s["a"], s["c"]) == (0.0, 0.0, 0.0)
         if not no_psi and mode == "stratagem":
-            assert m["judge_evolution_rules"].get("one_turn", 0) == sum(len(t["turns"]) == 1 for t in valid)
-        spent = m.get("imputed_after_budget")  # the budget spent: the last 10 judged steps' means stand in
+            assert m["judge_evolution_rules"].get("one_turn", 0) == sum(
+                len(t["turns"]) == 1 for t in valid
+            )
+        spent = m.get(
+            "imputed_after_budget"
+        )  # the budget spent: the last 10 judged steps' means stand in
         if spent:
             earlier = [x for x in metrics if x["step"] < m["step"] and x["modulated"]][-10:]
             assert (
                 not valid
                 and earlier
                 and spent
-                == pytest.approx({k: sum(x[f"{k}_mean"] for x in earlier) / len(earlier) for k in ("phi", "psi")})
+                == pytest.approx(
+                    {k: sum(x[f"{k}_mean"] for x in earlier) / len(earlier) for k in ("phi", "psi")}
+                )
             )
-        phi_mean = sum(t["phi"] for t in valid) / len(valid) if valid else spent["phi"] if spent else 1.0
-        psi_mean = sum(t["psi"] for t in valid) / len(valid) if valid else spent["psi"] if spent else 0.0
+        phi_mean = (
+            sum(t["phi"] for t in valid) / len(valid) if valid else spent["phi"] if spent else 1.0
+        )
+        psi_mean = (
+            sum(t["psi"] for t in valid) / len(valid) if valid else spent["psi"] if spent else 0.0
+        )
         for t in rows:
             if t["scores"] is None:
                 assert t["phi"] == pytest.approx(phi_mean) and t["psi"] == pytest.approx(psi_mean)
@@ -426,7 +506,9 @@ def check_run(out: Path, steps: int, beta: float, mode: str = "stratagem", no_ps
         ):
             assert key in m
     ckpt = out / "checkpoints" / f"step-{steps:06d}"
-    weights = "adapter_model.safetensors" if config.get("lora_rank") else "model.safetensors"  # LoRA: the adapter
+    weights = (
+        "adapter_model.safetensors" if config.get("lora_rank") else "model.safetensors"
+    )  # LoRA: the adapter
     assert (ckpt / weights).exists() and (ckpt / "trainer_state.pt").exists()
     return metrics, trajs
 
@@ -507,7 +589,9 @@ def run_with_player1_failing(
     bad = [t for t in trajs if t["role"] == 1]
     assert bad and all(t["judged"] and t["scores"] is None for t in bad)
     assert all(
-        t["scores"] == {k: float(v) for r in GOOD.values() for k, v in r.items()} for t in trajs if t["role"] == 0
+        t["scores"] == {k: float(v) for r in GOOD.values() for k, v in r.items()}
+        for t in trajs
+        if t["role"] == 0
     )
     assert metrics[0]["judge_failures"] == {kind: len(bad)}, name
     return trajs, server
@@ -534,7 +618,12 @@ def spawn(args: list[str], cwd: Path) -> subprocess.Popen:
 
 
 def spawn_quiet(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "OPENAI_API_KEY": "sk-test"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "OPENAI_API_KEY": "sk-test",
+    }
     return subprocess.Popen(
         [sys.executable, str(HERE / "stratagem.py"), *args],
         cwd=cwd,
@@ -550,7 +639,9 @@ def python(args: list[str], cwd: Path, timeout: float = 900, **kw) -> subprocess
     """A command as a user types it (`python ...`), run to its end; the timeout only stops a hang."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
     kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, text=True, timeout=timeout, **kw
+    )
 
 
 def dry_run(*flags) -> subprocess.CompletedProcess:
@@ -564,9 +655,21 @@ def dry_run(*flags) -> subprocess.CompletedProcess:
 
 
 def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    ]
     proc = subprocess.run(
-        cmd + args, capture_output=True, text=True, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd + args,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -589,28 +692,33 @@ def tree_of(root: Path) -> dict[str, bytes | str]:
     out: dict[str, bytes | str] = {}
     for p in sorted(root.rglob("*")):
         key = str(p.relative_to(root))
-        out[key] = f"-> {os.readlink(p)}" if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
+        out[key] = (
+            f"-> {os.readlink(p)}" if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
+        )
     return out
 
 
-DISTILL = SMALL + [
-    "--no-psi",
-    "--judge",
-    "openai",
-    "--judge-model",
-    "judge-test",
-    "--judge-sample-rate",
-    "1",
-    "--distill",
-    "--distill-window",
-    "6",
-    "--distill-audit-rate",
-    "0.25",
-    "--distill-lr",
-    "0.05",
-    "--seed",  # a run whose heads earn trust at step 3, lose it at step 7, and end agreeing with the teacher (the
-    "24",  # random tiny model's features decide when; with seed 1 they first earn it at step 7)
-]
+DISTILL = (
+    SMALL
+    + [
+        "--no-psi",
+        "--judge",
+        "openai",
+        "--judge-model",
+        "judge-test",
+        "--judge-sample-rate",
+        "1",
+        "--distill",
+        "--distill-window",
+        "6",
+        "--distill-audit-rate",
+        "0.25",
+        "--distill-lr",
+        "0.05",
+        "--seed",  # a run whose heads earn trust at step 3, lose it at step 7, and end agreeing with the teacher (the
+        "24",  # random tiny model's features decide when; with seed 1 they first earn it at step 7)
+    ]
+)
 
 
 LORA = ["--lora-rank", "4"]
@@ -637,7 +745,9 @@ def run_fingerprint(out: Path) -> dict:
     ]
     return {
         "metrics": metrics,
-        "trajectories_sha256": hashlib.sha256((out / "trajectories.jsonl").read_bytes()).hexdigest(),
+        "trajectories_sha256": hashlib.sha256(
+            (out / "trajectories.jsonl").read_bytes()
+        ).hexdigest(),
     }
 
 

@@ -55,7 +55,9 @@ def test_project_arithmetic():
         "money": pytest.approx(28.48 * 2.5 + 1.12 * 10),
     }
     assert (
-        costs.project(1, 10, 0.1, ["transferability"], 3, 2.0, 0.0, {"transferability": 400}, 0, 0, (1, 1))["requests"]
+        costs.project(
+            1, 10, 0.1, ["transferability"], 3, 2.0, 0.0, {"transferability": 400}, 0, 0, (1, 1)
+        )["requests"]
         == 3
     )
 
@@ -63,13 +65,21 @@ def test_project_arithmetic():
 def test_judge_price_in_and_out_come_from_the_dated_table_unless_given():
     from machinery import costs
 
-    assert (S.Args().judge_price_in, S.Args().judge_price_out) == costs.PRICES["gpt-4o"] == (2.5, 10.0)
-    assert (S.Args(judge_price_in=3.0).judge_price_in, S.Args(judge_price_in=3.0).judge_price_out) == (3.0, 10.0)
     assert (
-        S.Args(judge_model="my-local-judge").judge_price_in == 0.0 and S.Args(judge="heuristic").judge_price_out == 0.0
+        (S.Args().judge_price_in, S.Args().judge_price_out) == costs.PRICES["gpt-4o"] == (2.5, 10.0)
+    )
+    assert (
+        S.Args(judge_price_in=3.0).judge_price_in,
+        S.Args(judge_price_in=3.0).judge_price_out,
+    ) == (3.0, 10.0)
+    assert (
+        S.Args(judge_model="my-local-judge").judge_price_in == 0.0
+        and S.Args(judge="heuristic").judge_price_out == 0.0
     )
     state = random.getstate()
-    projection = costs.judge_projection(S.Args(judge_model="my-local-judge"), ["TicTacToe-v0"], S.make_env, 400)
+    projection = costs.judge_projection(
+        S.Args(judge_model="my-local-judge"), ["TicTacToe-v0"], S.make_env, 400
+    )
     assert random.getstate() == state  # the dry render leaves training's draws alone
     assert costs.projection_lines(S.Args(judge_model="my-local-judge"), projection)[-1] == (
         "judge money: my-local-judge is not in the price table of 2025-06; pass --judge-price-in/out to see money"
@@ -99,7 +109,20 @@ def test_judge_projection_uses_the_runs_own_counts_after_step_1_and_on_resume(
     out = tmp_path / "run"
     flags = ["--judge-base-url", judge_server.url]
     assert (
-        run(SMALL + ["--steps", "2", "--out", str(out), "--judge", "openai", "--judge-model", "judge-test"] + flags)
+        run(
+            SMALL
+            + [
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+                "--judge",
+                "openai",
+                "--judge-model",
+                "judge-test",
+            ]
+            + flags
+        )
         == 0
     )
     printed = capsys.readouterr().out.splitlines()
@@ -108,14 +131,25 @@ def test_judge_projection_uses_the_runs_own_counts_after_step_1_and_on_resume(
         "a random player's games (the dry render): an estimate until this policy has played a step)"
     )
     metrics = read_jsonl(out / "metrics.jsonl")
-    assert printed.index(estimates[1]) == printed.index(next(x for x in printed if x.startswith("step 1/2"))) + 1
+    assert (
+        printed.index(estimates[1])
+        == printed.index(next(x for x in printed if x.startswith("step 1/2"))) + 1
+    )
     n = metrics[0]["trajectories"]
-    assert estimates[1].startswith(f"judge requests: ~{math.ceil(0.25 * n)} over 1 step (~{n:.1f} trajectories a step")
-    assert estimates[1].endswith("one-turn ones skip evolution: 100%; measured on this run's policy over 1 step)")
+    assert estimates[1].startswith(
+        f"judge requests: ~{math.ceil(0.25 * n)} over 1 step (~{n:.1f} trajectories a step"
+    )
+    assert estimates[1].endswith(
+        "one-turn ones skip evolution: 100%; measured on this run's policy over 1 step)"
+    )
     assert run(["--resume", "--out", str(out), "--steps", "4"] + flags) == 0
-    [resumed] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("judge requests: ")]
+    [resumed] = [
+        x for x in capsys.readouterr().out.splitlines() if x.startswith("judge requests: ")
+    ]
     n = (metrics[0]["trajectories"] + metrics[1]["trajectories"]) / 2
-    assert resumed.startswith(f"judge requests: ~{2 * math.ceil(0.25 * n)} over 2 steps (~{n:.1f} trajectories a step")
+    assert resumed.startswith(
+        f"judge requests: ~{2 * math.ceil(0.25 * n)} over 2 steps (~{n:.1f} trajectories a step"
+    )
     assert resumed.endswith("measured on this run's policy over 2 steps)")
 
 
@@ -131,33 +165,58 @@ def test_dry_run_prints_the_plan_and_the_money_and_writes_nothing(tmp_path):
         cwd=tmp_path,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
-    assert proc.returncode == 0 and proc.stderr == "" and os.listdir(tmp_path) == [] and set(os.listdir(HERE)) == before
+    assert (
+        proc.returncode == 0
+        and proc.stderr == ""
+        and os.listdir(tmp_path) == []
+        and set(os.listdir(HERE)) == before
+    )
     lines = proc.stdout.splitlines()
-    assert lines[1].startswith("run directory: runs/stratagem-s1-") and "model: Qwen/Qwen3-4B-Base" in lines
+    assert (
+        lines[1].startswith("run directory: runs/stratagem-s1-")
+        and "model: Qwen/Qwen3-4B-Base" in lines
+    )
     assert "engine: hf on cpu (auto: cpu, not a GPU)" in lines or torch.cuda.is_available()
     money = next(x for x in lines if x.startswith("judge money: at most $"))
-    assert "USD 2.50 in / 10.00 out per 1M tokens, list prices of 2025-06; the paper: ~$100 a run" in money
+    assert (
+        "USD 2.50 in / 10.00 out per 1M tokens, list prices of 2025-06; the paper: ~$100 a run"
+        in money
+    )
     readme = (HERE / "README.md").read_text()
     assert all(line in readme for line in lines if not line.startswith(("run directory", "engine")))
-    assert "pass --judge-price-in/out to see money" in dry_run("--judge-model", "my-local-judge").stdout
+    assert (
+        "pass --judge-price-in/out to see money"
+        in dry_run("--judge-model", "my-local-judge").stdout
+    )
 
 
-def test_judge_sample_rate_0_projects_no_request_and_trains_unmodulated(tmp_path, judge_server, secret_key, capsys):
+def test_judge_sample_rate_0_projects_no_request_and_trains_unmodulated(
+    tmp_path, judge_server, secret_key, capsys
+):
     dry = dry_run("--judge-sample-rate", "0", "--out", str(tmp_path / "dry"))
     assert dry.returncode == 0, dry.stderr
-    assert "judge requests: none (--judge-sample-rate 0)" in dry.stdout and "judge money: $0" in dry.stdout
+    assert (
+        "judge requests: none (--judge-sample-rate 0)" in dry.stdout
+        and "judge money: $0" in dry.stdout
+    )
     out = tmp_path / "run"
     judge = ["--judge", "openai", "--judge-base-url", judge_server.url, "--judge-sample-rate", "0"]
     assert run(SMALL + judge + ["--steps", "1", "--out", str(out)]) == 0
     assert "judge requests: none (--judge-sample-rate 0)" in capsys.readouterr().out
     check_run(out, 1, beta=0.2)
     [m] = read_jsonl(out / "metrics.jsonl")
-    assert m["judge_requests"] == m["judge_judged"] == 0 and not judge_server.requests and not m["modulated"]
+    assert (
+        m["judge_requests"] == m["judge_judged"] == 0
+        and not judge_server.requests
+        and not m["modulated"]
+    )
     rows = read_jsonl(out / "trajectories.jsonl")
     assert all(t["phi"] == 1.0 and t["psi"] == 0.0 and t["a_mod"] == t["a_game"] for t in rows)
 
 
-def test_judge_budget_stops_judging_for_good_and_the_cost_is_logged(tmp_path, judge_server, secret_key, capsys):
+def test_judge_budget_stops_judging_for_good_and_the_cost_is_logged(
+    tmp_path, judge_server, secret_key, capsys
+):
     """100 prompt + 10 completion tokens a request at 10 and 20 per million: 0.0012 a request. With one
     request at a time a budget of 0.005 stops judging after the 5th request, for good."""
     out = tmp_path / "run"
@@ -192,11 +251,23 @@ def test_judge_budget_stops_judging_for_good_and_the_cost_is_logged(tmp_path, ju
     assert sum(m["judge_requests"] for m in metrics) == 5
     for m in metrics:
         assert m["judge_cost"] == pytest.approx(0.0012 * m["judge_requests"])
-    assert metrics[-1]["judge_cost_total"] == pytest.approx(0.006) and metrics[-1]["judge_budget_exhausted"]
-    assert metrics[0]["judge_skipped_budget"] > 0 and metrics[-1]["judge_judged"] == 0 and not metrics[-1]["modulated"]
+    assert (
+        metrics[-1]["judge_cost_total"] == pytest.approx(0.006)
+        and metrics[-1]["judge_budget_exhausted"]
+    )
+    assert (
+        metrics[0]["judge_skipped_budget"] > 0
+        and metrics[-1]["judge_judged"] == 0
+        and not metrics[-1]["modulated"]
+    )
     captured = capsys.readouterr()
-    assert captured.out.count("JUDGE BUDGET REACHED") == 1 and captured.err.count("JUDGE BUDGET REACHED") == 1
-    spent = metrics[0]["judge_cost_total"]  # the step line: the money so far, and the whole run at that rate
+    assert (
+        captured.out.count("JUDGE BUDGET REACHED") == 1
+        and captured.err.count("JUDGE BUDGET REACHED") == 1
+    )
+    spent = metrics[0][
+        "judge_cost_total"
+    ]  # the step line: the money so far, and the whole run at that rate
     assert f") ${spent:.4f} (run at this rate: ${spent / 1 * 3:.2f}) | phi" in captured.out
 
 
@@ -236,16 +307,27 @@ def test_ledger_totals_keep_the_money_of_a_step_lost_to_a_crash_in_the_total_and
     assert run(resume) == 0
     paid = len(judge_server.requests)
     assert read_jsonl(out / "metrics.jsonl")[-1]["judge_cost_total"] == pytest.approx(0.0012 * paid)
-    shutil.rmtree(out / "checkpoints")  # crash after step 2 was judged and logged, before its checkpoint
+    shutil.rmtree(
+        out / "checkpoints"
+    )  # crash after step 2 was judged and logged, before its checkpoint
     shutil.copytree(tmp_path / "ckpt-1", out / "checkpoints")
     assert run(resume) == 0
     metrics = read_jsonl(out / "metrics.jsonl")
-    assert len(judge_server.requests) == paid and metrics[-1]["judge_requests"] == 0  # replayed from the cache
-    assert metrics[-1]["judge_cost_total"] == pytest.approx(0.0012 * paid)  # ... but the money is not forgotten
+    assert (
+        len(judge_server.requests) == paid and metrics[-1]["judge_requests"] == 0
+    )  # replayed from the cache
+    assert metrics[-1]["judge_cost_total"] == pytest.approx(
+        0.0012 * paid
+    )  # ... but the money is not forgotten
     assert len(read_jsonl(out / "judge_ledger.jsonl")) == paid
     shutil.rmtree(out / "checkpoints")
     shutil.copytree(tmp_path / "ckpt-1", out / "checkpoints")
     capsys.readouterr()
-    assert run(resume + ["--judge-budget", f"{0.0012 * paid - 1e-9}"]) == 0  # spent: no more requests
+    assert (
+        run(resume + ["--judge-budget", f"{0.0012 * paid - 1e-9}"]) == 0
+    )  # spent: no more requests
     assert "JUDGE BUDGET REACHED at step 1" in capsys.readouterr().out
-    assert len(judge_server.requests) == paid and read_jsonl(out / "metrics.jsonl")[-1]["judge_judged"] == 0
+    assert (
+        len(judge_server.requests) == paid
+        and read_jsonl(out / "metrics.jsonl")[-1]["judge_judged"] == 0
+    )

@@ -24,6 +24,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     endless_body,
     free_port,
     fresh,
+    learner,
     no_process_left_behind,
     only_the_vllm_tests,
     read_jsonl,
@@ -47,8 +48,9 @@ items = [([5, 6, 7], [3, 4], 1.0), ([8, 9], [5], -0.5), ([10, 11, 12, 13], [6, 7
 mine = items[:2] if dist.main else items[2:]  # two micro-batches on rank 0, one on rank 1
 batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", p, r)], 0.0, a_mod=a) for p, r, a in mine]
 before = {{n: t.detach().clone() for n, t in distributed.full_weights(model).items()}}
-S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0,
-                3 * 8 / dist.world, dist)
+learner = S.SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), args=args,
+                            device=torch.device("cpu"), tokenizer=tok, dist=dist, reference=None)
+S.policy_update(learner, batch, 3 * 8 / dist.world)
 after = distributed.full_weights(model)
 if dist.main:
     torch.save({{n: after[n] - before[n] for n in before}}, {out!r})
@@ -57,45 +59,54 @@ distributed.leave(0)  # as a run's rank leaves: gloo's threads can abort the int
 """
 
 
+@pytest.mark.slow
 def test_policy_update_under_fsdp_equals_the_single_process_update(tiny, tmp_path):
     script = tmp_path / "worker.py"
-    script.write_text(FSDP_WORKER.format(here=str(HERE), model=str(tiny), out=str(tmp_path / "deltas.pt")))
+    script.write_text(
+        FSDP_WORKER.format(here=str(HERE), model=str(tiny), out=str(tmp_path / "deltas.pt"))
+    )
     torchrun([str(script)], tmp_path)
     sharded = torch.load(tmp_path / "deltas.pt")
     model, _ = fresh(tiny)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     batch = [
         S.Trajectory("toy", 0, [S.Turn("", "", "", p, r)], 0.0, a_mod=a)
-        for p, r, a in [([5, 6, 7], [3, 4], 1.0), ([8, 9], [5], -0.5), ([10, 11, 12, 13], [6, 7, 8], 0.25)]
+        for p, r, a in [
+            ([5, 6, 7], [3, 4], 1.0),
+            ([8, 9], [5], -0.5),
+            ([10, 11, 12, 13], [6, 7, 8], 0.25),
+        ]
     ]
     args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1, max_grad_norm=1e9)
     S.policy_update(
-        model,
-        torch.optim.SGD(model.parameters(), lr=1.0),
+        learner(model, torch.optim.SGD(model.parameters(), lr=1.0), args, distributed.Dist()),
         batch,
-        args,
-        torch.device("cpu"),
-        0,
         24.0,
-        distributed.Dist(),
     )
     for n, p in model.named_parameters():
         assert torch.allclose(sharded[n], p.detach() - before[n], atol=1e-6), n
     assert max(d.abs().max() for d in sharded.values()) > 0
 
 
+@pytest.mark.slow
 def test_train_under_torchrun_obeys_the_formulas_and_resumes_exactly(tmp_path):
     flags = SMALL + ["--batch-size", "16"]
     torchrun([str(HERE / "stratagem.py"), *flags, "--steps", "2", "--out", "whole"], tmp_path)
     check_run(tmp_path / "whole", 2, beta=0.2)
     torchrun([str(HERE / "stratagem.py"), *flags, "--steps", "1", "--out", "part"], tmp_path)
     torchrun([str(HERE / "stratagem.py"), "--resume", "--out", "part", "--steps", "2"], tmp_path)
-    assert read_jsonl(tmp_path / "part/trajectories.jsonl") == read_jsonl(tmp_path / "whole/trajectories.jsonl")
-    assert sorted(p.name for p in (tmp_path / "whole/checkpoints/step-000002").glob("rank*.pt")) == [
+    assert read_jsonl(tmp_path / "part/trajectories.jsonl") == read_jsonl(
+        tmp_path / "whole/trajectories.jsonl"
+    )
+    assert sorted(
+        p.name for p in (tmp_path / "whole/checkpoints/step-000002").glob("rank*.pt")
+    ) == [
         "rank0.pt",
         "rank1.pt",
     ]
-    assert run(["--resume", "--out", str(tmp_path / "whole"), "--steps", "3"]) == 2  # one process cannot resume it
+    assert (
+        run(["--resume", "--out", str(tmp_path / "whole"), "--steps", "3"]) == 2
+    )  # one process cannot resume it
 
 
 FSDP_FEATURES_WORKER = """
@@ -116,18 +127,28 @@ distributed.leave(0)  # as a run's rank leaves: gloo's threads can abort the int
 """
 
 
+@pytest.mark.slow
 def test_features_under_fsdp_equal_the_single_process_features(tiny, tmp_path):
-    trajs = [[([5, 6, 7], [3, 4]), ([8], [9])], [([10, 11], [12])], [([13, 14, 15, 16], [17, 18, 19])]]
+    trajs = [
+        [([5, 6, 7], [3, 4]), ([8], [9])],
+        [([10, 11], [12])],
+        [([13, 14, 15, 16], [17, 18, 19])],
+    ]
     script = tmp_path / "worker.py"
     script.write_text(
-        FSDP_FEATURES_WORKER.format(here=str(HERE), model=str(tiny), trajs=trajs, out=str(tmp_path / "f.pt"))
+        FSDP_FEATURES_WORKER.format(
+            here=str(HERE), model=str(tiny), trajs=trajs, out=str(tmp_path / "f.pt")
+        )
     )
     torchrun([str(script)], tmp_path)
     sharded = torch.load(tmp_path / "f.pt")
     model, _ = fresh(tiny)
     alone = distill.features(
         model,
-        [S.Trajectory("toy", 0, [S.Turn("", "", "", p, r) for p, r in turns], 0.0) for turns in trajs],
+        [
+            S.Trajectory("toy", 0, [S.Turn("", "", "", p, r) for p, r in turns], 0.0)
+            for turns in trajs
+        ],
         S.collate,
         0,
         1,
@@ -135,22 +156,33 @@ def test_features_under_fsdp_equal_the_single_process_features(tiny, tmp_path):
         distributed.Dist(),
         watch.Timer(),
     )
-    assert len(sharded) == 3 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(sharded, alone))
+    assert len(sharded) == 3 and all(
+        torch.allclose(a, b, atol=1e-5) for a, b in zip(sharded, alone)
+    )
 
 
 # ---- Collective timeouts and stop signals that reach a rank blocked in a collective
 def test_collective_timeout_rule():
-    args = S.Args()  # 128 transitions, 32 games of up to 50 turns, 25 %, 2 rubrics, 64 at once, 60 s, 3 retries
+    args = (
+        S.Args()
+    )  # 128 transitions, 32 games of up to 50 turns, 25 %, 2 rubrics, 64 at once, 60 s, 3 retries
     most = 2 * (64 + 32 * 50)
     requests = math.ceil(0.25 * most) * 2
     judging = math.ceil(requests / 64) * (4 * 60 + 3 * 60)
     assert distributed.collective_timeout(args, 2) == 1800 + judging == 1800 + 26 * 420
     assert distributed.collective_timeout(S.dataclasses.replace(args, mode="spiral"), 2) == 1800
     assert distributed.collective_timeout(S.dataclasses.replace(args, judge="heuristic"), 2) == 1800
-    assert distributed.collective_timeout(S.dataclasses.replace(args, dist_timeout=20000.0), 2) == 20000
-    with pytest.raises(S.UserError, match=r"--dist-timeout 600 is shorter than a step's judging can take \(10920 s"):
+    assert (
+        distributed.collective_timeout(S.dataclasses.replace(args, dist_timeout=20000.0), 2)
+        == 20000
+    )
+    with pytest.raises(
+        S.UserError, match=r"--dist-timeout 600 is shorter than a step's judging can take \(10920 s"
+    ):
         distributed.collective_timeout(S.dataclasses.replace(args, dist_timeout=600.0), 2)
-    assert distributed.collective_timeout(S.dataclasses.replace(args, dist_timeout=600.0), 1) == 600  # no ranks
+    assert (
+        distributed.collective_timeout(S.dataclasses.replace(args, dist_timeout=600.0), 1) == 600
+    )  # no ranks
 
 
 def child_pids(pid: int) -> list[int]:
@@ -161,7 +193,11 @@ def rank_pids(agent: int) -> dict[int, int]:
     """{rank: pid} of torchrun's workers."""
     pids = {}
     for pid in child_pids(agent):
-        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        env = dict(
+            kv.split("=", 1)
+            for kv in Path(f"/proc/{pid}/environ").read_text().split("\0")
+            if "=" in kv
+        )
         pids[int(env["RANK"])] = pid
     return pids
 
@@ -214,11 +250,24 @@ def lines_of(stream) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_collective_fails_in_one_line_within_dist_timeout_when_a_rank_is_frozen(tmp_path):
     import signal
 
     proc = torchrun_spawn(
-        SMALL + ["--batch-size", "16", "--mode", "spiral", "--steps", "500", "--dist-timeout", "8", "--out", "run"],
+        SMALL
+        + [
+            "--batch-size",
+            "16",
+            "--mode",
+            "spiral",
+            "--steps",
+            "500",
+            "--dist-timeout",
+            "8",
+            "--out",
+            "run",
+        ],
         tmp_path,
     )
     err = lines_of(proc.stderr)
@@ -238,13 +287,15 @@ def test_collective_fails_in_one_line_within_dist_timeout_when_a_rank_is_frozen(
     )
 
 
+@pytest.mark.slow
 def test_stop_within_ends_a_rank_blocked_in_a_collective_within_seconds_of_sigterm(tmp_path):
     """Rank 1 frozen, rank 0 waits for it inside gloo, where Python's signal handler cannot run: the stop
     signal still ends rank 0 within about 5 s, with its one line, not after the collective timeout."""
     import signal
 
     proc = torchrun_spawn(
-        SMALL + ["--batch-size", "16", "--mode", "spiral", "--steps", "500", "--out", "run"], tmp_path
+        SMALL + ["--batch-size", "16", "--mode", "spiral", "--steps", "500", "--out", "run"],
+        tmp_path,
     )
     err = lines_of(proc.stderr)
     try:
@@ -257,7 +308,8 @@ def test_stop_within_ends_a_rank_blocked_in_a_collective_within_seconds_of_sigte
         os.kill(ranks[0], signal.SIGTERM)
         took = wait_for(
             lambda: (
-                not Path(f"/proc/{ranks[0]}").exists() or Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] == "Z"
+                not Path(f"/proc/{ranks[0]}").exists()
+                or Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] == "Z"
             ),
             30,
         )
@@ -270,7 +322,10 @@ def test_stop_within_ends_a_rank_blocked_in_a_collective_within_seconds_of_sigte
     ), err[-5:]
 
 
-def test_stop_handler_under_torchrun_stops_every_rank_at_once_while_the_judge_never_answers(tmp_path):
+@pytest.mark.slow
+def test_stop_handler_under_torchrun_stops_every_rank_at_once_while_the_judge_never_answers(
+    tmp_path,
+):
     import signal
 
     server = RawJudgeServer(endless_body)
@@ -316,7 +371,10 @@ def test_pick_threads_follows_omp_num_threads_else_half_the_cores_on_a_cpu(monke
     cores = len(os.sched_getaffinity(0))
     try:
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
-        assert distributed.pick_threads(torch.device("cpu")) == (3, "OMP_NUM_THREADS") and torch.get_num_threads() == 3
+        assert (
+            distributed.pick_threads(torch.device("cpu")) == (3, "OMP_NUM_THREADS")
+            and torch.get_num_threads() == 3
+        )
         for unset in ("", "abc", "0"):  # unset, or not a count: the machine's rule
             monkeypatch.setenv("OMP_NUM_THREADS", unset)
             expected = (max(1, cores // 2), f"half of {cores} cores; OMP_NUM_THREADS sets it")
@@ -330,6 +388,14 @@ def test_pick_backend_auto_takes_vllm_on_a_gpu_where_it_is_installed(monkeypatch
     assert distributed.pick_backend("auto", torch.device("cpu")) == ("hf", "auto: cpu, not a GPU")
     assert distributed.pick_backend("hf", torch.device("cuda")) == ("hf", "--backend hf")
     monkeypatch.setattr(distributed.importlib.util, "find_spec", lambda name: None)
-    assert distributed.pick_backend("auto", torch.device("cuda")) == ("hf", "auto: vLLM is not installed")
-    monkeypatch.setattr(distributed.importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
-    assert distributed.pick_backend("auto", torch.device("cuda:0")) == ("vllm", "auto: a GPU and vLLM")
+    assert distributed.pick_backend("auto", torch.device("cuda")) == (
+        "hf",
+        "auto: vLLM is not installed",
+    )
+    monkeypatch.setattr(
+        distributed.importlib.util, "find_spec", lambda name: object() if name == "vllm" else None
+    )
+    assert distributed.pick_backend("auto", torch.device("cuda:0")) == (
+        "vllm",
+        "auto: a GPU and vLLM",
+    )

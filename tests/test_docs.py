@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import stratagem as S
+import tools
 from machinery.flags import field_docs
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     HERE,
@@ -26,10 +27,14 @@ def test_field_docs_of_every_flag_are_in_flags_md_and_ci_runs_the_readmes_test_c
     flags = (HERE / "docs" / "flags.md").read_text()
     import spyrl
 
-    missing = [n for n in field_docs(spyrl.Args) if f"`--{n.replace('_', '-')}`" not in flags]  # stratagem's too
+    missing = [
+        n for n in field_docs(spyrl.Args) if f"`--{n.replace('_', '-')}`" not in flags
+    ]  # stratagem's too
     assert missing == []
     command = "python -m pytest -q"
-    ci = (HERE / ".ci" / "run").read_text()  # in both environments: requirements.txt and envs/vllm-cpu.sh
+    ci = (
+        HERE / ".ci" / "run"
+    ).read_text()  # in both environments: requirements.txt and envs/vllm-cpu.sh
     assert command in readme and ci.count(f" && {command})\n") == 2
 
 
@@ -47,16 +52,24 @@ PAPER_CLAIMS = {
 }
 
 
-def test_Args_defaults_follow_spiral_where_the_paper_is_silent_and_paper_claims_are_the_seeds(one_step_run):
+def test_Args_defaults_follow_spiral_where_the_paper_is_silent_and_paper_claims_are_the_seeds(
+    one_step_run,
+):
     args = S.Args()
     assert (args.betas, args.max_turns, args.backend) == ((0.9, 0.95), 50, "auto")
-    state = torch.load(one_step_run / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=True)
+    state = torch.load(
+        one_step_run / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=True
+    )
     assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
     claims = {
-        n: m.group(1) for n, (_, doc) in field_docs(S.Args).items() if (m := re.search(r"\(paper: ([^;)]+)", doc))
+        n: m.group(1)
+        for n, (_, doc) in field_docs(S.Args).items()
+        if (m := re.search(r"\(paper: ([^;)]+)", doc))
     }
     assert claims == {n: v for n, (v, _) in PAPER_CLAIMS.items()}
-    seeds = Path("/work/shared/seeds")  # where the project keeps them; CI checks the claims against the quotes above
+    seeds = Path(
+        "/work/shared/seeds"
+    )  # where the project keeps them; CI checks the claims against the quotes above
     if seeds.is_dir():
         text = "".join(p.read_text() for p in seeds.glob("*.txt"))
         assert all(quote in text for _, quote in PAPER_CLAIMS.values())
@@ -87,10 +100,16 @@ def test_Args_defaults_and_make_env_games_are_what_the_fidelity_table_states():
             f"{kw['SimpleNegotiation-v1']['max_turns']} moves",
         ),
         "PigDice-v1": (
-            [f"`winning_score={kw['PigDice-v1']['winning_score']}`", f"`max_turns={kw['PigDice-v1']['max_turns']}`"],
+            [
+                f"`winning_score={kw['PigDice-v1']['winning_score']}`",
+                f"`max_turns={kw['PigDice-v1']['max_turns']}`",
+            ],
             f"{kw['PigDice-v1']['winning_score']} points, {kw['PigDice-v1']['max_turns']} turns",
         ),
-        "LiarsDice-v1": ([f"{forks.LiarsDiceV1().num_dice} dice"], f"{forks.LiarsDiceV1().num_dice} dice"),
+        "LiarsDice-v1": (
+            [f"{forks.LiarsDiceV1().num_dice} dice"],
+            f"{forks.LiarsDiceV1().num_dice} dice",
+        ),
         "TruthAndDeception-v1": (
             [f"`max_turns={kw['TruthAndDeception-v1']['max_turns']}`"],
             f"{kw['TruthAndDeception-v1']['max_turns']} moves",
@@ -103,15 +122,28 @@ def test_Args_defaults_and_make_env_games_are_what_the_fidelity_table_states():
             name = flag.strip("`")[2:].replace("-", "_")
             default = S.Args.__dataclass_fields__[name].default
             want = "off" if default is False else str(default)
-            assert first and (first[0] == want or first[0] in want.split(",")), (choice, first, want)
+            assert first and (first[0] == want or first[0] in want.split(",")), (
+                choice,
+                first,
+                want,
+            )
             checked += 1
         elif flag == "`make_env()`":  # the observation wrapper every game gets in training
-            assert {type(S.make_env(g, 0, 0)).__name__ for g in S.Args().games.split(",")} == {first[0]}, choice
+            assert {type(S.make_env(g, 0, 0)).__name__ for g in S.Args().games.split(",")} == {
+                first[0]
+            }, choice
             checked += 1
-        elif flag.strip("`") in games_checked:  # a game's rules as they run, with the source file of each side
+        elif (
+            flag.strip("`") in games_checked
+        ):  # a game's rules as they run, with the source file of each side
             gid = flag.strip("`")
-            assert "env.py" in spiral and (not gid.endswith("-v1") or f"`games/spiral.py` (`{gid}`, " in ours), choice
-            assert all(fact in spiral for fact in games_checked[gid][0]) and games_checked[gid][1] in ours, choice
+            assert "env.py" in spiral and (
+                not gid.endswith("-v1") or f"`games/spiral.py` (`{gid}`, " in ours
+            ), choice
+            assert (
+                all(fact in spiral for fact in games_checked[gid][0])
+                and games_checked[gid][1] in ours
+            ), choice
             games_checked.pop(gid)
     assert checked >= 18 and games_checked == {}  # every game has its row
 
@@ -125,19 +157,26 @@ def shipped_text() -> dict[str, str]:
 
     import spyrl
 
-    texts = {str(p.relative_to(HERE)): p.read_text() for p in [HERE / "README.md", *sorted(HERE.glob("docs/*.md"))]}
+    texts = {
+        str(p.relative_to(HERE)): p.read_text()
+        for p in [HERE / "README.md", *sorted(HERE.glob("docs/*.md"))]
+    }
     texts["stratagem.py --help"] = S.build_parser().format_help()
     texts["spyrl.py --help"] = spyrl.build_parser().format_help()
-    for command in S.COMMANDS:
+    for command in tools.COMMANDS:
         help_text = io.StringIO()
         with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
             S.main([command, "--help"])
         texts[f"stratagem.py {command} --help"] = help_text.getvalue()
     for path in sorted(HERE.glob("*.py")) + sorted(HERE.glob("*/*.py")):
         if not path.name.startswith("test_"):
-            texts[f"{path.relative_to(HERE)} docstring"] = ast.get_docstring(ast.parse(path.read_text())) or ""
+            texts[f"{path.relative_to(HERE)} docstring"] = (
+                ast.get_docstring(ast.parse(path.read_text())) or ""
+            )
     for path in sorted(HERE.glob("lm_eval_tasks/*/*.yaml")):
-        texts[str(path.relative_to(HERE))] = "\n".join(x for x in path.read_text().splitlines() if x.startswith("#"))
+        texts[str(path.relative_to(HERE))] = "\n".join(
+            x for x in path.read_text().splitlines() if x.startswith("#")
+        )
     return texts
 
 
@@ -175,13 +214,22 @@ def test_build_parser_help_and_the_docs_use_no_word_a_user_cannot_resolve_and_ci
                 continue
             if not path.exists():
                 missing.append(f"{name}: link {target}")
-            elif anchor and anchor not in map(github_anchor, re.findall(r"(?m)^#+ (.+)$", path.read_text())):
+            elif anchor and anchor not in map(
+                github_anchor, re.findall(r"(?m)^#+ (.+)$", path.read_text())
+            ):
                 missing.append(f"{name}: link {target}#{anchor}")
-        missing += [f"{name}: {ref}" for ref in re.findall(r"\bdocs/[\w-]+\.md", text) if not (HERE / ref).exists()]
+        missing += [
+            f"{name}: {ref}"
+            for ref in re.findall(r"\bdocs/[\w-]+\.md", text)
+            if not (HERE / ref).exists()
+        ]
     assert missing == []
     readme = " ".join(texts["README.md"].split())  # as read, whatever the line breaks
     assert "arXiv 2506.24119" in readme and "arXiv 2607.23802" in readme  # SPIRAL's, RLSVR's
-    assert "Stratagem: Learning Transferable Reasoning via Trajectory-Modulated Game Self-Play" in readme
+    assert (
+        "Stratagem: Learning Transferable Reasoning via Trajectory-Modulated Game Self-Play"
+        in readme
+    )
 
 
 def line_shape(line: str) -> str:
@@ -194,7 +242,9 @@ def line_shape(line: str) -> str:
 
 def shapes(lines: list[str]) -> list[str]:
     """The shapes of the lines, a run of lines of one shape (the step lines) counted once."""
-    return [s for k, s in enumerate(map(line_shape, lines)) if k == 0 or s != line_shape(lines[k - 1])]
+    return [
+        s for k, s in enumerate(map(line_shape, lines)) if k == 0 or s != line_shape(lines[k - 1])
+    ]
 
 
 def test_main_prints_what_the_readme_shows(tmp_path):
@@ -204,12 +254,19 @@ def test_main_prints_what_the_readme_shows(tmp_path):
     the last step line and the closing line) and replace it."""
     readme = (HERE / "README.md").read_text()
     found = re.search(
-        r"\nWhat the main job printed here ([^\n]*)\n\n<!-- refresh-docs main-job -->\n```\n(.*?)\n```\n", readme, re.S
+        r"\nWhat the main job printed here ([^\n]*)\n\n<!-- refresh-docs main-job -->\n```\n(.*?)\n```\n",
+        readme,
+        re.S,
     )
     intro, block = found.groups()
-    assert "python stratagem.py --tiny --steps 20                 # the main job" in readme and "at load " in intro
+    assert (
+        "python stratagem.py --tiny --steps 20                 # the main job" in readme
+        and "at load " in intro
+    )
     shown = [x for x in block.splitlines() if x != "..."]
-    assert shown[-2].startswith("step 20/20 | ") and shown[-1].startswith("done: 20 steps in runs/stratagem-tiny-s1-")
+    assert shown[-2].startswith("step 20/20 | ") and shown[-1].startswith(
+        "done: 20 steps in runs/stratagem-tiny-s1-"
+    )
     proc = python([str(HERE / "stratagem.py"), "--tiny", "--steps", "2"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = proc.stdout.splitlines()
@@ -221,16 +278,41 @@ def test_main_imports_walk_one_way_tools_then_stratagem_then_machinery():
     def imported(path: Path) -> set[str]:
         return set(re.findall(r"^\s*(?:from|import) (\w+)", path.read_text(), re.MULTILINE))
 
-    assert not imported(HERE / "stratagem.py") & {"tools", "spyrl"}
+    import ast
+
+    tree = ast.parse((HERE / "stratagem.py").read_text())
+    top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+    assert not top & {
+        "tools",
+        "spyrl",
+    }  # the commands are imported by the entry points alone, as they run
+    inner = {
+        f.name
+        for f in tree.body
+        if isinstance(f, ast.FunctionDef)
+        for n in ast.walk(f)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] in ("tools", "spyrl")
+    }
+    assert inner == {"main", "build_parser"} and "importlib" not in imported(HERE / "stratagem.py")
     assert "tools" not in imported(HERE / "spyrl.py") and "stratagem" in imported(HERE / "spyrl.py")
-    for module in [*(HERE / "machinery").glob("*.py"), *(HERE / "games").glob("*.py"), HERE / "judge_prompts.py"]:
+    for module in [
+        *(HERE / "machinery").glob("*.py"),
+        *(HERE / "games").glob("*.py"),
+        HERE / "judge_prompts.py",
+    ]:
         assert not imported(module) & {"stratagem", "spyrl", "tools"}, module
-    assert sorted(p.stem for p in (HERE / "tools").glob("*.py")) == sorted(["__init__", "runs", *S.COMMANDS.values()])
+    modules = {f.__module__.removeprefix("tools.") for f in tools.COMMANDS.values()}
+    assert sorted(p.stem for p in (HERE / "tools").glob("*.py")) == sorted(
+        ["__init__", "runs", *modules]
+    )
 
 
 def test_games_import_neither_the_trainer_nor_the_tools():
     for module in (HERE / "games").glob("*.py"):
-        assert not set(re.findall(r"^\s*(?:from|import) (\w+)", module.read_text(), re.MULTILINE)) & {
+        assert not set(
+            re.findall(r"^\s*(?:from|import) (\w+)", module.read_text(), re.MULTILINE)
+        ) & {
             "stratagem",
             "tools",
         }
@@ -250,20 +332,25 @@ def test_main_every_test_name_starts_with_a_name_it_tests():
     code = [HERE / "stratagem.py", HERE / "spyrl.py", HERE / "judge_prompts.py"]
     for folder in ("machinery", "games", "tools"):
         code += sorted((HERE / folder).glob("*.py"))
-    names = {"main", "train"} | {command.replace("-", "_") for command in S.COMMANDS}
+    names = {"main", "train"} | {command.replace("-", "_") for command in tools.COMMANDS}
     names |= {f.name for args in (S.Args, spyrl.Args) for f in dataclasses.fields(args)}
     for path in code:
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             if isinstance(node, ast.ClassDef):
-                names |= {m.name for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                names |= {
+                    m.name
+                    for m in node.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                }
     names = {n for n in names if len(n) >= 3}
     tests = [
         (path.relative_to(HERE), node.name)
         for path in [HERE / "test_stratagem.py", *sorted((HERE / "tests").glob("*.py"))]
         for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.name.startswith("test_")
     ]
     assert len(tests) > 280, len(tests)  # the whole suite was read
     offenders = [
@@ -271,7 +358,9 @@ def test_main_every_test_name_starts_with_a_name_it_tests():
         for path, test in tests
         if not any(test[5:] == n or test[5:].startswith(n + "_") for n in names)
     ]
-    assert offenders == [], "these tests' names do not start with a name they test:\n" + "\n".join(offenders)
+    assert offenders == [], "these tests' names do not start with a name they test:\n" + "\n".join(
+        offenders
+    )
 
 
 def test_refresh_docs_rebuilds_every_figure_and_captured_block_of_the_docs():
@@ -281,10 +370,21 @@ def test_refresh_docs_rebuilds_every_figure_and_captured_block_of_the_docs():
     from tools import refresh_docs
 
     assert sorted(p.name for p in (HERE / "docs").glob("*.png")) == sorted(refresh_docs.FIGURES)
-    texts = {str(p.relative_to(HERE)): p.read_text() for p in [HERE / "README.md", *(HERE / "docs").glob("*.md")]}
-    marked = {name: path for path, text in texts.items() for name in re.findall(r"<!-- refresh-docs (\S+) -->", text)}
+    texts = {
+        str(p.relative_to(HERE)): p.read_text()
+        for p in [HERE / "README.md", *(HERE / "docs").glob("*.md")]
+    }
+    marked = {
+        name: path
+        for path, text in texts.items()
+        for name in re.findall(r"<!-- refresh-docs (\S+) -->", text)
+    }
     assert marked == refresh_docs.BLOCKS
-    shown = {name for text in texts.values() for name in re.findall(r"\]\((?:docs/)?([\w-]+\.png)\)", text)}
+    shown = {
+        name
+        for text in texts.values()
+        for name in re.findall(r"\]\((?:docs/)?([\w-]+\.png)\)", text)
+    }
     assert shown <= set(refresh_docs.FIGURES), shown - set(refresh_docs.FIGURES)
 
 
@@ -293,7 +393,10 @@ def test_refresh_docs_as_documented_shows_the_runs_folder_as_the_docs_name_it_an
 
     folder = Path("/tmp/capture-3141/tiny")
     printed = f"{folder}/stratagem | step 30 | trajectory 0 of 2\n80 games in 9.1 s\nwrote {folder}/e.json\n"
-    assert as_documented(printed, folder) == "runs/stratagem | step 30 | trajectory 0 of 2\n80 games in 9.1 s"
+    assert (
+        as_documented(printed, folder)
+        == "runs/stratagem | step 30 | trajectory 0 of 2\n80 games in 9.1 s"
+    )
 
 
 def test_main_installs_what_requirements_txt_pins_in_every_install_line_of_the_docs():
@@ -327,6 +430,9 @@ def test_main_installs_what_requirements_txt_pins_in_every_install_line_of_the_d
                     inside = [s for s in req.specifier if s.operator == "=="]
                     version = inside[0].version.replace(".*", ".0") if inside else None
                     same = req.specifier == pinned[req.name]
-                    assert same or (version and pinned[req.name].contains(version)), (path.name, spec)
+                    assert same or (version and pinned[req.name].contains(version)), (
+                        path.name,
+                        spec,
+                    )
                     assert req.specifier != SpecifierSet(""), (path.name, spec)
     assert checked >= 6

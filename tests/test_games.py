@@ -24,6 +24,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     only_the_vllm_tests,
     read_jsonl,
     run,
+    self_play,
     tiny_fixture,
 )
 
@@ -37,12 +38,18 @@ def test_make_env_sets_the_games_up_as_spiral_does():
 
     assert S.Args().games == "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1"
     assert check_ids(S.Args().games) == ["TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1"]
-    assert check_ids("KuhnPoker-v0-short,PigDice-v1,LiarsDice-v1,TruthAndDeception-v1")  # TextArena's stay
+    assert check_ids(
+        "KuhnPoker-v0-short,PigDice-v1,LiarsDice-v1,TruthAndDeception-v1"
+    )  # TextArena's stay
     assert ENV_REGISTRY["KuhnPoker-v1"].kwargs == {"ante": 1, "max_rounds": 5}
     assert ENV_REGISTRY["SimpleNegotiation-v1"].kwargs == {"max_turns": 10}
     for gid in ("TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1"):
-        assert isinstance(S.make_env(gid, 3, 0), LLMObservationWrapper)  # the whole exchange (SPIRAL's training)
-    ttt = S.make_env("TicTacToe-v0", 3, 0, first_last=True)  # SPIRAL's evaluation format: the current board only
+        assert isinstance(
+            S.make_env(gid, 3, 0), LLMObservationWrapper
+        )  # the whole exchange (SPIRAL's training)
+    ttt = S.make_env(
+        "TicTacToe-v0", 3, 0, first_last=True
+    )  # SPIRAL's evaluation format: the current board only
     for move in ("[4]", "[0]"):
         ttt.step(move)
     pid, obs = ttt.get_observation()
@@ -95,13 +102,26 @@ def test_KuhnPokerV1_is_spirals_the_last_round_decides_the_game():
         winner = winner if winner is not None else max((0, 1), key=lambda p: cards[p])
         chips[winner], chips[1 - winner] = chips[winner] + 1, chips[1 - winner] - 1
         assert done == (rnd == 5)
-    assert seen[0] == KUHN_OPENING.format(card=CARD[S.make_env("KuhnPoker-v1", 5, 0).state.game_state["cards"][1]])
-    assert seen[1].count("Starting round 1 out of 5 rounds.") == 1  # once, for the second player too
-    assert seen[1].endswith("\n\n[Player 1] [check]\n[GAME] Your available actions are: [check], [bet]")
-    assert "[GAME] Player 1 has folded." in seen[3] and "[GAME] Starting round 2 out of 5 rounds." in seen[3]
-    assert env.state.game_state["chips"] == chips and chips[0] > chips[1]  # Player 0 is ahead on chips ...
+    assert seen[0] == KUHN_OPENING.format(
+        card=CARD[S.make_env("KuhnPoker-v1", 5, 0).state.game_state["cards"][1]]
+    )
+    assert (
+        seen[1].count("Starting round 1 out of 5 rounds.") == 1
+    )  # once, for the second player too
+    assert seen[1].endswith(
+        "\n\n[Player 1] [check]\n[GAME] Your available actions are: [check], [bet]"
+    )
+    assert (
+        "[GAME] Player 1 has folded." in seen[3]
+        and "[GAME] Starting round 2 out of 5 rounds." in seen[3]
+    )
+    assert (
+        env.state.game_state["chips"] == chips and chips[0] > chips[1]
+    )  # Player 0 is ahead on chips ...
     rewards, info = env.close()
-    assert rewards == {0: -1, 1: 1} and not info[1]["invalid_move"]  # ... and loses: round 5 decides
+    assert (
+        rewards == {0: -1, 1: 1} and not info[1]["invalid_move"]
+    )  # ... and loses: round 5 decides
     showdown = S.make_env("KuhnPoker-v1", 5, 0)
     for move in ["[check]", "[bet]", "[fold]", "[bet]", "[fold]", "[check]"]:
         showdown.get_observation()
@@ -138,7 +158,9 @@ def test_SimpleNegotiationV1_is_spirals_fixed_goods_ten_moves_value_gains():
     gives 3 Wood for 2 Gold: +2*15 - 3*5 = +15 for it, +3*15 - 2*5 = +35 for Player 1, who wins after the 10th
     move (TextArena 0.7.4's SimpleNegotiation-v0 lasts 11)."""
     env = S.make_env("SimpleNegotiation-v1", 5, 0)
-    moves = ["Let us trade. [Offer: 3 Wood -> 2 Gold]", "Deal. [Accept]"] + ["I am happy as I am."] * 8
+    moves = ["Let us trade. [Offer: 3 Wood -> 2 Gold]", "Deal. [Accept]"] + [
+        "I am happy as I am."
+    ] * 8
     seen = []
     for k, move in enumerate(moves):
         pid, obs = env.get_observation()
@@ -152,10 +174,15 @@ def test_SimpleNegotiationV1_is_spirals_fixed_goods_ten_moves_value_gains():
         "offer to Player 1: Offered items: 3 Wood -> Requested items: 2 Gold"
     )
     assert "[GAME] Player 1 accepted the trade offer from Player 0." in seen[2]
-    assert env.state.game_state["resources"] == {0: {"Wood": 7, "Gold": 12}, 1: {"Wood": 13, "Gold": 8}}
+    assert env.state.game_state["resources"] == {
+        0: {"Wood": 7, "Gold": 12},
+        1: {"Wood": 13, "Gold": 8},
+    }
     assert env.close()[0] == {0: -1, 1: 1}
     quiet = S.make_env("SimpleNegotiation-v1", 5, 0)  # no trade: equal gains, a draw
-    assert [quiet.step("Hello.")[0] for _ in range(10)] == [False] * 9 + [True] and quiet.close()[0] == {0: 0, 1: 0}
+    assert [quiet.step("Hello.")[0] for _ in range(10)] == [False] * 9 + [True] and quiet.close()[
+        0
+    ] == {0: 0, 1: 0}
     for opening, then in [
         ("[Offer: 11 Wood -> 1 Gold]", None),  # more than it holds
         ("[Offer: lots of wood]", None),  # an offer that does not read
@@ -164,7 +191,9 @@ def test_SimpleNegotiationV1_is_spirals_fixed_goods_ten_moves_value_gains():
         env = S.make_env("SimpleNegotiation-v1", 5, 0)
         for move in [opening] + (then or []):
             done, _ = env.step(move)
-        assert done and env.close()[1][0]["invalid_move"], opening  # Player 0 is the offender each time
+        assert done and env.close()[1][0]["invalid_move"], (
+            opening
+        )  # Player 0 is the offender each time
     from games import spiral
 
     assert spiral.SimpleNegotiationV1.parse_offer("I give 2 wood and 1 Golds -> 3 gold.") == (
@@ -178,7 +207,9 @@ def test_SimpleNegotiationV1_accepting_an_offer_one_cannot_pay_is_an_invalid_mov
     assert not env.step("[Offer: 1 Wood -> 11 Gold]")[0]  # Player 1 holds 10 Gold
     assert env.step("I agree. [Accept]")[0]
     rewards, info = env.close()
-    assert info[1]["invalid_move"] and not info[0]["invalid_move"] and rewards == {0: 0, 1: -1}  # 0.6.4's payout
+    assert (
+        info[1]["invalid_move"] and not info[0]["invalid_move"] and rewards == {0: 0, 1: -1}
+    )  # 0.6.4's payout
     assert env.state.game_state["resources"] == {p: {"Wood": 10, "Gold": 10} for p in (0, 1)}
 
 
@@ -211,7 +242,12 @@ def test_PigDiceV1_is_spirals(monkeypatch):
     scripted_dice(monkeypatch, [3, 2])
     env = ta.make("PigDice-v1", winning_score=10, max_turns=2)
     env.reset(num_players=2, seed=0)
-    assert [env.step(m)[0] for m in ("[roll]", "[hold]", "[roll]", "[hold]")] == [False, False, False, True]
+    assert [env.step(m)[0] for m in ("[roll]", "[hold]", "[roll]", "[hold]")] == [
+        False,
+        False,
+        False,
+        True,
+    ]
     assert (
         env.close() == ({0: 1, 1: -1}, env.state.game_info)
         and "at the turn limit ([3, 2])" in env.state.game_info[0]["reason"]
@@ -242,17 +278,26 @@ def test_LiarsDiceV1_is_spirals():
     assert (
         "[GAME] Player 1 calls! The actual count of face 2 is 3, which is LESS than 4.\nPlayer 0 (the last bidder) "
         "loses one die."
-    ) in obs and obs.endswith("\nRemaining dice:\nPlayer 0: 4\nPlayer 1: 5\n[GAME] Player 0 starts the new round.")
+    ) in obs and obs.endswith(
+        "\nRemaining dice:\nPlayer 0: 4\nPlayer 1: 5\n[GAME] Player 0 starts the new round."
+    )
     env.state.game_state.update(dice={0: [6, 6, 6, 6], 1: [6]}, dice_left={0: 4, 1: 1})
-    assert not env.step("[Bid: 5, 6]")[0] and env.step("[Call]")[0]  # five 6s: the caller loses its last die
+    assert (
+        not env.step("[Bid: 5, 6]")[0] and env.step("[Call]")[0]
+    )  # five 6s: the caller loses its last die
     assert env.close()[0] == {0: 1, 1: -1}
     from games import spiral
 
     problem = spiral.LiarsDiceV1.bid_problem
-    assert problem(3, 1, (3, 2), 10) == "With same quantity, face value must be higher than current 2."
+    assert (
+        problem(3, 1, (3, 2), 10) == "With same quantity, face value must be higher than current 2."
+    )
     assert problem(2, 6, (3, 2), 10) == "New quantity 2 is lower than current 3."
     assert problem(11, 6, (3, 2), 10) == "Bid quantity 11 exceeds total dice count 10."
-    assert problem(3, 2, (3, 2), 10) == "Bid is identical to the current bid." and problem(4, 1, (3, 2), 10) == ""
+    assert (
+        problem(3, 2, (3, 2), 10) == "Bid is identical to the current bid."
+        and problem(4, 1, (3, 2), 10) == ""
+    )
     env = S.make_env("LiarsDice-v1", 0, 0)
     assert env.step("[Call]")[0] and env.close()[1][0]["invalid_move"]  # nothing to call yet
 
@@ -269,7 +314,9 @@ def test_TruthAndDeceptionV1_is_spirals():
             "both": "[Fact 1] or [Fact 2]",
             "neither": "I cannot tell.",
         }[answer]
-        assert [env.step(m)[0] for m in ["Hi.", "Hello.", "Trust me.", "Why?", "Fact 2 is false."]] == [False] * 5
+        assert [
+            env.step(m)[0] for m in ["Hi.", "Hello.", "Trust me.", "Why?", "Fact 2 is false."]
+        ] == [False] * 5
         pid, obs = env.get_observation()
         assert (
             pid == 1
@@ -311,7 +358,9 @@ def test_make_env_draws_dice_and_facts_where_spiral_draws_them():
         env.step("[Call]")
         left = env.state.game_state["dice_left"]
         random.seed(seed)
-        assert env.state.game_state["dice"] == {p: [random.randint(1, 6) for _ in range(left[p])] for p in (0, 1)}
+        assert env.state.game_state["dice"] == {
+            p: [random.randint(1, 6) for _ in range(left[p])] for p in (0, 1)
+        }
         from games import spiral
 
         random.seed(seed)
@@ -326,7 +375,7 @@ def test_make_env_tictactoe_shows_the_whole_history_in_training_and_first_last_o
     "4" is not a move (SPIRAL's env has no action-formatting wrapper)."""
     _, tok = fresh(tiny)
     policy = ScriptedPolicy(first_free)
-    S.self_play(
+    self_play(
         policy,
         tok,
         S.Args(tiny=True, batch_size=3, num_envs=1),
@@ -340,12 +389,16 @@ def test_make_env_tictactoe_shows_the_whole_history_in_training_and_first_last_o
     ttt.step("[4]")
     ttt.step("[0]")
     obs = ttt.get_observation()[1]
-    assert obs.count("Current Board:") == 3 and obs.startswith("\n[GAME] You are Player 0 in Tic Tac Toe")
+    assert obs.count("Current Board:") == 3 and obs.startswith(
+        "\n[GAME] You are Player 0 in Tic Tac Toe"
+    )
     short = S.make_env("TicTacToe-v0", 1, 0, first_last=True)
     short.step("[4]")
     short.step("[0]")
     obs = short.get_observation()[1]
-    assert obs.count("Current Board:") == 1 and obs.endswith("Next Action:") and " X | 1 | 2 " in obs
+    assert (
+        obs.count("Current Board:") == 1 and obs.endswith("Next Action:") and " X | 1 | 2 " in obs
+    )
     bare = S.make_env("TicTacToe-v0", 1, 0)
     assert bare.step("4")[0] and bare.close()[0] == {0: -1, 1: 0}
     assert S.Args().eval_first_last == ""
@@ -358,7 +411,11 @@ def spiral_vectors() -> tuple[Path | None, str]:
     clone has no ../shared). Returns the folder (None: none there) and a line that says which it is."""
     if os.environ.get("STRATAGEM_SPIRAL_VECTORS"):
         folder = Path(os.environ["STRATAGEM_SPIRAL_VECTORS"])
-        return (folder, "") if folder.is_dir() else (None, f"$STRATAGEM_SPIRAL_VECTORS={folder} is not a folder")
+        return (
+            (folder, "")
+            if folder.is_dir()
+            else (None, f"$STRATAGEM_SPIRAL_VECTORS={folder} is not a folder")
+        )
     shared = HERE.parent / "shared" / "spiral-vectors"
     if shared.is_dir():
         return shared, ""
@@ -403,11 +460,13 @@ def replay_vector(game_id: str, game: dict) -> str:
             return f"move {k}: Player {pid} to move, SPIRAL's Player {turn['pid']}"
         ours, theirs = " ".join(obs.split()), turn["obs"]
         if ours != theirs:
-            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            lo = max(0, at - 60)
-            return (
-                f"move {k}: observation differs at {at}: ours {ours[lo : at + 60]!r}, SPIRAL's {theirs[lo : at + 60]!r}"
+            at = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                min(len(ours), len(theirs)),
             )
+            lo = max(0, at - 60)
+            ours, theirs = ours[lo : at + 60], theirs[lo : at + 60]
+            return f"move {k}: observation differs at {at}: ours {ours!r}, SPIRAL's {theirs!r}"
         done, _ = env.step(turn["act"])
         if done != turn["done"]:
             return f"move {k} ({turn['act']!r}): done {done}, SPIRAL's {turn['done']}"
@@ -437,9 +496,13 @@ def test_make_env_replays_spirals_recorded_games_word_for_word(path):
     game_id = vector_game_id(path)
     games = read_vectors(path)
     differences = [
-        f"game {g['g']} (seed {g['seed']}, {g['mode']}): {d}" for g in games if (d := replay_vector(game_id, g))
+        f"game {g['g']} (seed {g['seed']}, {g['mode']}): {d}"
+        for g in games
+        if (d := replay_vector(game_id, g))
     ]
-    assert games and not differences, f"{len(differences)} of {len(games)} differ:\n" + "\n".join(differences[:5])
+    assert games and not differences, f"{len(differences)} of {len(games)} differ:\n" + "\n".join(
+        differences[:5]
+    )
 
 
 def test_games_recorded_copy_in_testdata_is_the_shared_one():
@@ -448,7 +511,9 @@ def test_games_recorded_copy_in_testdata_is_the_shared_one():
     if not shared.is_dir():
         pytest.skip(f"{shared} is absent: nothing to compare the committed copy with")
     for path in sorted(shared.glob("*.jsonl")):
-        assert read_vectors(HERE / "testdata" / "spiral-vectors" / f"{path.name}.gz") == read_vectors(path), path.name
+        assert read_vectors(
+            HERE / "testdata" / "spiral-vectors" / f"{path.name}.gz"
+        ) == read_vectors(path), path.name
 
 
 # ---- SPIRAL's action rule and move lists
@@ -472,7 +537,11 @@ NEGOTIATION = [
         ("\\boxed{Bet}", CHECK_BET, "INVALID"),  # case counts
         ("\\boxed{ check }", CHECK_BET, "INVALID"),  # spaces inside the box count
         ("I will check now", CHECK_BET, "INVALID"),  # bracketed whole: "[I will check now]"
-        ("I think so. Final answer: [check]", CHECK_BET, "INVALID"),  # a bracket outside a box: the whole text
+        (
+            "I think so. Final answer: [check]",
+            CHECK_BET,
+            "INVALID",
+        ),  # a bracket outside a box: the whole text
         ("\\boxed{[check]}", CHECK_BET, "[check]"),
         ("\\boxed{\\text{check}}", CHECK_BET, "[check]"),  # \text{} filling the box is unwrapped
         ("\\boxed{ \\text{check}}", CHECK_BET, "INVALID"),  # ... only when it fills it
@@ -481,19 +550,31 @@ NEGOTIATION = [
         ("\\boxed{check", CHECK_BET, "INVALID"),  # unclosed: the whole text, bracketed
         ("\\boxed {check}", CHECK_BET, "INVALID"),  # not "\boxed{": no box
         ("\\fbox{check}", CHECK_BET, "INVALID"),
-        ("\\boxed{check} and \\boxed", CHECK_BET, "INVALID"),  # the last \boxed opens nothing: the whole text
+        (
+            "\\boxed{check} and \\boxed",
+            CHECK_BET,
+            "INVALID",
+        ),  # the last \boxed opens nothing: the whole text
         ("\\boxed{}", CHECK_BET, "INVALID"),  # "[]"
         ("", CHECK_BET, ""),  # an empty response goes to the game as it is
         ("\\boxed{4}", ["[0]", "[4]"], "[4]"),
         ("\\boxed{4} then [5]", ["[4]", "[5]"], "[4]"),
         ("\\boxed{[I play [4]]}", ["[4]"], "INVALID"),
-        ("\\boxed{[Offer: 3 Wood ->\n 2 Gold]}", NEGOTIATION, "[Offer: 3 Wood -> 2 Gold]"),  # whitespace collapsed
+        (
+            "\\boxed{[Offer: 3 Wood ->\n 2 Gold]}",
+            NEGOTIATION,
+            "[Offer: 3 Wood -> 2 Gold]",
+        ),  # whitespace collapsed
         (
             "Let me think about what would be a fair trade.",
             NEGOTIATION,
             "Let me think about what would be a fair trade.",
         ),
-        ("I'm open to negotiation.", NEGOTIATION, "INVALID"),  # four words: bracketed, so never listed
+        (
+            "I'm open to negotiation.",
+            NEGOTIATION,
+            "INVALID",
+        ),  # four words: bracketed, so never listed
     ],
 )
 def test_spiral_action_is_spirals_extract_action(response, legal, move):
@@ -522,7 +603,9 @@ def test_spiral_moves_are_read_as_spirals_code_reads_them():
     ttt.step("[4]")
     pid, obs = ttt.get_observation()
     assert obs.count("Available Moves:") == 2  # the whole history: both boards
-    assert actions.spiral_moves("TicTacToe-v0", ttt, pid, obs) == [f"[{i}]" for i in range(9) if i != 4]
+    assert actions.spiral_moves("TicTacToe-v0", ttt, pid, obs) == [
+        f"[{i}]" for i in range(9) if i != 4
+    ]
     neg = S.make_env("SimpleNegotiation-v1", 1, 0)
     pid, obs = neg.get_observation()
     opening = actions.spiral_moves("SimpleNegotiation-v1", neg, pid, obs)
@@ -534,11 +617,16 @@ def test_spiral_moves_are_read_as_spirals_code_reads_them():
     assert len(opening) == 2 * 3 * 3 + 3 and "What are you looking to trade?" in opening
     neg.step("[Offer: 1 Wood -> 1 Gold]")
     pid, obs = neg.get_observation()
-    assert actions.spiral_moves("SimpleNegotiation-v1", neg, pid, obs)[:4] == actions.NEGOTIATION_REPLIES
+    assert (
+        actions.spiral_moves("SimpleNegotiation-v1", neg, pid, obs)[:4]
+        == actions.NEGOTIATION_REPLIES
+    )
     pig = S.make_env("PigDice-v1", 1, 0)
     pid, obs = pig.get_observation()
     legal = actions.spiral_moves("PigDice-v1", pig, pid, obs)
-    assert "[roll]" in legal and "[hold]" in legal and "[jump]" not in legal and "[Roll]" not in legal
+    assert (
+        "[roll]" in legal and "[hold]" in legal and "[jump]" not in legal and "[Roll]" not in legal
+    )
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -549,7 +637,9 @@ def test_action_rule_spiral_ends_the_game_on_a_bracket_the_game_would_take(tiny,
     policy = ScriptedPolicy(
         lambda p: "\\boxed{[I play [" + p.rsplit("Available Moves:", 1)[1].split("'[")[1][0] + "]]}"
     )
-    trajs, counts, _ = S.self_play(policy, tok, args, ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, 2)
+    trajs, counts, _ = self_play(
+        policy, tok, args, ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, 2
+    )
     c = counts["TicTacToe-v0"]
     if strict:  # Player 0 forfeits at once; Player 1 never moves and is paid the opponent's share
         assert [(t.role, len(t.turns), t.reward) for t in trajs] == [(0, 1, -1.5), (1, 0, 0.5)] * 2
@@ -564,18 +654,34 @@ def test_action_rule_spiral_ends_the_game_on_a_bracket_the_game_would_take(tiny,
 # ---- SPIRAL's payouts: no legal move, a move the game rejects
 def test_rejected_rewards_pay_a_move_the_game_rejects_through_a_real_game(tiny):
     _, tok = fresh(tiny)
-    args = S.Args(tiny=True, batch_size=1, num_envs=1, invalid_rewards="-1.5,0.5", rejected_rewards="-1,0")
-    trajs, counts, _ = S.self_play(
-        ScriptedPolicy(lambda p: "\\boxed{4}"), tok, args, ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, 1
+    args = S.Args(
+        tiny=True, batch_size=1, num_envs=1, invalid_rewards="-1.5,0.5", rejected_rewards="-1,0"
+    )
+    trajs, counts, _ = self_play(
+        ScriptedPolicy(lambda p: "\\boxed{4}"),
+        tok,
+        args,
+        ["TicTacToe-v0"],
+        random.Random(0),
+        watch.Timer(),
+        {},
+        1,
     )  # seat 1 repeats the taken centre: the game rejects it, and pays as SPIRAL's TextArena 0.6.4 does
     assert [(t.role, t.reward) for t in trajs] == [(0, 0.0), (1, -1.0)]
     assert counts["TicTacToe-v0"]["player1"] == {"win": 0, "draw": 0, "loss": 1, "invalid": 1}
-    assert S.training_rewards({0: 1.0, 1: -1.0}, {0: False, 1: False}, (-1.5, 0.5)) == {0: 1.0, 1: -1.0}
+    assert S.training_rewards({0: 1.0, 1: -1.0}, {0: False, 1: False}, (-1.5, 0.5)) == {
+        0: 1.0,
+        1: -1.0,
+    }
 
 
 def spiral_recipe(**kw) -> S.Args:
     return S.Args(
-        tiny=True, action_rule="spiral", invalid_rewards="-1.5,0.5", rejected_rewards="-1,0", **{"num_envs": 1, **kw}
+        tiny=True,
+        action_rule="spiral",
+        invalid_rewards="-1.5,0.5",
+        rejected_rewards="-1,0",
+        **{"num_envs": 1, **kw},
     )
 
 
@@ -585,22 +691,37 @@ def test_self_play_pays_spirals_payouts_for_no_legal_move_and_a_move_the_game_re
     _, tok = fresh(tiny)
 
     def play(policy, args, game):
-        return S.self_play(ScriptedPolicy(policy), tok, args, [game], random.Random(0), watch.Timer(), {}, 1)
+        return self_play(
+            ScriptedPolicy(policy), tok, args, [game], random.Random(0), watch.Timer(), {}, 1
+        )
 
     trajs, counts, _ = play(lambda p: "\\boxed{Bet}", spiral_recipe(batch_size=1), "KuhnPoker-v1")
-    assert [(t.role, t.reward) for t in trajs] == [(0, 0.5), (1, -1.5)] and trajs[1].turns[0].action == ""
+    assert [(t.role, t.reward) for t in trajs] == [(0, 0.5), (1, -1.5)] and trajs[1].turns[
+        0
+    ].action == ""
     assert counts["KuhnPoker-v1"]["player1"]["invalid"] == 1
 
-    def trader(prompt):  # Player 0 asks 3 Gold for 1 Wood four times; Player 1 accepts, and the fourth time cannot pay
-        return "\\boxed{[Offer: 1 Wood -> 3 Gold]}" if "You are Player 0" in prompt else "\\boxed{[Accept]}"
+    def trader(
+        prompt,
+    ):  # Player 0 asks 3 Gold for 1 Wood four times; Player 1 accepts, and the fourth time cannot pay
+        return (
+            "\\boxed{[Offer: 1 Wood -> 3 Gold]}"
+            if "You are Player 0" in prompt
+            else "\\boxed{[Accept]}"
+        )
 
     trajs, counts, _ = play(trader, spiral_recipe(batch_size=8), "SimpleNegotiation-v1")
     assert [(t.role, len(t.turns), t.reward) for t in trajs] == [(0, 4, 0.0), (1, 4, -1.0)]
     assert counts["SimpleNegotiation-v1"]["player1"]["invalid"] == 1
     trajs, _, _ = play(trader, S.Args(tiny=True, num_envs=1, batch_size=8), "SimpleNegotiation-v1")
     assert [t.reward for t in trajs] == [1.0, -1.0]  # the default: -1 / +1
-    trajs, _, _ = play(lambda p: "\\boxed{Bet}", S.Args(tiny=True, num_envs=1, batch_size=2), "KuhnPoker-v1")
-    assert [(t.role, len(t.turns), t.reward) for t in trajs] == [(0, 1, -1.0), (1, 1, 1.0)]  # lenient: the game
+    trajs, _, _ = play(
+        lambda p: "\\boxed{Bet}", S.Args(tiny=True, num_envs=1, batch_size=2), "KuhnPoker-v1"
+    )
+    assert [(t.role, len(t.turns), t.reward) for t in trajs] == [
+        (0, 1, -1.0),
+        (1, 1, 1.0),
+    ]  # lenient: the game
     # reads "[Bet]" as a bet, and Player 0's "[Bet]" after it is a move the game rejects
     assert S.Args(rejected_rewards="-1,0").rules.rejected_rewards == (-1.0, 0.0)
 
@@ -626,7 +747,9 @@ def test_invalid_rewards_are_logged_by_a_tiny_run(tmp_path, capsys):
     )
     trajs, [m] = read_jsonl(out / "trajectories.jsonl"), read_jsonl(out / "metrics.jsonl")
     invalid = sum(m["games"]["TicTacToe-v0"][p]["invalid"] for p in ("player0", "player1"))
-    assert invalid > 0 and sum(t["reward"] == -1.5 for t in trajs) == invalid  # the random model errs
+    assert (
+        invalid > 0 and sum(t["reward"] == -1.5 for t in trajs) == invalid
+    )  # the random model errs
     assert {t["reward"] for t in trajs} <= {-1.5, 0.5, 1.0, -1.0, 0.0}
     assert all(t["a_game"] == pytest.approx(t["reward"] - t["baseline"]) for t in trajs)
     assert json.loads((out / "config.json").read_text())["invalid_rewards"] == "-1.5,0.5"
@@ -646,32 +769,52 @@ def test_invalid_rewards_are_logged_by_a_tiny_run(tmp_path, capsys):
 def test_play_matches_takes_spirals_payouts_and_rule(tiny, tmp_path):
     """The same rule and payouts in evaluation: every record carries the model seat's payout."""
     _, tok = fresh(tiny)
-    common = (tok, ["KuhnPoker-v1"], 2, matches.RandomPlayer(random.Random(0)), random.Random(0))
+
+    def play(answer, game, rules, first_last=()):
+        games = S.schedule([game], 2, random.Random(0), first_last)
+        return S.play_matches(
+            ScriptedPolicy(answer), tok, matches.RandomPlayer(random.Random(0)), games, rules, 4
+        )
+
     spiral = S.Rules("spiral", 0, 50, (-1.5, 0.5), (-1.0, 0.0))
-    records = S.play_matches(ScriptedPolicy(lambda p: "\\boxed{Check}"), *common, spiral, 4)
-    assert [(r["outcome"], r["invalid"], r["reward"]) for r in records] == [("loss", True, -1.5)] * 2
-    lenient = S.play_matches(ScriptedPolicy(lambda p: "\\boxed{Check}"), *common, S.Rules(max_turns=50), 4)  # "[Check]"
-    assert all(r["reward"] == (-1.0 if r["invalid"] else {"win": 1.0, "loss": -1.0}[r["outcome"]]) for r in lenient)
-    first_last = S.play_matches(
-        ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 2, *common[3:], S.Rules(max_turns=50), 4, ["TicTacToe-v0"]
+    records = play(lambda p: "\\boxed{Check}", "KuhnPoker-v1", spiral)
+    assert [(r["outcome"], r["invalid"], r["reward"]) for r in records] == [
+        ("loss", True, -1.5)
+    ] * 2
+    lenient = play(lambda p: "\\boxed{Check}", "KuhnPoker-v1", S.Rules(max_turns=50))  # "[Check]"
+    assert all(
+        r["reward"] == (-1.0 if r["invalid"] else {"win": 1.0, "loss": -1.0}[r["outcome"]])
+        for r in lenient
     )
-    history = S.play_matches(
-        ScriptedPolicy(first_free), tok, ["TicTacToe-v0"], 2, *common[3:], S.Rules(max_turns=50), 4
-    )
+    first_last = play(first_free, "TicTacToe-v0", S.Rules(max_turns=50), ["TicTacToe-v0"])
+    history = play(first_free, "TicTacToe-v0", S.Rules(max_turns=50))
     assert [r["outcome"] for r in first_last] == [r["outcome"] for r in history]
 
 
 def test_eval_takes_spirals_rule_payouts_and_format(tiny, tmp_path, capsys):
     out = tmp_path / "eval.json"
-    argv = ["eval", str(tiny), "--games", "TicTacToe-v0,KuhnPoker-v1", "--n", "2", "--max-new-tokens", "8"]
+    argv = [
+        "eval",
+        str(tiny),
+        "--games",
+        "TicTacToe-v0,KuhnPoker-v1",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "8",
+    ]
     spiral = ["--action-rule", "spiral", "--invalid-rewards=-1.5,0.5", "--rejected-rewards=-1,0"]
     assert run(argv + spiral + ["--first-last", "TicTacToe-v0", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["action_rule"] == "spiral" and result["first_last"] == ["TicTacToe-v0"]
     assert {r["reward"] for r in result["games"]} <= {-1.5, 0.5, -1.0, 0.0, 1.0}
     assert any(r["reward"] == -1.5 for r in result["games"])  # a random model writes no legal move
-    assert "--first-last" in error_of(capsys, argv + ["--first-last", "Nim-v0", "--json", str(tmp_path / "x.json")])
-    assert "--action-rule" in error_of(capsys, argv + ["--action-rule", "strict", "--json", str(tmp_path / "x.json")])
+    assert "--first-last" in error_of(
+        capsys, argv + ["--first-last", "Nim-v0", "--json", str(tmp_path / "x.json")]
+    )
+    assert "--action-rule" in error_of(
+        capsys, argv + ["--action-rule", "strict", "--json", str(tmp_path / "x.json")]
+    )
 
 
 def best_reply(env, me: int) -> float:

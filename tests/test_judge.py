@@ -59,15 +59,20 @@ from tools import serve_judge
 # ---- Requests through the real openai client: rubrics asked, samples combined, retries, failures imputed
 def test_aggregate_majority_and_mean():
     verdicts = [{"d": 1.0, "a": 0.0}, {"d": 1.0, "a": -1.0}, {"d": -1.0, "a": 1.0}]
-    assert J.aggregate(verdicts, "majority") == {"d": 1.0, "a": -1.0}  # a: a three-way tie goes to the lowest
+    assert J.aggregate(verdicts, "majority") == {
+        "d": 1.0,
+        "a": -1.0,
+    }  # a: a three-way tie goes to the lowest
     assert J.aggregate(verdicts, "mean") == {"d": pytest.approx(1 / 3), "a": 0.0}
 
 
 def test_judge_samples_ask_n_times_and_combine(judge_server, secret_key):
     args = judge_args(judge_server.url, judge_samples=3)
-    runner = J.JudgeRunner(J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None))
+    runner = J.JudgeRunner(
+        J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None)
+    )
     traj = S.Trajectory("TicTacToe-v0", 0, [S.Turn("b", "r", "[4]", [], [])], 1.0)
-    [j], usage = runner.judge([traj], ["transferability"])
+    [j], usage = S.judge_trajectories(runner, [traj], ["transferability"])
     assert usage["requests"] == 3 and j.scores == {"alpha": 1.0, "sigma": 0.5, "rho": 0.0}
 
 
@@ -84,18 +89,30 @@ def test_JudgeRunner_counts_a_plus_one_verdict_from_a_real_server_as_judged(secr
     server = JudgeServer(plus_judge)
     try:
         args = judge_args(server.url)
-        runner = J.JudgeRunner(J.OpenAIJudge("judge-test", server.url, args), args, runfiles.JudgeCache(None))
+        runner = J.JudgeRunner(
+            J.OpenAIJudge("judge-test", server.url, args), args, runfiles.JudgeCache(None)
+        )
         traj = S.Trajectory(
             "TicTacToe-v0",
             0,
-            [S.Turn("board", "I take [4]", "[4]", [], []), S.Turn("board 2", "Then the corner: [0]", "[0]", [], [])],
+            [
+                S.Turn("board", "I take [4]", "[4]", [], []),
+                S.Turn("board 2", "Then the corner: [0]", "[0]", [], []),
+            ],
             1.0,
         )
-        [judgement], _ = runner.judge([traj], ["transferability", "evolution"])
+        [judgement], _ = S.judge_trajectories(runner, [traj], ["transferability", "evolution"])
     finally:
         server.close()
     assert judgement.failure is None
-    assert judgement.scores == {"alpha": 1.0, "sigma": 0.5, "rho": 0.0, "d": 1.0, "a": 0.0, "c": 1.0}
+    assert judgement.scores == {
+        "alpha": 1.0,
+        "sigma": 0.5,
+        "rho": 0.0,
+        "d": 1.0,
+        "a": 0.0,
+        "c": 1.0,
+    }
 
 
 def test_judge_retries_a_429_after_its_retry_after(judge_server, secret_key):
@@ -109,13 +126,21 @@ def test_judge_retries_a_429_after_its_retry_after(judge_server, secret_key):
 
     judge_server.behaviour = flaky
     args = judge_args(judge_server.url, judge_retries=2)
-    runner = J.JudgeRunner(J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None))
-    [j], usage = runner.judge([S.Trajectory("G", 0, [S.Turn("o", "r", "[1]", [], [])], 0.0)], ["transferability"])
+    runner = J.JudgeRunner(
+        J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None)
+    )
+    [j], usage = S.judge_trajectories(
+        runner, [S.Trajectory("G", 0, [S.Turn("o", "r", "[1]", [], [])], 0.0)], ["transferability"]
+    )
     assert j.scores is not None and len(seen) == 2 and seen[1] - seen[0] >= 0.9  # waited as told
 
 
 def test_train_imputes_failed_judgements_and_counts_them(tmp_path, secret_key, talkers):
-    server = JudgeServer(lambda body: (500, {"error": "boom"}) if rubric_of(body) == "evolution" else good_judge(body))
+    server = JudgeServer(
+        lambda body: (
+            (500, {"error": "boom"}) if rubric_of(body) == "evolution" else good_judge(body)
+        )
+    )
     try:
         out = tmp_path / "run"
         assert (
@@ -141,7 +166,10 @@ def test_train_imputes_failed_judgements_and_counts_them(tmp_path, secret_key, t
         server.close()
     metrics, trajs = check_run(out, 1, beta=0.2)
     judged = sum(t["judged"] for t in trajs)
-    assert metrics[0]["judge_failures"] == {"server_error": judged} and metrics[0]["modulated"] is False
+    assert (
+        metrics[0]["judge_failures"] == {"server_error": judged}
+        and metrics[0]["modulated"] is False
+    )
     assert all(t["phi"] == 1.0 and t["psi"] == 0.0 for t in trajs)
     assert len(server.requests) == judged * 3  # transferability once, evolution twice (one retry)
 
@@ -169,7 +197,11 @@ MB_OF_PROSE = "the reasoning is {fine} " * 45_000
         ),
         ("timeout", sleepy(8.0), "timeout"),
         ("empty choices", only_role1(200, {**completion("x"), "choices": []}), "empty"),
-        ("prose only", only_role1(200, completion("The player reasons well; I would give high marks.")), "no_json"),
+        (
+            "prose only",
+            only_role1(200, completion("The player reasons well; I would give high marks.")),
+            "no_json",
+        ),
         (
             "fence with broken JSON",
             only_role1(200, completion('```json\n{"alpha": 1, "sigma": 0.5, "rho": \n```')),
@@ -177,7 +209,9 @@ MB_OF_PROSE = "the reasoning is {fine} " * 45_000
         ),
         (
             "values out of range",
-            only_role1(200, completion('{"alpha": 2, "sigma": 0.5, "rho": 0, "d": 5, "a": 0, "c": 0}')),
+            only_role1(
+                200, completion('{"alpha": 2, "sigma": 0.5, "rho": 0, "d": 5, "a": 0, "c": 0}')
+            ),
             "bad_value",
         ),
         ("missing keys", only_role1(200, completion('{"alpha": 1, "d": 1}')), "missing_keys"),
@@ -222,7 +256,9 @@ def test_train_with_a_misbehaving_judge_completes_and_imputes_the_right_trajecto
     assert metrics[0]["judge_failures"] == {kind: len(bad)}, name
 
 
-def test_train_with_a_judge_refusing_connections_after_start_up_runs_unmodulated(tmp_path, secret_key, talkers):
+def test_train_with_a_judge_refusing_connections_after_start_up_runs_unmodulated(
+    tmp_path, secret_key, talkers
+):
     server = JudgeServer(close_after_probe=True)
     out = tmp_path / "run"
     assert (
@@ -247,7 +283,9 @@ def test_train_with_a_judge_refusing_connections_after_start_up_runs_unmodulated
         == 0
     )
     metrics, trajs = check_run(out, 1, beta=0.2)
-    assert metrics[0]["judge_failures"] == {"connection": len(trajs)} and not metrics[0]["modulated"]
+    assert (
+        metrics[0]["judge_failures"] == {"connection": len(trajs)} and not metrics[0]["modulated"]
+    )
     assert server.requests == []
 
 
@@ -262,18 +300,26 @@ def test_JudgeRunner_puts_paid_requests_on_record_before_their_reply_is_read(
     def parse_that_breaks(reply, rubric):
         raise Unforeseen(rubric)
 
-    monkeypatch.setattr(J, "parse_scores", parse_that_breaks)
-    args = judge_args(judge_server.url, judge_price_in=10.0, judge_price_out=0.0)  # gpt-4o's table price otherwise
+    monkeypatch.setattr(S, "parse_scores", parse_that_breaks)
+    args = judge_args(
+        judge_server.url, judge_price_in=10.0, judge_price_out=0.0
+    )  # gpt-4o's table price otherwise
     ledger = tmp_path / "judge_ledger.jsonl"
-    runner = J.JudgeRunner(J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None), ledger)
+    runner = J.JudgeRunner(
+        J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None), ledger
+    )
     trajs = [
-        S.Trajectory("G", r, [S.Turn("o", "r", "[1]", [], []), S.Turn("o2", "r2", "[2]", [], [])], 0.0)
+        S.Trajectory(
+            "G", r, [S.Turn("o", "r", "[1]", [], []), S.Turn("o2", "r2", "[2]", [], [])], 0.0
+        )
         for r in (0, 1, 0)
     ]
     with pytest.raises(Unforeseen):
-        runner.judge(trajs, ["transferability", "evolution"])
+        S.judge_trajectories(runner, trajs, ["transferability", "evolution"])
     rows = read_jsonl(ledger)
-    assert len(rows) == len(judge_server.requests) == 6 and all(r["cost"] == pytest.approx(0.001) for r in rows)
+    assert len(rows) == len(judge_server.requests) == 6 and all(
+        r["cost"] == pytest.approx(0.001) for r in rows
+    )
 
 
 @pytest.mark.parametrize(
@@ -281,7 +327,12 @@ def test_JudgeRunner_puts_paid_requests_on_record_before_their_reply_is_read(
     [
         (
             "very long integer",
-            only_role1(200, completion('{"alpha": 1' + "0" * 400 + ', "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}')),
+            only_role1(
+                200,
+                completion(
+                    '{"alpha": 1' + "0" * 400 + ', "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}'
+                ),
+            ),
             "bad_value",
         ),
         ("{ and a thousand [", only_role1(200, completion('{"d": ' + "[" * 1000)), "no_json"),
@@ -353,16 +404,28 @@ def test_JudgeRunner_counts_odd_verdicts_never_caches_them_and_records_them_paid
     out = tmp_path / "run"
     _, server = run_with_player1_failing(out, behaviour, kind, name, talkers)
     bodies = [r["body"] for r in server.requests]
-    valid = [b for b in bodies if not role1(b) or (name == "very long integer" and rubric_of(b) == "evolution")]
-    assert len(read_jsonl(out / "judge_cache.jsonl")) == len(valid) < len(bodies)  # only valid verdicts are kept
-    assert len(read_jsonl(out / "judge_ledger.jsonl")) == len(bodies)  # every request paid for is on record
+    valid = [
+        b
+        for b in bodies
+        if not role1(b) or (name == "very long integer" and rubric_of(b) == "evolution")
+    ]
+    assert (
+        len(read_jsonl(out / "judge_cache.jsonl")) == len(valid) < len(bodies)
+    )  # only valid verdicts are kept
+    assert len(read_jsonl(out / "judge_ledger.jsonl")) == len(
+        bodies
+    )  # every request paid for is on record
 
 
 # ---- The rules decided in code: one-turn games, stagnation, levels over turns
 def test_JudgeRunner_never_sends_a_one_turn_trajectory_for_evolution(judge_server, secret_key):
     args = judge_args(judge_server.url)
-    runner = J.JudgeRunner(J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None))
-    one = S.Trajectory("TicTacToe-v0", 0, [S.Turn("board", "I take the centre.", "[4]", [], [])], 1.0)
+    runner = J.JudgeRunner(
+        J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None)
+    )
+    one = S.Trajectory(
+        "TicTacToe-v0", 0, [S.Turn("board", "I take the centre.", "[4]", [], [])], 1.0
+    )
     two = S.Trajectory(
         "TicTacToe-v0",
         1,
@@ -372,22 +435,32 @@ def test_JudgeRunner_never_sends_a_one_turn_trajectory_for_evolution(judge_serve
         ],
         -1.0,
     )
-    (j1, j2), usage = runner.judge([one, two], ["transferability", "evolution"])
-    assert usage["requests"] == 3 and [rubric_of(r["body"]) for r in judge_server.requests].count("evolution") == 1
+    (j1, j2), usage = S.judge_trajectories(runner, [one, two], ["transferability", "evolution"])
+    assert (
+        usage["requests"] == 3
+        and [rubric_of(r["body"]) for r in judge_server.requests].count("evolution") == 1
+    )
     assert (
         "It took 2 turn(s)"
-        in next(r for r in judge_server.requests if rubric_of(r["body"]) == "evolution")["body"]["messages"][-1][
-            "content"
-        ]
+        in next(r for r in judge_server.requests if rubric_of(r["body"]) == "evolution")["body"][
+            "messages"
+        ][-1]["content"]
     )
-    assert j1.scores == {**{k: float(v) for k, v in GOOD["transferability"].items()}, "d": 0.0, "a": 0.0, "c": 0.0}
+    assert j1.scores == {
+        **{k: float(v) for k, v in GOOD["transferability"].items()},
+        "d": 0.0,
+        "a": 0.0,
+        "c": 0.0,
+    }
     assert j1.rule == "one_turn" and j2.rule is None and j2.scores["d"] == 1.0
 
 
 def test_stagnant_is_negative_whatever_the_judge_says(judge_server, secret_key):
     """The state moved on, the reasoning did not (numbers aside): d = a = -1, though the judge said d = +1."""
     args = judge_args(judge_server.url)
-    runner = J.JudgeRunner(J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None))
+    runner = J.JudgeRunner(
+        J.OpenAIJudge("judge-test", judge_server.url, args), args, runfiles.JudgeCache(None)
+    )
     reset = "On my first move I take cell {}: the centre is strongest."
     stuck = S.Trajectory(
         "TicTacToe-v0",
@@ -410,27 +483,43 @@ def test_stagnant_is_negative_whatever_the_judge_says(judge_server, secret_key):
     same_state = S.Trajectory(
         "TicTacToe-v0",
         0,
-        [S.Turn("board", reset.format(4), "[4]", [], []), S.Turn("board", reset.format(4), "[4]", [], [])],
+        [
+            S.Turn("board", reset.format(4), "[4]", [], []),
+            S.Turn("board", reset.format(4), "[4]", [], []),
+        ],
         0.0,
     )
-    (j1, j2, j3), _ = runner.judge([stuck, moving, same_state], ["transferability", "evolution"])
-    assert (j1.scores["d"], j1.scores["a"], j1.scores["c"], j1.rule) == (-1.0, -1.0, -1.0, "stagnant")
+    (j1, j2, j3), _ = S.judge_trajectories(
+        runner, [stuck, moving, same_state], ["transferability", "evolution"]
+    )
+    assert (j1.scores["d"], j1.scores["a"], j1.scores["c"], j1.rule) == (
+        -1.0,
+        -1.0,
+        -1.0,
+        "stagnant",
+    )
     assert (j2.scores["d"], j2.scores["a"], j2.rule) == (1.0, 0.0, None)
     assert j3.rule is None  # nothing new was shown: repeating is not stagnation
-    assert judge_prompts.same_reasoning("I take cell 4 ", "i  take cell 12") and not judge_prompts.same_reasoning(
-        "I take 4", "I block 4"
-    )
+    assert judge_prompts.same_reasoning(
+        "I take cell 4 ", "i  take cell 12"
+    ) and not judge_prompts.same_reasoning("I take 4", "I block 4")
 
 
 def test_same_reasoning_compares_the_reasoning_not_the_move_in_its_box():
     same = judge_prompts.same_reasoning
-    assert same("Just play the move. \\boxed{[bet]}", "just play the move.  \\boxed{[check]}")  # another move
+    assert same(
+        "Just play the move. \\boxed{[bet]}", "just play the move.  \\boxed{[check]}"
+    )  # another move
     assert not same("Round one. \\boxed{[bet]}", "Round two. \\boxed{[bet]}")
     assert same("\\boxed{[bet]}", "\\boxed{[call]}")  # no reasoning at all, twice
     assert judge_prompts.reasoning_text("a \\boxed{x{y}z} b \\boxed{[4]}") == "a \\boxed{x{y}z} b "
-    assert judge_prompts.reasoning_text("a \\boxed{[4") == "a "  # an unclosed box: the rest is the answer
+    assert (
+        judge_prompts.reasoning_text("a \\boxed{[4") == "a "
+    )  # an unclosed box: the rest is the answer
     obs, moves = ["board 1", "board 2"], ["Just play. \\boxed{[1]}", "Just play. \\boxed{[2]}"]
-    assert judge_prompts.evolution_rules(obs, moves, {"d": 1.0, "a": 1.0, "c": 1.0})[1] == "stagnant"
+    assert (
+        judge_prompts.evolution_rules(obs, moves, {"d": 1.0, "a": 1.0, "c": 1.0})[1] == "stagnant"
+    )
 
 
 def test_HeuristicJudge_deepens_on_new_words_not_on_more_characters():
@@ -438,19 +527,34 @@ def test_HeuristicJudge_deepens_on_new_words_not_on_more_characters():
 
     def d(*responses):
         turns = [S.Turn(f"board {k}", r, "[1]", [], []) for k, r in enumerate(responses)]
-        return judge.scores("evolution", J.render_for_judge(S.Trajectory("KuhnPoker-v1", 0, turns, 0.0)))["d"]
+        return judge.scores(
+            "evolution", J.render_for_judge(S.Trajectory("KuhnPoker-v1", 0, turns, 0.0))
+        )["d"]
 
     assert d("Round one.", "Round two, after a bet.") == 1.0  # a word the first turn had not
-    assert d("Round one, after a bet, after a bet.", "Round one, after a bet.") == 0.0  # shorter, nothing new
-    assert d("Round one.", "Round one. Round one. Round one. Round one.") == 0.0  # longer, nothing new: not deeper
+    assert (
+        d("Round one, after a bet, after a bet.", "Round one, after a bet.") == 0.0
+    )  # shorter, nothing new
+    assert (
+        d("Round one.", "Round one. Round one. Round one. Round one.") == 0.0
+    )  # longer, nothing new: not deeper
     assert d("a", "b") == 0.0  # words of fewer than three letters are not content
 
 
 def test_HeuristicJudge_scores_a_rubric_it_has_no_features_for_at_its_middle_levels(monkeypatch):
     """A rubric added to the table (docs/hacking.md's faithfulness) gets its middle level on every key, from a
     trajectory of several turns, rather than a crash mid-run."""
-    rubric = {"score": "f", "role": "logged", "turns": 1, "levels": (-1.0, 0.0, 1.0), "preamble": "Grade it."}
-    rubric["dimensions"] = {"f1": {"weight": 0.5, "text": "f1"}, "f2": {"weight": 0.5, "text": "f2"}}
+    rubric = {
+        "score": "f",
+        "role": "logged",
+        "turns": 1,
+        "levels": (-1.0, 0.0, 1.0),
+        "preamble": "Grade it.",
+    }
+    rubric["dimensions"] = {
+        "f1": {"weight": 0.5, "text": "f1"},
+        "f2": {"weight": 0.5, "text": "f2"},
+    }
     monkeypatch.setitem(judge_prompts.RUBRICS, "faithfulness", rubric)
     turns = [S.Turn(f"board {k}", "Round one. \\boxed{[bet]}", "[bet]", [], []) for k in range(3)]
     text = J.render_for_judge(S.Trajectory("KuhnPoker-v1", 0, turns, 0.0))
@@ -458,13 +562,19 @@ def test_HeuristicJudge_scores_a_rubric_it_has_no_features_for_at_its_middle_lev
 
 
 def test_typical_level_combines_levels_over_turns_and_the_heuristic_judge_keeps_the_rules():
-    assert judge_prompts.typical_level([1.0, 0.0, 0.5]) == 0.5 and judge_prompts.typical_level([0.0, 1.0]) == 0.0
+    assert (
+        judge_prompts.typical_level([1.0, 0.0, 0.5]) == 0.5
+        and judge_prompts.typical_level([0.0, 1.0]) == 0.0
+    )
     assert judge_prompts.typical_level([1.0]) == 1.0
     judge = J.HeuristicJudge()
 
     def scores(rubric, turns):  # turns: (response, action)
         traj = S.Trajectory(
-            "TicTacToe-v0", 0, [S.Turn(f"board {k}", r, a, [], []) for k, (r, a) in enumerate(turns)], 0.0
+            "TicTacToe-v0",
+            0,
+            [S.Turn(f"board {k}", r, a, [], []) for k, (r, a) in enumerate(turns)],
+            0.0,
         )
         return judge.scores(rubric, J.render_for_judge(traj))
 
@@ -473,9 +583,15 @@ def test_typical_level_combines_levels_over_turns_and_the_heuristic_judge_keeps_
     assert (
         scores("transferability", [(rich, "[4]"), ("ok", "[0]"), ("fine", "[8]")])["alpha"] == 0.0
     )  # one turn of three
-    assert scores("evolution", [("I have no idea", "")]) == {"d": 0.0, "a": 0.0, "c": 0.0}  # one turn: by rule
+    assert scores("evolution", [("I have no idea", "")]) == {
+        "d": 0.0,
+        "a": 0.0,
+        "c": 0.0,
+    }  # one turn: by rule
     assert scores("evolution", [("a", "[4]"), ("bb", "[0]")])["c"] == 1.0  # coherent throughout
-    assert scores("evolution", [("a", ""), ("bb", "[0]")])["c"] == 0.0  # a lapse repaired: less, never more
+    assert (
+        scores("evolution", [("a", ""), ("bb", "[0]")])["c"] == 0.0
+    )  # a lapse repaired: less, never more
     assert scores("evolution", [("a", "[4]"), ("bb", "")])["c"] == -1.0  # lost by the end
     assert scores("evolution", [("same", "[4]"), ("same", "[0]")])[("d")] == -1.0
 
@@ -525,7 +641,11 @@ def test_parse_scores_failures_have_a_kind(reply, rubric, kind):
 
 
 def test_parse_scores_evolution_levels():
-    assert J.parse_scores('{"d": -1, "a": 0, "c": 1}', "evolution") == {"d": -1.0, "a": 0.0, "c": 1.0}
+    assert J.parse_scores('{"d": -1, "a": 0, "c": 1}', "evolution") == {
+        "d": -1.0,
+        "a": 0.0,
+        "c": 1.0,
+    }
     with pytest.raises(J.JudgeFailure):
         J.parse_scores('{"d": 0.5, "a": 0, "c": 1}', "evolution")
 
@@ -548,22 +668,38 @@ def test_parse_scores_evolution_levels():
             "transferability",
             {"alpha": 0.5, "sigma": 1.0, "rho": 0.5},
         ),
-        ('Scores {"d": "-1", "a": -0, "c": +0} as asked.', "evolution", {"d": -1.0, "a": 0.0, "c": 0.0}),
-        ('{"d": +1, "a": +1, "c": +1, "why": "ratio: +.5 better"}', "evolution", {"d": 1.0, "a": 1.0, "c": 1.0}),
+        (
+            'Scores {"d": "-1", "a": -0, "c": +0} as asked.',
+            "evolution",
+            {"d": -1.0, "a": 0.0, "c": 0.0},
+        ),
+        (
+            '{"d": +1, "a": +1, "c": +1, "why": "ratio: +.5 better"}',
+            "evolution",
+            {"d": 1.0, "a": 1.0, "c": 1.0},
+        ),
     ],
 )
 def test_parse_scores_reads_verdicts_as_models_write_them(reply, rubric, scores):
     parsed = J.parse_scores(reply, rubric)
-    assert parsed == scores and all(math.copysign(1, v) == 1 for v in parsed.values() if v == 0)  # no -0.0
+    assert parsed == scores and all(
+        math.copysign(1, v) == 1 for v in parsed.values() if v == 0
+    )  # no -0.0
 
 
 @pytest.mark.parametrize(
     "reply, kind",
     [
-        ('{"alpha": 1' + "0" * 400 + ', "sigma": 1, "rho": 1}', "bad_value"),  # int(...) fine, float(...) overflows
+        (
+            '{"alpha": 1' + "0" * 400 + ', "sigma": 1, "rho": 1}',
+            "bad_value",
+        ),  # int(...) fine, float(...) overflows
         ('{"alpha": "1' + "0" * 400 + '", "sigma": 1, "rho": 1}', "bad_value"),
         ('{"alpha": 1e999, "sigma": 1, "rho": 1}', "bad_value"),
-        ('{"alpha": ' + "9" * 5000 + ', "sigma": 1, "rho": 1}', "no_json"),  # json refuses 4300+ digits
+        (
+            '{"alpha": ' + "9" * 5000 + ', "sigma": 1, "rho": 1}',
+            "no_json",
+        ),  # json refuses 4300+ digits
         ('{"alpha": ' + "[" * 1000, "no_json"),  # RecursionError inside json
         ('{"alpha": ' + "[" * 20_000 + "1" + "]" * 20_000 + ', "sigma": 1, "rho": 1}', "no_json"),
         ('{"alpha": {"alpha": {"alpha": 1}}, "sigma": 1, "rho": 1}', "bad_value"),
@@ -628,7 +764,9 @@ def test_parse_scores_raises_nothing_but_judge_failures_on_fuzzed_replies():
     outcomes: dict[str, int] = {}
     for _ in range(3000):
         rubric = rng.choice(list(judge_prompts.RUBRICS))
-        keys = [k for k in judge_prompts.keys(rubric) if rng.random() < 0.9] + ["extra"] * rng.randrange(2)
+        keys = [k for k in judge_prompts.keys(rubric) if rng.random() < 0.9] + [
+            "extra"
+        ] * rng.randrange(2)
         obj = "{" + ", ".join(f'"{k}": {rng.choice(values)}' for k in keys) + "}"
         reply = (
             "".join(rng.choice(junk) for _ in range(rng.randrange(4)))
@@ -675,14 +813,18 @@ def test_judge_timeout_ends_an_attempt_at_its_deadline_not_one_wait_later(secret
     args = judge_args(server.url, judge_timeout=timeout, judge_retries=0)
     try:
         with pytest.raises(J.JudgeFailure) as e:
-            J.OpenAIJudge("judge-test", server.url, args).complete("transferability", "text")
+            J.OpenAIJudge("judge-test", server.url, args).complete(
+                "transferability", judge_prompts.build_messages("transferability", "text")
+            )
         wait_for(lambda: seen, 60)
     finally:
         server.close()
     assert e.value.kind == "timeout" and timeout - 0.5 < seen[0] < timeout + 1.5, seen
 
 
-def trickled_body(conn, body):  # a reply announced as 100 kB, sent one byte at a time, five a second
+def trickled_body(
+    conn, body
+):  # a reply announced as 100 kB, sent one byte at a time, five a second
     conn.sendall(http_reply(200, b"", "Content-Length: 100000"))
     while True:
         conn.sendall(b" ")
@@ -697,7 +839,10 @@ def trickled_headers(conn, body):  # headers that never end
 
 
 @pytest.mark.parametrize("answer", [trickled_body, endless_body, trickled_headers])
-def test_judge_timeout_bounds_a_step_whose_judge_never_finishes_to_retries_plus_one_timeouts(tmp_path, answer):
+@pytest.mark.slow
+def test_judge_timeout_bounds_a_step_whose_judge_never_finishes_to_retries_plus_one_timeouts(
+    tmp_path, answer
+):
     """--judge-timeout bounds each attempt as a whole (connect to the last byte), not each wait for a byte:
     the judge phase of a step takes (retries + 1) x timeout plus the client's backoff (0.5 s before the retry)."""
     server = RawJudgeServer(answer)
@@ -729,14 +874,19 @@ def test_judge_timeout_bounds_a_step_whose_judge_never_finishes_to_retries_plus_
         server.close()
     assert proc.returncode == 0, err[-2000:]
     [m] = read_jsonl(out / "metrics.jsonl")
-    assert m["judge_failures"] == {"timeout": m["judge_judged"]} and m["judge_requests"] == server.posts // 2
+    assert (
+        m["judge_failures"] == {"timeout": m["judge_judged"]}
+        and m["judge_requests"] == server.posts // 2
+    )
     assert 2 * 1.5 <= m["time_split_s"]["judge"] < 2 * 1.5 + 0.5 + 1.5, m["time_split_s"]
 
 
 def fifty_mb_reply(chunked: bool):
     """A completion of 50 MB, made here, before any memory is measured."""
     reply = json.dumps(completion("x" * 50_000_000)).encode()
-    wire = memoryview(http_reply(200, b"", "Transfer-Encoding: chunked") if chunked else http_reply(200, reply))
+    wire = memoryview(
+        http_reply(200, b"", "Transfer-Encoding: chunked") if chunked else http_reply(200, reply)
+    )
 
     def answer(conn, body):
         conn.sendall(wire)
@@ -757,10 +907,16 @@ def judged_once_with_peak_memory(server) -> tuple:
     import tracemalloc
 
     args = judge_args(server.url, judge_retries=2)
-    runner = J.JudgeRunner(J.OpenAIJudge("judge-test", server.url, args), args, runfiles.JudgeCache(None))
+    runner = J.JudgeRunner(
+        J.OpenAIJudge("judge-test", server.url, args), args, runfiles.JudgeCache(None)
+    )
     tracemalloc.start()
     try:
-        [j], usage = runner.judge([S.Trajectory("G", 0, [S.Turn("o", "r", "[1]", [], [])], 0.0)], ["transferability"])
+        [j], usage = S.judge_trajectories(
+            runner,
+            [S.Trajectory("G", 0, [S.Turn("o", "r", "[1]", [], [])], 0.0)],
+            ["transferability"],
+        )
         return j, usage, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -768,7 +924,9 @@ def judged_once_with_peak_memory(server) -> tuple:
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["announced", "chunked"])
-def test_max_reply_bytes_refuses_a_50_mb_judge_reply_without_reading_it_into_memory(secret_key, chunked):
+def test_max_reply_bytes_refuses_a_50_mb_judge_reply_without_reading_it_into_memory(
+    secret_key, chunked
+):
     server = RawJudgeServer(fifty_mb_reply(chunked))
     j, usage, peak = judged_once_with_peak_memory(server)
     assert j.failure == "too_large" and usage["requests"] == 1
@@ -787,18 +945,26 @@ def bomb(encoding: str) -> bytes:
     head, tail = json.dumps(completion("@")).encode().split(b"@")
     z = zlib.compressobj(6, zlib.DEFLATED, 31 if encoding == "gzip" else 15)
     x = b"x" * (1 << 20)
-    return b"".join([z.compress(head), *(z.compress(x) for _ in range(200)), z.compress(tail), z.flush()])
+    return b"".join(
+        [z.compress(head), *(z.compress(x) for _ in range(200)), z.compress(tail), z.flush()]
+    )
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd", "gzip, identity"])
-def test_BoundedClient_refuses_a_compressed_judge_reply_unread_whatever_it_would_inflate_to(secret_key, encoding):
+def test_BoundedClient_refuses_a_compressed_judge_reply_unread_whatever_it_would_inflate_to(
+    secret_key, encoding
+):
     """The client asks for no compression; a reply compressed anyway is refused before a byte of it is decoded
     (the cap counts what is parsed), counted as `encoded` and not retried (the same server would do it again)."""
     body = bomb(encoding.split(",")[0])
-    server = RawJudgeServer(lambda conn, _: conn.sendall(http_reply(200, body, f"Content-Encoding: {encoding}")))
+    server = RawJudgeServer(
+        lambda conn, _: conn.sendall(http_reply(200, body, f"Content-Encoding: {encoding}"))
+    )
     j, usage, peak = judged_once_with_peak_memory(server)
     assert j.failure == "encoded" and usage["requests"] == 1 and server.posts == 1
-    assert peak < 8e6, peak  # a normal reply's request takes about 1 MB; the bomb inflates to 200 MB
+    assert peak < 8e6, (
+        peak
+    )  # a normal reply's request takes about 1 MB; the bomb inflates to 200 MB
 
 
 # ---- The start-up checks: a key, a reachable OpenAI chat endpoint, one probe that must come back a verdict
@@ -826,7 +992,11 @@ def test_check_reachable_refuses_an_unreachable_judge_in_one_line(capsys, tmp_pa
 
 @pytest.mark.parametrize(
     "url",
-    ["http://alice:s3cret-pw@127.0.0.1:9/v1", "http://alice:s3cret%40pw@127.0.0.1:9/v1", "https://s3cret@127.0.0.1:9"],
+    [
+        "http://alice:s3cret-pw@127.0.0.1:9/v1",
+        "http://alice:s3cret%40pw@127.0.0.1:9/v1",
+        "https://s3cret@127.0.0.1:9",
+    ],
     ids=["user and password", "encoded password", "password as user"],
 )
 def test_check_base_url_refuses_credentials_in_one_line_and_never_writes_or_shows_them(
@@ -839,22 +1009,45 @@ def test_check_base_url_refuses_credentials_in_one_line_and_never_writes_or_show
     done = tmp_path / "done"
     shutil.copytree(one_step_run, done)
     commands = {
-        "train": SMALL + ["--steps", "1", "--judge", "openai", "--judge-base-url", url, "--out", str(tmp_path / "new")],
+        "train": SMALL
+        + [
+            "--steps",
+            "1",
+            "--judge",
+            "openai",
+            "--judge-base-url",
+            url,
+            "--out",
+            str(tmp_path / "new"),
+        ],
         "dry run": ["--dry-run", "--judge-base-url", url, "--out", str(tmp_path / "dry")],
         "resume": ["--resume", "--out", str(done), "--steps", "2", "--judge-base-url", url],
-        "eval": ["eval", str(tiny), "--opponent", f"openai:m@{url}", "--n", "1", "--json", str(tmp_path / "e.json")],
+        "eval": [
+            "eval",
+            str(tiny),
+            "--opponent",
+            f"openai:m@{url}",
+            "--n",
+            "1",
+            "--json",
+            str(tmp_path / "e.json"),
+        ],
         "agree": ["agree", str(done), "--judges", "heuristic", f"openai:m@{url}"],
     }
     for name, argv in commands.items():
         assert run(argv) == 2, name
         said = capsys.readouterr()
-        assert said.err.count("\n") == 1 and said.err.endswith("; put the key in OPENAI_API_KEY\n"), (name, said.err)
+        assert said.err.count("\n") == 1 and said.err.endswith(
+            "; put the key in OPENAI_API_KEY\n"
+        ), (name, said.err)
         assert "s3cret" not in said.out + said.err, name
     assert not files_contain(tmp_path, "s3cret") and not (tmp_path / "new").exists()
     assert tree_of(done) == tree_of(one_step_run)
 
 
-def test_check_reachable_refuses_a_judge_that_compresses_every_reply_in_one_line(tmp_path, capsys, secret_key):
+def test_check_reachable_refuses_a_judge_that_compresses_every_reply_in_one_line(
+    tmp_path, capsys, secret_key
+):
     import gzip
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -879,7 +1072,17 @@ def test_check_reachable_refuses_a_judge_that_compresses_every_reply_in_one_line
     try:
         err = error_of(
             capsys,
-            SMALL + ["--steps", "1", "--judge", "openai", "--judge-base-url", url, "--out", str(tmp_path / "run")],
+            SMALL
+            + [
+                "--steps",
+                "1",
+                "--judge",
+                "openai",
+                "--judge-base-url",
+                url,
+                "--out",
+                str(tmp_path / "run"),
+            ],
         )
     finally:
         httpd.shutdown()
@@ -895,7 +1098,17 @@ def test_check_reachable_refuses_a_judge_that_compresses_every_reply_in_one_line
 def judge_check_fails(capsys, tmp_path, url: str, *flags) -> str:
     """A run against `url` stops in one line before it loads the policy or writes a file; the line."""
     out = tmp_path / "never"
-    argv = SMALL + ["--out", str(out), "--judge", "openai", "--judge-base-url", url, "--judge-retries", "0", *flags]
+    argv = SMALL + [
+        "--out",
+        str(out),
+        "--judge",
+        "openai",
+        "--judge-base-url",
+        url,
+        "--judge-retries",
+        "0",
+        *flags,
+    ]
     assert run(argv) == 2
     printed = capsys.readouterr()
     assert printed.err.count("\n") == 1 and "Traceback" not in printed.err and not out.exists()
@@ -903,8 +1116,12 @@ def judge_check_fails(capsys, tmp_path, url: str, *flags) -> str:
     return printed.err.removeprefix("stratagem: error: ").strip()
 
 
-def test_check_reachable_stops_a_run_on_a_judge_url_without_v1_with_a_hint(tmp_path, capsys, secret_key):
-    server = serve_judge.make_judge_server("127.0.0.1", 0, noise=0.0, seed=0)  # the stand-in: 404 off its routes
+def test_check_reachable_stops_a_run_on_a_judge_url_without_v1_with_a_hint(
+    tmp_path, capsys, secret_key
+):
+    server = serve_judge.make_judge_server(
+        "127.0.0.1", 0, noise=0.0, seed=0
+    )  # the stand-in: 404 off its routes
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
@@ -924,13 +1141,17 @@ def test_check_reachable_stops_a_run_on_a_judge_url_without_v1_with_a_hint(tmp_p
         f"the judge at {base}/chat/completions (--judge-model heuristic) failed its start-up check: HTTP 404: "
         f"no route POST /chat/completions; did you mean --judge-base-url {base}/v1?"
     )
-    assert f"judge check: {base}/v1/chat/completions answered a verdict in " in capsys.readouterr().out
+    assert (
+        f"judge check: {base}/v1/chat/completions answered a verdict in " in capsys.readouterr().out
+    )
 
 
 def vllm_like(body: dict):
     """A server of one model that refuses any other name as vLLM does (404), and answers in prose, not JSON."""
     if body["model"] != "judge-test":
-        return 404, {"error": {"message": f"The model `{body['model']}` does not exist.", "code": 404}}
+        return 404, {
+            "error": {"message": f"The model `{body['model']}` does not exist.", "code": 404}
+        }
     return 200, completion("Hello! How can I help you today?")
 
 
@@ -947,13 +1168,17 @@ def test_check_reachable_stops_a_run_on_a_wrong_model_name_or_a_judge_that_answe
         f"the judge at {server.url}/chat/completions (--judge-model gpt-4o) failed its start-up check: HTTP 404: "
         "The model `gpt-4o` does not exist; it lists the models judge-test: pass one as --judge-model"
     )
-    assert prose.startswith(f"the judge at {server.url}/chat/completions (--judge-model judge-test) failed its ")
+    assert prose.startswith(
+        f"the judge at {server.url}/chat/completions (--judge-model judge-test) failed its "
+    )
     assert (
         "its reply is not a verdict ('Hello! How can I help you today?'; 3 replies tried, none a verdict); the judge "
         "must answer in JSON" in prose
     )
     # the wrong name: one request; prose: three structured (auto), then three free-text ones
-    assert len(server.requests) == 7 and all(r["body"]["max_tokens"] == 1024 for r in server.requests)
+    assert len(server.requests) == 7 and all(
+        r["body"]["max_tokens"] == 1024 for r in server.requests
+    )
     assert ["response_format" in r["body"] for r in server.requests] == [True] * 4 + [False] * 3
 
 
@@ -975,30 +1200,45 @@ def flaky_then_verdict(cut: int, structured_ok: bool = True):
     return behaviour
 
 
-def test_check_reachable_decides_on_a_few_replies_and_says_at_which_try(tmp_path, capsys, secret_key):
+def test_check_reachable_decides_on_a_few_replies_and_says_at_which_try(
+    tmp_path, capsys, secret_key
+):
     server = JudgeServer(flaky_then_verdict(2), answer_probe=False)
     try:
         args = judge_args(server.url, judge_model="judge-test", judge_retries=0)
         line = J.OpenAIJudge("judge-test", server.url, args).check_reachable()
-        refused = J.OpenAIJudge("judge-test", server.url, dataclasses.replace(args, judge_structured="on"))
+        refused = J.OpenAIJudge(
+            "judge-test", server.url, dataclasses.replace(args, judge_structured="on")
+        )
         server.behaviour = flaky_then_verdict(3)
-        with pytest.raises(UserError, match="3 replies tried; the reply was cut at --judge-max-tokens"):
+        with pytest.raises(
+            UserError, match="3 replies tried; the reply was cut at --judge-max-tokens"
+        ):
             refused.check_reachable()
     finally:
         server.close()
     assert "answered a verdict at try 3 of 3" in line and "verdicts: structured" in line
 
 
-def test_check_reachable_in_auto_falls_back_to_free_text_where_the_server_refuses_the_schema(secret_key):
+def test_check_reachable_in_auto_falls_back_to_free_text_where_the_server_refuses_the_schema(
+    secret_key,
+):
     server = JudgeServer(flaky_then_verdict(0, structured_ok=False), answer_probe=False)
     try:
         args = judge_args(server.url, judge_model="judge-test", judge_retries=0)
         judge = J.OpenAIJudge("judge-test", server.url, args)
         line = judge.check_reachable()
-        assert not judge.structured and "verdicts: free text, parsed; --judge-structured auto: the server" in line
+        assert (
+            not judge.structured
+            and "verdicts: free text, parsed; --judge-structured auto: the server" in line
+        )
         with pytest.raises(UserError, match="HTTP 400: response_format is not supported"):
-            J.OpenAIJudge("judge-test", server.url, dataclasses.replace(args, judge_structured="on")).check_reachable()
-        judge.complete("evolution", "a trajectory")  # free text: no schema sent
+            J.OpenAIJudge(
+                "judge-test", server.url, dataclasses.replace(args, judge_structured="on")
+            ).check_reachable()
+        judge.complete(
+            "evolution", judge_prompts.build_messages("evolution", "a trajectory")
+        )  # free text: no schema sent
         assert "response_format" not in server.requests[-1]["body"]
     finally:
         server.close()
@@ -1008,7 +1248,9 @@ def test_complete_with_structured_verdicts_sends_each_rubrics_schema(secret_key)
     server = JudgeServer(good_judge)
     try:
         args = judge_args(server.url, judge_model="judge-test", judge_structured="on")
-        J.OpenAIJudge("judge-test", server.url, args).complete("evolution", "a trajectory")
+        J.OpenAIJudge("judge-test", server.url, args).complete(
+            "evolution", judge_prompts.build_messages("evolution", "a trajectory")
+        )
     finally:
         server.close()
     schema = server.requests[-1]["body"]["response_format"]["json_schema"]["schema"]
@@ -1025,7 +1267,9 @@ def test_JudgeCache_key_of_a_structured_request_differs_and_a_free_text_key_is_a
     assert free == runfiles.JudgeCache.key("m", "evolution", 1.0, 1024, 0, "t", False)
     assert free != runfiles.JudgeCache.key("m", "evolution", 1.0, 1024, 0, "t", True)
     ident = json.dumps(["m", judge_prompts.PROMPT_VERSION, "evolution", 1.0, 1024, 0, "t"])
-    assert free == hashlib.sha256(ident.encode()).hexdigest()  # caches written before structured verdicts still hit
+    assert (
+        free == hashlib.sha256(ident.encode()).hexdigest()
+    )  # caches written before structured verdicts still hit
 
 
 class HTMLServer(http.server.BaseHTTPRequestHandler):
@@ -1057,8 +1301,14 @@ class FileServer(http.server.SimpleHTTPRequestHandler):
 @pytest.mark.parametrize(
     "handler, came_back",
     [
-        (HTMLServer, "bad response (not a chat completion: '<html><body><h1>Welcome to nginx!</h1></body></html>')"),
-        (FileServer, "HTTP 501: Error response Error response Error code: 501 Message: Unsupported method ('POST')"),
+        (
+            HTMLServer,
+            "bad response (not a chat completion: '<html><body><h1>Welcome to nginx!</h1></body></html>')",
+        ),
+        (
+            FileServer,
+            "HTTP 501: Error response Error response Error code: 501 Message: Unsupported method ('POST')",
+        ),
     ],
 )
 def test_check_reachable_stops_a_run_on_a_server_that_is_no_openai_chat_endpoint(
@@ -1072,7 +1322,9 @@ def test_check_reachable_stops_a_run_on_a_server_that_is_no_openai_chat_endpoint
     finally:
         server.shutdown()
         server.server_close()
-    assert line.startswith(f"the judge at {url}/chat/completions (--judge-model gpt-4o) failed its start-up check: ")
+    assert line.startswith(
+        f"the judge at {url}/chat/completions (--judge-model gpt-4o) failed its start-up check: "
+    )
     assert came_back in line and line.endswith(
         "is it an OpenAI-compatible chat endpoint (POST /chat/completions under --judge-base-url)?"
     )
@@ -1085,7 +1337,10 @@ def test_probe_messages_are_one_short_request_outside_the_budget_and_the_ledger(
     flags = ["--judge", "openai", "--judge-base-url", judge_server.url, "--judge-price-in", "10"]
     assert run(SMALL + ["--steps", "1", "--out", str(out)] + flags) == 0
     [m] = read_jsonl(out / "metrics.jsonl")
-    assert judge_server.probes == 1 and len(read_jsonl(out / "judge_ledger.jsonl")) == m["judge_requests"]
+    assert (
+        judge_server.probes == 1
+        and len(read_jsonl(out / "judge_ledger.jsonl")) == m["judge_requests"]
+    )
     lines = capsys.readouterr().out.splitlines()
     check = next(k for k, x in enumerate(lines) if x.startswith("judge check: "))
     assert "(30 + 12 tokens, outside the budget); verdicts: structured" in lines[check]
@@ -1095,7 +1350,9 @@ def test_probe_messages_are_one_short_request_outside_the_budget_and_the_ledger(
 
 
 # ---- The cache: a verdict is paid for once
-def test_judge_cache_of_a_repeated_run_never_pays_twice_and_survives_a_torn_line(tmp_path, judge_server, secret_key):
+def test_judge_cache_of_a_repeated_run_never_pays_twice_and_survives_a_torn_line(
+    tmp_path, judge_server, secret_key
+):
     cache = tmp_path / "shared-cache.jsonl"
     common = SMALL + [
         "--steps",
@@ -1118,27 +1375,51 @@ def test_judge_cache_of_a_repeated_run_never_pays_twice_and_survives_a_torn_line
     assert run(common + ["--out", str(tmp_path / "b")]) == 0  # same seed: the same trajectories
     assert len(judge_server.requests) == paid
     metrics = read_jsonl(tmp_path / "b" / "metrics.jsonl")
-    assert sum(m["judge_cache_hits"] for m in metrics) == paid and sum(m["judge_requests"] for m in metrics) == 0
-    assert read_jsonl(tmp_path / "a" / "trajectories.jsonl") == read_jsonl(tmp_path / "b" / "trajectories.jsonl")
+    assert (
+        sum(m["judge_cache_hits"] for m in metrics) == paid
+        and sum(m["judge_requests"] for m in metrics) == 0
+    )
+    assert read_jsonl(tmp_path / "a" / "trajectories.jsonl") == read_jsonl(
+        tmp_path / "b" / "trajectories.jsonl"
+    )
 
 
-def test_judge_cache_of_a_resumed_run_does_not_pay_again_for_a_replayed_step(tmp_path, judge_server, secret_key):
+def test_judge_cache_of_a_resumed_run_does_not_pay_again_for_a_replayed_step(
+    tmp_path, judge_server, secret_key
+):
     import shutil
 
-    common = SMALL + ["--judge", "openai", "--judge-base-url", judge_server.url, "--judge-sample-rate", "1"]
+    common = SMALL + [
+        "--judge",
+        "openai",
+        "--judge-base-url",
+        judge_server.url,
+        "--judge-sample-rate",
+        "1",
+    ]
     out = tmp_path / "run"
     assert run(common + ["--steps", "1", "--out", str(out)]) == 0
     shutil.copytree(out / "checkpoints", tmp_path / "ckpt-1")
-    assert run(["--resume", "--out", str(out), "--steps", "2", "--judge-base-url", judge_server.url]) == 0
+    assert (
+        run(["--resume", "--out", str(out), "--steps", "2", "--judge-base-url", judge_server.url])
+        == 0
+    )
     paid = len(judge_server.requests)
-    shutil.rmtree(out / "checkpoints")  # crash after step 2 was logged and judged, before its checkpoint
+    shutil.rmtree(
+        out / "checkpoints"
+    )  # crash after step 2 was logged and judged, before its checkpoint
     shutil.copytree(tmp_path / "ckpt-1", out / "checkpoints")
-    assert run(["--resume", "--out", str(out), "--steps", "2", "--judge-base-url", judge_server.url]) == 0
+    assert (
+        run(["--resume", "--out", str(out), "--steps", "2", "--judge-base-url", judge_server.url])
+        == 0
+    )
     assert len(judge_server.requests) == paid
     assert read_jsonl(out / "metrics.jsonl")[-1]["judge_requests"] == 0
 
 
-def test_judge_cache_lines_with_bad_scores_are_not_trusted(tmp_path, judge_server, secret_key, capsys):
+def test_judge_cache_lines_with_bad_scores_are_not_trusted(
+    tmp_path, judge_server, secret_key, capsys
+):
     cache = tmp_path / "cache.jsonl"
     common = SMALL + [
         "--steps",
@@ -1170,16 +1451,32 @@ def test_judge_cache_lines_with_bad_scores_are_not_trusted(tmp_path, judge_serve
     cache.write_text("".join(json.dumps(x) + "\n" for x in lines))
     capsys.readouterr()
     assert run(common + ["--out", str(tmp_path / "b")]) == 0
-    assert f"judge cache: skipped {len(lines)} unreadable or invalid line(s)" in capsys.readouterr().err
-    assert len(judge_server.requests) == 2 * paid  # every forged entry is asked for again, none is trusted
-    assert read_jsonl(tmp_path / "a" / "trajectories.jsonl") == read_jsonl(tmp_path / "b" / "trajectories.jsonl")
+    assert (
+        f"judge cache: skipped {len(lines)} unreadable or invalid line(s)"
+        in capsys.readouterr().err
+    )
+    assert (
+        len(judge_server.requests) == 2 * paid
+    )  # every forged entry is asked for again, none is trusted
+    assert read_jsonl(tmp_path / "a" / "trajectories.jsonl") == read_jsonl(
+        tmp_path / "b" / "trajectories.jsonl"
+    )
     check_run(tmp_path / "b", 1, beta=0.2)
 
 
-def test_judge_cache_lines_of_any_shape_are_skipped_and_never_crash_a_run(tmp_path, judge_server, secret_key, capsys):
-    good = {"key": "k" * 64, "rubric": "transferability", "scores": {"alpha": 1, "sigma": 0.5, "rho": 0}}
+def test_judge_cache_lines_of_any_shape_are_skipped_and_never_crash_a_run(
+    tmp_path, judge_server, secret_key, capsys
+):
+    good = {
+        "key": "k" * 64,
+        "rubric": "transferability",
+        "scores": {"alpha": 1, "sigma": 0.5, "rho": 0},
+    }
     odd = [
-        {**good, "scores": {"alpha": int("1" + "0" * 400), "sigma": 1, "rho": 1}},  # OverflowError in float()
+        {
+            **good,
+            "scores": {"alpha": int("1" + "0" * 400), "sigma": 1, "rho": 1},
+        },  # OverflowError in float()
         {**good, "scores": {"alpha": 1e400, "sigma": 1, "rho": 1}},
         {**good, "scores": "alphasigmarho"},
         {**good, "scores": 7},
@@ -1223,11 +1520,16 @@ def test_judge_cache_lines_of_any_shape_are_skipped_and_never_crash_a_run(tmp_pa
         )
         == 0
     )
-    assert f"judge cache: skipped {len(odd) + 3} unreadable or invalid line(s)" in capsys.readouterr().err
+    assert (
+        f"judge cache: skipped {len(odd) + 3} unreadable or invalid line(s)"
+        in capsys.readouterr().err
+    )
     check_run(tmp_path / "run", 1, beta=0.2)
 
 
-def test_judge_cache_asks_the_judge_again_for_a_new_prompt_version(tmp_path, judge_server, secret_key, monkeypatch):
+def test_judge_cache_asks_the_judge_again_for_a_new_prompt_version(
+    tmp_path, judge_server, secret_key, monkeypatch
+):
     common = SMALL + [
         "--steps",
         "1",
@@ -1242,12 +1544,18 @@ def test_judge_cache_asks_the_judge_again_for_a_new_prompt_version(tmp_path, jud
     ]
     assert run(common + ["--out", str(tmp_path / "a")]) == 0
     paid = len(judge_server.requests)
-    assert run(common + ["--out", str(tmp_path / "b")]) == 0 and len(judge_server.requests) == paid  # all cached
+    assert (
+        run(common + ["--out", str(tmp_path / "b")]) == 0 and len(judge_server.requests) == paid
+    )  # all cached
     monkeypatch.setattr(judge_prompts, "PROMPT_VERSION", judge_prompts.PROMPT_VERSION + "-changed")
-    assert run(common + ["--out", str(tmp_path / "c")]) == 0 and len(judge_server.requests) == 2 * paid
+    assert (
+        run(common + ["--out", str(tmp_path / "c")]) == 0 and len(judge_server.requests) == 2 * paid
+    )
 
 
-def test_JudgeCache_key_holds_every_parameter_of_a_judge_request(judge_server, secret_key, tmp_path):
+def test_JudgeCache_key_holds_every_parameter_of_a_judge_request(
+    judge_server, secret_key, tmp_path
+):
     """A verdict is reused only for the very request that produced it: changing any parameter the request sends
     (model, messages, temperature, max_tokens) changes the key. A parameter added to the request later fails
     this test until the key covers it."""
@@ -1258,15 +1566,19 @@ def test_JudgeCache_key_holds_every_parameter_of_a_judge_request(judge_server, s
     def ask(args=base, model="judge-test", traj=trajectory) -> tuple[dict, str]:
         judge_server.requests.clear()
         ledger = tmp_path / f"ledger-{next(asked)}.jsonl"
-        runner = J.JudgeRunner(J.OpenAIJudge(model, judge_server.url, args), args, runfiles.JudgeCache(None), ledger)
-        runner.judge([traj], ["transferability"])
+        runner = J.JudgeRunner(
+            J.OpenAIJudge(model, judge_server.url, args), args, runfiles.JudgeCache(None), ledger
+        )
+        S.judge_trajectories(runner, [traj], ["transferability"])
         [request], [row] = judge_server.requests, read_jsonl(ledger)
         return request["body"], row["key"]
 
     body, key = ask()
     varied = {
         "model": lambda: ask(model="judge-other"),
-        "messages": lambda: ask(traj=S.Trajectory("G", 0, [S.Turn("o", "other", "[1]", [], [])], 0.0)),
+        "messages": lambda: ask(
+            traj=S.Trajectory("G", 0, [S.Turn("o", "other", "[1]", [], [])], 0.0)
+        ),
         "temperature": lambda: ask(S.dataclasses.replace(base, judge_temperature=0.5)),
         "max_tokens": lambda: ask(S.dataclasses.replace(base, judge_max_tokens=512)),
     }

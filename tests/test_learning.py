@@ -24,22 +24,39 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
 )
 
 # ---- The warm start: the shipped tiny model, taught the rules
-WARM = ["--steps", "6", "--moves", "60,40,40", "--batch-size", "4"]  # a warm start in seconds: for its mechanics
+WARM = [
+    "--steps",
+    "6",
+    "--moves",
+    "60,40,40",
+    "--batch-size",
+    "4",
+]  # a warm start in seconds: for its mechanics
 
 
+@pytest.mark.slow
 def test_warmstart_is_deterministic_and_says_what_it_built(tmp_path):
     """The same recipe gives the same bytes (one thread: the same sums in the same order); warmstart.json records
     the recipe; the output folder is never overwritten."""
     for name in ("a", "b"):
-        proc = python([str(HERE / "stratagem.py"), "warmstart", str(tmp_path / name), *WARM], tmp_path)
+        proc = python(
+            [str(HERE / "stratagem.py"), "warmstart", str(tmp_path / name), *WARM], tmp_path
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
-    a, b = (tmp_path / "a" / "model.safetensors").read_bytes(), (tmp_path / "b" / "model.safetensors").read_bytes()
-    assert a == b and json.loads((tmp_path / "a" / "warmstart.json").read_text())["recipe"]["steps"] == 6
+    a, b = (
+        (tmp_path / "a" / "model.safetensors").read_bytes(),
+        (tmp_path / "b" / "model.safetensors").read_bytes(),
+    )
+    assert (
+        a == b
+        and json.loads((tmp_path / "a" / "warmstart.json").read_text())["recipe"]["steps"] == 6
+    )
     again = python([str(HERE / "stratagem.py"), "warmstart", str(tmp_path / "a"), *WARM], tmp_path)
     assert again.returncode == 2 and again.stderr.strip().endswith("already exists")
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == a
 
 
+@pytest.mark.slow
 def test_warmstart_rebuilds_the_shipped_warm_start_from_its_recipe_exactly_on_its_machine_and_closely_on_another(
     tmp_path,
 ):
@@ -54,8 +71,12 @@ def test_warmstart_rebuilds_the_shipped_warm_start_from_its_recipe_exactly_on_it
     report = json.loads((shipped / "warmstart.json").read_text())
     flags = [x for k, v in report["recipe"].items() for x in (f"--{k.replace('_', '-')}", str(v))]
     again = tmp_path / "again"
-    proc = python([str(HERE / "stratagem.py"), "warmstart", str(again), *flags], tmp_path, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-2000:]  # 9 minutes on a quiet 2-core machine, 17 on a loaded one
+    proc = python(
+        [str(HERE / "stratagem.py"), "warmstart", str(again), *flags], tmp_path, timeout=3600
+    )
+    assert proc.returncode == 0, proc.stderr[
+        -2000:
+    ]  # 9 minutes on a quiet 2-core machine, 17 on a loaded one
     for name in (
         "tokenizer.json",
         "tokenizer_config.json",
@@ -66,10 +87,14 @@ def test_warmstart_rebuilds_the_shipped_warm_start_from_its_recipe_exactly_on_it
         assert (again / name).read_bytes() == (shipped / name).read_bytes(), name
     rebuilt = json.loads((again / "warmstart.json").read_text())
     if rebuilt["machine"] == report.get("machine"):
-        assert (again / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
+        assert (again / "model.safetensors").read_bytes() == (
+            shipped / "model.safetensors"
+        ).read_bytes()
         return
     a, b = load_file(again / "model.safetensors"), load_file(shipped / "model.safetensors")
-    assert {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
+    assert {k: (v.shape, v.dtype) for k, v in a.items()} == {
+        k: (v.shape, v.dtype) for k, v in b.items()
+    }
     far = {k: round(float((a[k] - b[k]).abs().max() / b[k].abs().max()), 3) for k in b}
     assert max(far.values()) <= 0.15, far
     assert abs(rebuilt["final_loss"] - report["final_loss"]) <= 0.01 * report["final_loss"]
@@ -81,7 +106,10 @@ def test_warmstart_machine_names_torch_and_the_cpu_kernels_its_bytes_depend_on()
     from tools import warmstart
 
     built = warmstart.machine()
-    assert built["torch"] == torch.__version__ and built["kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert (
+        built["torch"] == torch.__version__
+        and built["kernels"] == torch.backends.cpu.get_cpu_capability()
+    )
     assert isinstance(built["cpu"], list) and len(built["cpu"]) <= 1
 
 
@@ -104,37 +132,54 @@ def test_warmstart_imitates_a_uniform_mixture_of_reasoning_styles_independent_of
     from tools import warmstart
 
     report = json.loads((S.WARM_START / "warmstart.json").read_text())
-    assert report["styles"]["drawn"] == warmstart.STYLES and report["styles"]["contents"] == warmstart.CONTENTS
+    assert (
+        report["styles"]["drawn"] == warmstart.STYLES
+        and report["styles"]["contents"] == warmstart.CONTENTS
+    )
     for game, m in report["measure"].items():
         shares = [m["styles"][style] for style in warmstart.STYLES]
-        assert all(0.08 <= x <= 0.26 for x in shares) and m["styles"]["None"] <= 0.03, (game, shares)
+        assert all(0.08 <= x <= 0.26 for x in shares) and m["styles"]["None"] <= 0.03, (
+            game,
+            shares,
+        )
         assert m["state_right"] >= 0.9, game
     moves = warmstart.random_games({"KuhnPoker-v1": 200}, seed=5)
     assert {m.style for m in moves} == set(warmstart.STYLES)
     styles = warmstart.STYLES
     try:  # independent of the move: styles come from a stream of their own, so no style changes a move drawn
         warmstart.STYLES = styles[:1]
-        assert [m.action for m in warmstart.random_games({"KuhnPoker-v1": 200}, seed=5)] == [m.action for m in moves]
+        assert [m.action for m in warmstart.random_games({"KuhnPoker-v1": 200}, seed=5)] == [
+            m.action for m in moves
+        ]
     finally:
         warmstart.STYLES = styles
     phis = {}
     for name, content in warmstart.CONTENTS.items():
-        text = S.judge_prompts.render_trajectory("G", 0, [{"observation": "x", "response": content, "action": "[1]"}])
+        text = S.judge_prompts.render_trajectory(
+            "G", 0, [{"observation": "x", "response": content, "action": "[1]"}]
+        )
         phis[name] = S.phi(HeuristicJudge().scores("transferability", text))
     assert phis == {"terse": 0.0, "principle": 0.5, "structured": 0.85}
 
 
+@pytest.mark.slow
 def test_warmstart_of_the_spy_game_is_deterministic_and_teaches_valid_votes(tmp_path):
     """SpyRL's warm start (warmstart/spy, spyrl.py --tiny's): a short recipe gives the same bytes twice, and the shipped
     one's measurement holds at least 90 % valid votes."""
     flags = ["--games", "WhoIsTheSpy-v0", "--moves", "40", "--steps", "4", "--batch-size", "4"]
     for name in ("a", "b"):
-        proc = python([str(HERE / "stratagem.py"), "warmstart", str(tmp_path / name), *flags], tmp_path)
+        proc = python(
+            [str(HERE / "stratagem.py"), "warmstart", str(tmp_path / name), *flags], tmp_path
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "model.safetensors"
+    ).read_bytes()
     import spyrl
 
-    measured = json.loads((spyrl.WARM_START / "warmstart.json").read_text())["measure"]["WhoIsTheSpy-v0"]
+    measured = json.loads((spyrl.WARM_START / "warmstart.json").read_text())["measure"][
+        "WhoIsTheSpy-v0"
+    ]
     assert measured["valid_votes"] >= 0.9 and measured["outputs_in_form"] >= 0.9
 
 
@@ -153,15 +198,27 @@ def test_random_legal_move_is_uniform_over_the_legal_moves_of_a_large_move_set()
     assert move in moves and set(moves) == set(matches.legal_actions(small, pid, obs))
 
 
+@pytest.mark.slow
 def test_tiny_starts_from_the_warm_start_and_plays_multi_turn_games_that_psi_judges(tmp_path):
     """--tiny (no --tiny-init): the shipped warm start. Its games run past the first move in every default game, so
     the evolution rubric is judged on multi-turn trajectories and psi is not 0 by rule; --tiny-init random is the
     random start again, whose every game ends on the first move."""
     assert run(["--tiny", "--steps", "2", "--out", str(tmp_path / "warm")]) == 0
-    trajs, metrics = read_jsonl(tmp_path / "warm/trajectories.jsonl"), read_jsonl(tmp_path / "warm/metrics.jsonl")
-    longest = {g: max(len(t["turns"]) for t in trajs if t["game"] == g) for g in {t["game"] for t in trajs}}
-    assert set(longest) == {"TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1"} and min(longest.values()) >= 2
-    assert sum(m["judged_multi_turn"] for m in metrics) > 0 and sum(m["psi_nonzero"] for m in metrics) > 0
+    trajs, metrics = (
+        read_jsonl(tmp_path / "warm/trajectories.jsonl"),
+        read_jsonl(tmp_path / "warm/metrics.jsonl"),
+    )
+    longest = {
+        g: max(len(t["turns"]) for t in trajs if t["game"] == g) for g in {t["game"] for t in trajs}
+    }
+    assert (
+        set(longest) == {"TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1"}
+        and min(longest.values()) >= 2
+    )
+    assert (
+        sum(m["judged_multi_turn"] for m in metrics) > 0
+        and sum(m["psi_nonzero"] for m in metrics) > 0
+    )
     assert any(t["judged"] and t["psi"] != 0 and len(t["turns"]) > 1 for t in trajs)
     config = json.loads((tmp_path / "warm/config.json").read_text())
     assert config["tiny_init"] == "warm"
@@ -169,11 +226,16 @@ def test_tiny_starts_from_the_warm_start_and_plays_multi_turn_games_that_psi_jud
     assert {len(t["turns"]) for t in read_jsonl(tmp_path / "random/trajectories.jsonl")} <= {0, 1}
 
 
-def test_validate_names_the_command_that_rebuilds_a_missing_warm_start(capsys, tmp_path, monkeypatch):
+def test_validate_names_the_command_that_rebuilds_a_missing_warm_start(
+    capsys, tmp_path, monkeypatch
+):
     monkeypatch.setattr(S, "WARM_START", tmp_path / "gone")
     err = error_of(capsys, ["--tiny", "--out", str(tmp_path / "never")])
     gone = tmp_path / "gone"
-    assert err.strip() == f"stratagem: error: the warm start {gone} is missing: python stratagem.py warmstart {gone}"
+    assert (
+        err.strip()
+        == f"stratagem: error: the warm start {gone} is missing: python stratagem.py warmstart {gone}"
+    )
 
 
 # ---- Seen to learn: --keep-best, the ablation's table, the learning test
@@ -189,14 +251,29 @@ def test_keep_best_and_tiny_init_are_checked_in_one_line(capsys, tmp_path, argv,
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow
 def test_keep_best_keeps_the_best_evaluated_policy_from_the_point_before_any_update(tmp_path):
     """--eval-every writes a step-0 line (the policy before any update) first; --keep-best saves the policy of the
     highest evaluation win rate in <out>/best with best.json, and a later, lower evaluation leaves it alone."""
     out = tmp_path / "run"
-    flags = ["--tiny", "--games", "KuhnPoker-v1", "--eval-games", "KuhnPoker-v1", "--eval-every", "1", "--eval-n", "8"]
-    assert run([*flags, "--steps", "2", "--batch-size", "16", "--keep-best", "--out", str(out)]) == 0
+    flags = [
+        "--tiny",
+        "--games",
+        "KuhnPoker-v1",
+        "--eval-games",
+        "KuhnPoker-v1",
+        "--eval-every",
+        "1",
+        "--eval-n",
+        "8",
+    ]
+    assert (
+        run([*flags, "--steps", "2", "--batch-size", "16", "--keep-best", "--out", str(out)]) == 0
+    )
     metrics = read_jsonl(out / "metrics.jsonl")
-    assert metrics[0] == {"step": 0, "eval": metrics[0]["eval"]} and [m["step"] for m in metrics] == [0, 1, 2]
+    assert metrics[0] == {"step": 0, "eval": metrics[0]["eval"]} and [
+        m["step"] for m in metrics
+    ] == [0, 1, 2]
     rates = [m["eval"]["win_rate"] for m in metrics]
     best = json.loads((out / "best" / "best.json").read_text())
     assert best["win_rate"] == max(rates) and best["step"] == rates.index(max(rates))
@@ -234,11 +311,19 @@ def test_ablation_table_pools_the_final_evaluations_and_counts_psi(tmp_path):
     assert row["final"] == 270 / 400 and row["final_ci95"] == matches.wilson(270, 400)
     assert row["seeds_final"] == [0.65, 0.7] and row["start"] == 0.5
     assert row["psi_nonzero"] == 20 / 40 and row["a_mod_std"] == 0.5
-    assert row["seeds_fresh"] == [None, None] and row["collapsed"] == 0 and row["psi_rise"] == [None, None]
+    assert (
+        row["seeds_fresh"] == [None, None]
+        and row["collapsed"] == 0
+        and row["psi_rise"] == [None, None]
+    )
     text = ablation.table([row], [1, 2], 2)
     assert "| STRATAGEM, beta 0.2, the stand-in judge | 0.50 | 0.68 [" in text and "| 50% |" in text
-    assert "| 0.65 0.70 | - - | 0 of 2 | - - | - |" in text  # no fresh games, no collapse, runs too short for psi
-    assert text.rstrip().endswith("| 0.300, 0.100 -> 0.400, 0.200 |")  # beta and the share, first step -> last
+    assert (
+        "| 0.65 0.70 | - - | 0 of 2 | - - | - |" in text
+    )  # no fresh games, no collapse, runs too short for psi
+    assert text.rstrip().endswith(
+        "| 0.300, 0.100 -> 0.400, 0.200 |"
+    )  # beta and the share, first step -> last
     assert ablation.drift([None, None, None, None]) == "n/a"  # no judge (--mode spiral)
     assert ablation.finished(tmp_path / "a", 2) and not ablation.finished(tmp_path / "a", 3)
 
@@ -250,7 +335,10 @@ def test_ablation_psi_rise_collapse_and_fresh_best_of_each_seed(tmp_path):
     from tools import ablation
 
     assert ablation.psi_rise([0.0] * 5 + [1.0] * 5) == 1.0 and ablation.psi_rise([0.5] * 5) == 0.0
-    assert ablation.psi_rise([1.0, 0.0, 0.0, 0.0, 0.0, 0.0]) == 0.0 and ablation.psi_rise([1.0] * 4) is None
+    assert (
+        ablation.psi_rise([1.0, 0.0, 0.0, 0.0, 0.0, 0.0]) == 0.0
+        and ablation.psi_rise([1.0] * 4) is None
+    )
     cell = lambda n, bad: {"both": {"n": n, "invalid": {"count": bad, "rate": bad / n}}}  # noqa: E731
     assert ablation.invalid_share({"games": {"K": cell(100, 21), "T": cell(100, 0)}}) == 0.105
     assert ablation.invalid_share({"win_rate": 0.5}) is None
@@ -259,7 +347,13 @@ def test_ablation_psi_rise_collapse_and_fresh_best_of_each_seed(tmp_path):
         run.mkdir()
         lines = [{"step": 0, "eval": {"win_rate": 0.5, "n": 100, "games": {"K": cell(100, 0)}}}]
         for step, value in enumerate(psi, 1):
-            line = {"step": step, "loss": 0.1, "a_game_std": 1.0, "a_mod_std": 0.5, "judge_judged": 4}
+            line = {
+                "step": step,
+                "loss": 0.1,
+                "a_game_std": 1.0,
+                "a_mod_std": 0.5,
+                "judge_judged": 4,
+            }
             line |= {"psi_mean": value, "phi_mean": 0.1 * step, "psi_nonzero": 4}
             if step == 3:
                 line["eval"] = {"win_rate": 0.4, "n": 100, "games": {"K": cell(100, invalid)}}
@@ -292,7 +386,10 @@ def test_ablation_arms_of_figure_11_are_the_two_commands_docs_learning_md_gives_
     commands = [shlex.split(b.replace("\\\n", " ")) for b in blocks[:2]]
     for argv, arm in zip(commands, ("stratagem", "spiral-shadow")):
         flags = argv[2 : argv.index("--seed")]
-        assert argv[:2] == ["python", "stratagem.py"] and flags == [*ablation.LEARNING, *ablation.ARMS[arm]], arm
+        assert argv[:2] == ["python", "stratagem.py"] and flags == [
+            *ablation.LEARNING,
+            *ablation.ARMS[arm],
+        ], arm
         args = S.parse_args(argv[2:])
         assert (args.mode, args.judge_shadow, args.judge_sample_rate) == (
             ("spiral", True, 1.0) if arm == "spiral-shadow" else ("stratagem", False, 1.0)
@@ -306,28 +403,50 @@ def psi_rise(out: Path) -> float:
     return sum(psi[k] for k in (6, 7, 8)) / 3 - sum(psi[k] for k in (1, 2, 3)) / 3
 
 
-def test_modulate_steers_the_reasoning_stratagem_raises_psi_and_shadow_judged_spiral_does_not(tmp_path):
+@pytest.mark.slow
+def test_modulate_steers_the_reasoning_stratagem_raises_psi_and_shadow_judged_spiral_does_not(
+    tmp_path,
+):
     """The paper's own step seen to work, in CI: the learning recipe without its evaluation, 8 steps, seed 1, in both
     arms of docs/learning.md's Figure 11. Under STRATAGEM psi's batch mean rises by at least 0.3 from steps 1-3 to
     steps 6-8 (measured: +0.51); under SPIRAL with the judge only logging, the same trajectories at the start, by less
     than 0.15 (measured: +0.05). Seeded and on one thread: the same runs on every CPU run of this code."""
     from tools import ablation
 
-    recipe = ablation.LEARNING[: ablation.LEARNING.index("--eval-games")] + ["--judge-sample-rate", "1"]
+    recipe = ablation.LEARNING[: ablation.LEARNING.index("--eval-games")] + [
+        "--judge-sample-rate",
+        "1",
+    ]
     rises = {}
     for arm, flags in (("stratagem", []), ("spiral", ["--mode", "spiral", "--judge-shadow"])):
         out = tmp_path / arm
         proc = python(
-            [str(HERE / "stratagem.py"), *recipe, *flags, "--steps", "8", "--seed", "1", "--out", str(out)], tmp_path
+            [
+                str(HERE / "stratagem.py"),
+                *recipe,
+                *flags,
+                "--steps",
+                "8",
+                "--seed",
+                "1",
+                "--out",
+                str(out),
+            ],
+            tmp_path,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         rises[arm] = psi_rise(out)
     assert rises["stratagem"] >= 0.3 and rises["spiral"] < 0.15, rises
     first = [read_jsonl(tmp_path / arm / "metrics.jsonl")[0] for arm in rises]
-    assert first[0]["psi_mean"] == first[1]["psi_mean"]  # one batch at step 1: the arms differ by their updates only
-    assert first[0]["psi_nonzero"] == first[1]["psi_nonzero"] > 0  # a logged psi is counted as an entering one
+    assert (
+        first[0]["psi_mean"] == first[1]["psi_mean"]
+    )  # one batch at step 1: the arms differ by their updates only
+    assert (
+        first[0]["psi_nonzero"] == first[1]["psi_nonzero"] > 0
+    )  # a logged psi is counted as an entering one
 
 
+@pytest.mark.slow
 def test_train_learns_kuhn_poker_from_the_warm_start_in_ten_steps(tmp_path):
     """Seen to learn, in CI: the learning recipe (tools/ablation.LEARNING: STRATAGEM with the stand-in judge, from
     the shipped warm start, seed 1) for 10 steps. Against the random legal player, over 200 games in both seats, the
@@ -336,7 +455,17 @@ def test_train_learns_kuhn_poker_from_the_warm_start_in_ten_steps(tmp_path):
     from tools import ablation
 
     out = tmp_path / "learn"
-    flags = [*ablation.LEARNING, "--steps", "10", "--eval-every", "10", "--seed", "1", "--out", str(out)]
+    flags = [
+        *ablation.LEARNING,
+        "--steps",
+        "10",
+        "--eval-every",
+        "10",
+        "--seed",
+        "1",
+        "--out",
+        str(out),
+    ]
     proc = python([str(HERE / "stratagem.py"), *flags], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     evals = {m["step"]: m["eval"] for m in read_jsonl(out / "metrics.jsonl") if "eval" in m}
@@ -344,7 +473,9 @@ def test_train_learns_kuhn_poker_from_the_warm_start_in_ten_steps(tmp_path):
     assert sorted(evals) == [0, 10] and before["n"] == after["n"] == 200
     assert after["win_rate"] - before["win_rate"] >= 0.12, (before["win_rate"], after["win_rate"])
     assert after["win_ci95"][0] > before["win_ci95"][1]
-    assert json.loads((out / "best" / "best.json").read_text())["step"] == 10  # --keep-best kept the better one
+    assert (
+        json.loads((out / "best" / "best.json").read_text())["step"] == 10
+    )  # --keep-best kept the better one
     for doc in ("README.md", "docs/learning.md"):  # the recipe the docs give is the one tested
         text = " ".join((HERE / doc).read_text().replace("\\\n", " ").split())
         assert f"python stratagem.py {' '.join(ablation.LEARNING)} --seed 1" in text, doc

@@ -19,6 +19,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     dry_run,
     error_of,
     fresh,
+    learner,
     no_process_left_behind,
     only_the_vllm_tests,
     read_jsonl,
@@ -31,15 +32,25 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
 # ---- LoRA through PEFT: the flags, the update, the merge, a run, under torchrun, the memory
 def test_lora_rank_and_its_flags_are_checked_in_one_line_before_any_work(tmp_path, capsys):
     for argv, message in [
-        (["--lora-alpha", "16"], "--lora-alpha, --lora-dropout and --lora-targets shape LoRA's adapters: give"),
+        (
+            ["--lora-alpha", "16"],
+            "--lora-alpha, --lora-dropout and --lora-targets shape LoRA's adapters: give",
+        ),
         (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
         (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
-        (["--lora-rank", "4", "--lora-targets", "q_proj,"], "--lora-targets must be comma-separated layer names"),
+        (
+            ["--lora-rank", "4", "--lora-targets", "q_proj,"],
+            "--lora-targets must be comma-separated layer names",
+        ),
         (["--lora-rank", "4", "--lora-targets", "nope_proj"], "--lora-targets nope_proj: "),
     ]:
         assert message in error_of(capsys, ["--tiny", "--out", str(tmp_path / "r"), *argv]), argv
         assert not (tmp_path / "r").exists()
-    assert S.Args().lora_rank == 0 and S.Args().lora_alpha == 0 and S.Args(lora_rank=8).lora_alpha == 16.0
+    assert (
+        S.Args().lora_rank == 0
+        and S.Args().lora_alpha == 0
+        and S.Args(lora_rank=8).lora_alpha == 16.0
+    )
 
 
 TOY = [([5, 6, 7], [3, 4], 1.0), ([8, 9], [5], -0.5), ([10, 11, 12, 13], [6, 7, 8], 0.25)]
@@ -55,7 +66,9 @@ def lora_model(tiny, rank: int = 4):
     return lora.add_adapters(fresh(tiny)[0], S.Args(tiny=True, model="tiny", lora_rank=rank))
 
 
-def test_policy_update_with_lora_is_the_full_gradient_through_the_adapters_and_spares_the_base(tiny):
+def test_policy_update_with_lora_is_the_full_gradient_through_the_adapters_and_spares_the_base(
+    tiny,
+):
     """Same loss, normaliser and update: at B = 0 the adapted model computes the base's log-probs, so dL/dB =
     (alpha / R) dL/dW A^T, dL/dA = 0, with dL/dW the full fine-tuning gradient of the same batch; the base is frozen
     bit for bit, and Adam holds state for the adapters alone."""
@@ -65,37 +78,33 @@ def test_policy_update_with_lora_is_the_full_gradient_through_the_adapters_and_s
     full, _ = fresh(tiny)
     before = {n: p.detach().clone() for n, p in full.named_parameters()}
     S.policy_update(
-        full,
-        torch.optim.SGD(full.parameters(), lr=1.0),
+        learner(full, torch.optim.SGD(full.parameters(), lr=1.0), args, distributed.Dist()),
         toy_batch(),
-        args,
-        S.torch.device("cpu"),
-        0,
         24.0,
-        distributed.Dist(),
     )
-    grad = {n: before[n] - p.detach() for n, p in full.named_parameters()}  # lr 1: the step is the gradient
+    grad = {
+        n: before[n] - p.detach() for n, p in full.named_parameters()
+    }  # lr 1: the step is the gradient
     model = lora_model(tiny)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert len(adapters) == 2 * 7 * 2 and all(p.dtype == torch.float32 for p in adapters.values())
     S.policy_update(
-        model,
-        torch.optim.SGD(lora.trainable(model), lr=1.0),
+        learner(model, torch.optim.SGD(lora.trainable(model), lr=1.0), args, distributed.Dist()),
         toy_batch(),
-        args,
-        S.torch.device("cpu"),
-        0,
         24.0,
-        distributed.Dist(),
     )
     after = dict(model.named_parameters())
     assert all(torch.equal(after[n], t) for n, t in frozen.items())
     for module, scale in lora.adapter_scalings(model).items():
         a = adapters[f"{module}.lora_A.default.weight"]
         w = grad[module.removeprefix("base_model.model.") + ".weight"]
-        step_b = adapters[f"{module}.lora_B.default.weight"] - after[f"{module}.lora_B.default.weight"]
-        assert scale == 2.0 and torch.allclose(step_b, scale * w @ a.T, rtol=1e-4, atol=1e-7), module
+        step_b = (
+            adapters[f"{module}.lora_B.default.weight"] - after[f"{module}.lora_B.default.weight"]
+        )
+        assert scale == 2.0 and torch.allclose(step_b, scale * w @ a.T, rtol=1e-4, atol=1e-7), (
+            module
+        )
         assert torch.equal(after[f"{module}.lora_A.default.weight"], a)
     assert max(g.abs().max() for g in grad.values()) > 0
 
@@ -115,7 +124,9 @@ def test_merged_weights_of_lora_are_pefts_merge_under_the_base_models_names(tiny
     base, _ = fresh(tiny)
     assert set(merged) == {n for n, _ in base.named_parameters()}
     assert all(torch.allclose(merged[n], reference[n], atol=1e-6) for n in merged)
-    assert not torch.equal(merged["model.layers.0.mlp.down_proj.weight"], base.model.layers[0].mlp.down_proj.weight)
+    assert not torch.equal(
+        merged["model.layers.0.mlp.down_proj.weight"], base.model.layers[0].mlp.down_proj.weight
+    )
     assert torch.equal(merged["model.embed_tokens.weight"], base.model.embed_tokens.weight)
 
 
@@ -125,7 +136,9 @@ def adapter_of(ckpt: Path) -> dict:
     return load_file(ckpt / "adapter_model.safetensors")
 
 
-def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_model_eval_loads(tmp_path, capsys):
+def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_model_eval_loads(
+    tmp_path, capsys
+):
     from transformers import AutoModelForCausalLM
 
     from machinery import lora, memory
@@ -142,18 +155,27 @@ def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_mode
     ckpt = whole / "checkpoints/step-000002"
     a, b = adapter_of(ckpt), adapter_of(part / "checkpoints/step-000002")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    config = json.loads((ckpt / "adapter_config.json").read_text())  # PEFT's own format, beside the run's state
+    config = json.loads(
+        (ckpt / "adapter_config.json").read_text()
+    )  # PEFT's own format, beside the run's state
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
     assert set(config["target_modules"]) == set(S.Args.lora_targets.split(","))
-    assert not (ckpt / "model.safetensors").exists() and all("lora_" in k for k in a) and len(a) == 28
+    assert (
+        not (ckpt / "model.safetensors").exists() and all("lora_" in k for k in a) and len(a) == 28
+    )
     assert max(t.abs().max() for k, t in a.items() if "lora_B" in k) > 0  # the adapters learned
     adam = torch.load(ckpt / "trainer_state.pt", weights_only=True)["optimizer"]["state"].values()
     trained = sum(s["exp_avg"].numel() for s in adam)  # Adam holds state for the adapters alone
     shape = S.model_shape(S.Args(tiny=True, seed=1))
-    assert trained == sum(t.numel() for t in a.values()) == memory.adapter_parameters(shape, 4, memory.LORA_MODULES)
+    assert (
+        trained
+        == sum(t.numel() for t in a.values())
+        == memory.adapter_parameters(shape, 4, memory.LORA_MODULES)
+    )
     assert sum(s["exp_avg"].nbytes + s["exp_avg_sq"].nbytes for s in adam) == 8 * trained
-    assert "holds a LoRA adapter, not a whole model: write one with python stratagem.py merge-lora" in error_of(
-        capsys, ["eval", str(whole), "--n", "1"]
+    assert (
+        "holds a LoRA adapter, not a whole model: write one with python stratagem.py merge-lora"
+        in error_of(capsys, ["eval", str(whole), "--n", "1"])
     )
     assert run(["merge-lora", str(whole), str(merged)]) == 0
     assert "merged the adapter of" in capsys.readouterr().out
@@ -162,11 +184,15 @@ def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_mode
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
         plain = base(ids).logits
-        adapted = lora.load_adapters(base, ckpt, trainable=False)(ids).logits  # PEFT's own reading of the adapter
+        adapted = lora.load_adapters(base, ckpt, trainable=False)(
+            ids
+        ).logits  # PEFT's own reading of the adapter
         whole_model = AutoModelForCausalLM.from_pretrained(merged)(
             ids
         ).logits  # a plain HF checkpoint, like a full run's
-    assert torch.allclose(whole_model, adapted, atol=1e-5) and not torch.allclose(whole_model, plain, atol=1e-5)
+    assert torch.allclose(whole_model, adapted, atol=1e-5) and not torch.allclose(
+        whole_model, plain, atol=1e-5
+    )
     eval_json = tmp_path / "e.json"
     argv = [
         "eval",
@@ -182,7 +208,9 @@ def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_mode
     ]
     assert run(argv) == 0 and len(json.loads(eval_json.read_text())["games"]) == 2
     assert "already exists" in error_of(capsys, ["merge-lora", str(whole), str(merged)])
-    assert "no LoRA adapter there" in error_of(capsys, ["merge-lora", str(tmp_path), str(tmp_path / "m2")])
+    assert "no LoRA adapter there" in error_of(
+        capsys, ["merge-lora", str(tmp_path), str(tmp_path / "m2")]
+    )
 
 
 FSDP_LORA_WORKER = """
@@ -200,7 +228,9 @@ items = {items!r}
 mine = items[:2] if dist.main else items[2:]  # two micro-batches on rank 0, one on rank 1
 batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", p, r)], 0.0, a_mod=a) for p, r, a in mine]
 optimizer = torch.optim.Adam(lora.trainable(model), lr=1e-2)
-S.policy_update(model, optimizer, batch, args, torch.device("cpu"), 0, 3 * 8 / dist.world, dist)
+learner = S.SimpleNamespace(model=model, optimizer=optimizer, args=args, device=torch.device("cpu"), tokenizer=tok,
+                            dist=dist, reference=None)
+S.policy_update(learner, batch, 3 * 8 / dist.world)
 merged = lora.merged_weights(model)  # a collective: every rank
 if dist.main:
     torch.save(merged, {out!r})
@@ -211,24 +241,35 @@ distributed.leave(0)  # as a run's rank leaves: gloo's threads can abort the int
 """
 
 
-def test_policy_update_with_lora_under_fsdp2_equals_one_process_and_saves_the_adapter(tiny, tmp_path):
+@pytest.mark.slow
+def test_policy_update_with_lora_under_fsdp2_equals_one_process_and_saves_the_adapter(
+    tiny, tmp_path
+):
     """Two CPU ranks (gloo) shard the adapted model; one Adam step on their halves of the batch gives the adapters,
     the merged weights the engine gets and the checkpoint's adapter of one process on the whole batch."""
     from machinery import lora
 
     script = tmp_path / "worker.py"
     out, saved = tmp_path / "merged.pt", tmp_path / "run"
-    script.write_text(FSDP_LORA_WORKER.format(here=str(HERE), model=str(tiny), items=TOY, out=str(out), run=str(saved)))
+    script.write_text(
+        FSDP_LORA_WORKER.format(
+            here=str(HERE), model=str(tiny), items=TOY, out=str(out), run=str(saved)
+        )
+    )
     torchrun([str(script)], tmp_path)
     model = lora_model(tiny)
     optimizer = torch.optim.Adam(lora.trainable(model), lr=1e-2)
     args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1, max_grad_norm=1e9)
-    S.policy_update(model, optimizer, toy_batch(), args, S.torch.device("cpu"), 0, 24.0, distributed.Dist())
+    S.policy_update(learner(model, optimizer, args, distributed.Dist()), toy_batch(), 24.0)
     sharded, single = torch.load(out), lora.merged_weights(model)
-    assert set(sharded) >= set(single) and all(torch.allclose(sharded[n], single[n], atol=1e-6) for n in single)
+    assert set(sharded) >= set(single) and all(
+        torch.allclose(sharded[n], single[n], atol=1e-6) for n in single
+    )
     adapter = adapter_of(saved / "checkpoints/step-000001")
     mine = {n.replace(".default", ""): p for n, p in model.named_parameters() if p.requires_grad}
-    assert set(adapter) == set(mine) and all(torch.allclose(adapter[n], mine[n], atol=1e-6) for n in mine)
+    assert set(adapter) == set(mine) and all(
+        torch.allclose(adapter[n], mine[n], atol=1e-6) for n in mine
+    )
     assert max(t.abs().max() for n, t in adapter.items() if "lora_B" in n) > 1e-3
 
 
@@ -241,10 +282,15 @@ def test_project_lora_memory_against_an_independent_count_and_the_tiny_model_mea
 
     shape = S.model_shape(S.Args(model="Qwen/Qwen3-4B-Base"))
     h, i, q, kv, v, layers = 2560, 9728, 32 * 128, 8 * 128, 151936, 36
-    by_hand = v * h + layers * (h * q + 2 * h * kv + q * h + 3 * h * i + 2 * 128 + 2 * h) + h  # tied head
+    by_hand = (
+        v * h + layers * (h * q + 2 * h * kv + q * h + 3 * h * i + 2 * 128 + 2 * h) + h
+    )  # tied head
     assert memory.parameters(shape) == by_hand == 4_022_468_096
     full = memory.project(shape, 0, [], 4, 4096, False, gpu=True)
-    assert full["weights"] + full["gradients"] + full["adam"] == 16 * by_hand and full["bf16_copies"] == 2 * by_hand
+    assert (
+        full["weights"] + full["gradients"] + full["adam"] == 16 * by_hand
+        and full["bf16_copies"] == 2 * by_hand
+    )
     adapters = 16 * layers * (2 * (h + q) + 2 * (h + kv) + 3 * (h + i))
     lora16 = memory.project(shape, 16, list(memory.LORA_MODULES), 2, 4096, True, gpu=True)
     assert lora16["trained"] == adapters == 33_030_144
@@ -254,14 +300,16 @@ def test_project_lora_memory_against_an_independent_count_and_the_tiny_model_mea
         4 * adapters,
     )
     assert lora16["kv_per_token"] == 2 * layers * kv * 2 and lora16["vllm_weights"] == 2 * by_hand
-    card = memory.verdict(lora16, 24564 * 2**20, 0.45)  # the sync: vLLM's bf16 weights awake + the merged bf16 copy
+    card = memory.verdict(
+        lora16, 24564 * 2**20, 0.45
+    )  # the sync: vLLM's bf16 weights awake + the merged bf16 copy
     assert card["syncing"] == lora16["weights"] + lora16["adam"] + 4 * by_hand
     assert card["peak"] == max(card["generating"], card["learning"], card["syncing"])
     for rank in (0, 4):  # the tiny model on the CPU, after one Adam step
         model = lora_model(tiny, rank) if rank else fresh(tiny)[0]
         optimizer = torch.optim.Adam(lora.trainable(model), lr=1e-3)
         args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1)
-        S.policy_update(model, optimizer, toy_batch(), args, S.torch.device("cpu"), 0, 24.0, distributed.Dist())
+        S.policy_update(learner(model, optimizer, args, distributed.Dist()), toy_batch(), 24.0)
         m = memory.project(
             S.model_shape(S.Args(tiny=True, tiny_init="random", seed=0)),
             rank,
@@ -291,11 +339,18 @@ def saved_bytes_per_token(layers: int, tokens: tuple[int, int] = (2, 7)) -> floa
     seen = {}
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), tuple(t.shape), t.dtype)
+        seen[t.untyped_storage().data_ptr()] = (
+            t.untyped_storage().nbytes(),
+            tuple(t.shape),
+            t.dtype,
+        )
         return t
 
     ids = torch.randint(0, 200, tokens)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         S.sequence_logprobs(model, ids, torch.ones_like(ids), tokens[1] - 1, 1.0)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept = [
@@ -317,9 +372,12 @@ def test_project_counts_the_activations_autograd_saves():
     assert 26 * h + 8 * i + 10.25 * q + 10 * kv == 4640
     assert measured == pytest.approx(4640, rel=0.02)
     tokens = memory.PROMPT_TOKENS + 1  # one sequence: the assumed prompt and a one-token response
-    assert projected["activations"] == 2 * tokens * 4640 + 12 * 200 * 2  # two layers, and the head's logits
+    assert (
+        projected["activations"] == 2 * tokens * 4640 + 12 * 200 * 2
+    )  # two layers, and the head's logits
 
 
+@pytest.mark.slow
 def test_dry_run_says_whether_the_papers_model_fits_on_each_card_with_or_without_lora():
     lines = dry_run().stdout.splitlines()
     assert (
@@ -345,7 +403,9 @@ def test_dry_run_says_whether_the_papers_model_fits_on_each_card_with_or_without
         "(4.02 B parameters; LoRA rank 16: 33.03 M trained)" in lines[-3]
         and "memory of vLLM: 0.6 of the device" in lines[-2]
     )
-    assert "24 GB (RTX 4090): does NOT fit" in lines[-1] and "48 GB (L40S, A6000): fits" in lines[-1]
+    assert (
+        "24 GB (RTX 4090): does NOT fit" in lines[-1] and "48 GB (L40S, A6000): fits" in lines[-1]
+    )
     speed = (HERE / "docs" / "speed.md").read_text()
     assert all(line in speed for line in lines[-3:])  # the recipe's projection is quoted as printed
 
@@ -372,10 +432,21 @@ def test_bench_with_lora_sets_adam_state_beside_full_fine_tuning(tmp_path, capsy
     from machinery import memory
 
     shape = S.model_shape(S.Args(tiny=True, seed=1))
-    assert res["lora"]["trained_parameters"] == memory.adapter_parameters(shape, 4, memory.LORA_MODULES)
+    assert res["lora"]["trained_parameters"] == memory.adapter_parameters(
+        shape, 4, memory.LORA_MODULES
+    )
     assert res["full"]["trained_parameters"] == memory.parameters(shape)
     for mode in ("lora", "full"):  # two fp32 moments per trained parameter, and Adam's step counts
         assert res[mode]["optimizer_state_mb"] * 2**20 >= 8 * res[mode]["trained_parameters"]
-        assert set(res[mode]["time_split"]) == {"generate", "game", "judge", "learn", "sync", "other"}
+        assert set(res[mode]["time_split"]) == {
+            "generate",
+            "game",
+            "judge",
+            "learn",
+            "sync",
+            "other",
+        }
     printed = capsys.readouterr().out
-    assert re.search(r"Adam state MB\s+[\d.]+\s+[\d.]+", printed) and "lora        full" in printed.replace("  ", "  ")
+    assert re.search(
+        r"Adam state MB\s+[\d.]+\s+[\d.]+", printed
+    ) and "lora        full" in printed.replace("  ", "  ")

@@ -14,7 +14,7 @@ import torch
 
 import stratagem as S
 from games import actions
-from machinery import adaptive_beta, lora, matches, memory, watch
+from machinery import adaptive_beta, lora, matches, memory, modulation, watch
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     HUGE,
     SMALL,
@@ -24,6 +24,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     only_the_vllm_tests,
     read_jsonl,
     run,
+    self_play,
     tiny_fixture,
 )
 
@@ -34,8 +35,14 @@ def test_last_box_reads_no_fbox_so_a_fboxed_move_is_invalid():
 
 
 def test_spiral_action_brackets_a_bracketless_reply_of_five_words_at_most():
-    assert actions.spiral_action("I will check my card", ["[I will check my card]"]) == "[I will check my card]"
-    assert actions.spiral_action("I will check my card now", ["[I will check my card now]"]) == actions.INVALID_ACTION
+    assert (
+        actions.spiral_action("I will check my card", ["[I will check my card]"])
+        == "[I will check my card]"
+    )
+    assert (
+        actions.spiral_action("I will check my card now", ["[I will check my card now]"])
+        == actions.INVALID_ACTION
+    )
 
 
 OFFER = (
@@ -45,7 +52,9 @@ OFFER = (
 )
 
 
-@pytest.mark.parametrize("answered", ["[GAME] Player 1 accepted the trade offer from Player 0.\n", "Player 1 denied"])
+@pytest.mark.parametrize(
+    "answered", ["[GAME] Player 1 accepted the trade offer from Player 0.\n", "Player 1 denied"]
+)
 def test_negotiation_moves_offer_no_accept_once_the_offer_was_answered(answered):
     assert "[Accept]" in actions.negotiation_moves(OFFER)
     assert "[Accept]" not in actions.negotiation_moves(OFFER + answered)
@@ -53,7 +62,9 @@ def test_negotiation_moves_offer_no_accept_once_the_offer_was_answered(answered)
 
 # ---- adaptive beta
 def test_evolution_share_is_a_ratio_of_root_mean_squares():
-    trajs = [S.Trajectory("G", 0, [], 0.0, a_game=a, scores={}, phi=1.0, psi=1.0) for a in (1.0, 0.0)]
+    trajs = [
+        S.Trajectory("G", 0, [], 0.0, a_game=a, scores={}, phi=1.0, psi=1.0) for a in (1.0, 0.0)
+    ]
     game = math.sqrt(0.5)  # RMS of A_game * phi = [1, 0]: not its mean, 0.5
     assert adaptive_beta.evolution_share(trajs, 0.5) == pytest.approx(0.5 / (game + 0.5))
 
@@ -69,9 +80,13 @@ def test_play_move_refuses_a_200_digit_number_before_the_game_sees_it():
 
 def test_self_play_pays_invalid_rewards_for_a_4301_digit_offer_not_rejected_rewards(tiny):
     _, tok = fresh(tiny)
-    args = S.Args(tiny=True, batch_size=1, num_envs=1, invalid_rewards="-1.5,0.5", rejected_rewards="-1,0")
+    args = S.Args(
+        tiny=True, batch_size=1, num_envs=1, invalid_rewards="-1.5,0.5", rejected_rewards="-1,0"
+    )
     policy = ScriptedPolicy(lambda p: f"\\boxed{{[Offer: {HUGE} Wood -> 1 Gold]}}")
-    trajs, _, _ = S.self_play(policy, tok, args, ["SimpleNegotiation-v1"], random.Random(0), watch.Timer(), {}, 1)
+    trajs, _, _ = self_play(
+        policy, tok, args, ["SimpleNegotiation-v1"], random.Random(0), watch.Timer(), {}, 1
+    )
     assert sorted(t.reward for t in trajs) == [-1.5, 0.5]
 
 
@@ -82,8 +97,17 @@ def test_after_budget_averages_the_last_ten_judged_steps_phi_and_psi():
             return True
 
     recent = [{"phi": float(k), "psi": -float(k)} for k in range(12)]
-    run_ = type("R", (), {"runner": Spent(), "recent": recent})()
-    assert S.after_budget(run_) == {"phi": pytest.approx(6.5), "psi": pytest.approx(-6.5)}  # steps 2..11
+    assert modulation.recent_means(recent) == {
+        "phi": pytest.approx(6.5),
+        "psi": pytest.approx(-6.5),
+    }  # steps 2..11
+    run_ = S.SimpleNamespace(runner=Spent(), recent=recent)
+    trajs = [S.Trajectory("G", 0, [], 1.0, a_game=0.5)]
+    S.modulate(trajs, {}, S.entering("stratagem", False), 0.2)
+    assert modulation.after_budget(run_, trajs, 0.2, S.PAPER) == {
+        "imputed_after_budget": {"phi": pytest.approx(6.5), "psi": pytest.approx(-6.5)}
+    }
+    assert trajs[0].a_mod == pytest.approx(0.5 * 6.5 + 0.2 * -6.5)
 
 
 # ---- the step-0 evaluation
@@ -91,9 +115,15 @@ def test_periodic_eval_plays_other_seeds_at_other_steps(tiny, monkeypatch):
     _, tok = fresh(tiny)
     seeds: list = []
     make = S.make_env
-    monkeypatch.setattr(S, "make_env", lambda game, seed, *a: seeds.append(seed) or make(game, seed, *a))
+    monkeypatch.setattr(
+        S, "make_env", lambda game, seed, *a: seeds.append(seed) or make(game, seed, *a)
+    )
     args = S.Args(eval_every=5, eval_n=2, eval_games="KuhnPoker-v1", max_new_tokens=8)
-    run_ = type("R", (), {"args": args, "eval_games": ["KuhnPoker-v1"], "policy": ScriptedPolicy(lambda p: "x")})()
+    run_ = type(
+        "R",
+        (),
+        {"args": args, "eval_games": ["KuhnPoker-v1"], "policy": ScriptedPolicy(lambda p: "x")},
+    )()
     run_.tokenizer, run_.dist = tok, type("D", (), {"main": True})()
     for step in (5, 10, 5):
         S.periodic_eval(run_, step, watch.Timer())
@@ -118,7 +148,10 @@ def test_project_halves_gradients_at_two_ranks_and_the_kl_reference_costs_the_we
     one = memory.project(QWEN3_4B, 0, [], 1, 4096, False, True)
     two = memory.project(QWEN3_4B, 0, [], 1, 4096, False, True, world=2)
     assert two["gradients"] == one["gradients"] / 2 and two["adam"] == one["adam"] / 2
-    assert memory.project(QWEN3_4B, 0, [], 1, 4096, False, True, reference=True)["reference"] == one["weights"]
+    assert (
+        memory.project(QWEN3_4B, 0, [], 1, 4096, False, True, reference=True)["reference"]
+        == one["weights"]
+    )
 
 
 def test_verdict_without_kv_room_does_not_fit():
@@ -152,7 +185,9 @@ def test_draw_plot_shades_the_interval_of_the_step_0_point():
     from tools import plot
 
     e = {"win_rate": 0.5, "win_ci95": [0.4, 0.6], "n": 10, "games": {}}
-    fig = plot.draw_plot(plt, "eval_win_rate", [(Path("r"), [{"step": 0, "eval": e}, {"step": 5, "eval": e}])])
+    fig = plot.draw_plot(
+        plt, "eval_win_rate", [(Path("r"), [{"step": 0, "eval": e}, {"step": 5, "eval": e}])]
+    )
     band = next(c for c in fig.axes[0].collections if len(c.get_paths()))
     assert band.get_paths()[0].vertices[:, 0].min() == 0
     plt.close(fig)
@@ -163,7 +198,9 @@ def test_ablation_resumes_a_folder_that_holds_a_config(tmp_path, monkeypatch):
 
     commands = []
     monkeypatch.setattr(
-        ablation.subprocess, "run", lambda cmd, **k: commands.append(cmd) or type("P", (), {"returncode": 0})
+        ablation.subprocess,
+        "run",
+        lambda cmd, **k: commands.append(cmd) or type("P", (), {"returncode": 0}),
     )
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "config.json").write_text("{}")
@@ -200,5 +237,7 @@ def test_tokenize_ends_every_response_with_eos_and_the_soft_target_sits_on_the_a
         assert target is not None  # a board cell or a card's move: one token apart
         k, tokens = target
         assert response[k] in tokens and move.action.strip("[]") in tok.decode([response[k]])
-        assert tok.decode(response[:k]).endswith("\\boxed{[") or tok.decode(response[:k]).endswith("\\boxed{")
+        assert tok.decode(response[:k]).endswith("\\boxed{[") or tok.decode(response[:k]).endswith(
+            "\\boxed{"
+        )
     assert matches.RandomPlayer  # the moves above are the random legal player's

@@ -35,6 +35,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     run,
     run_with_player1_failing,
     secret_key_fixture,
+    self_play,
     talkers_fixture,
     tiny_fixture,
     tree_of,
@@ -68,9 +69,18 @@ def test_main_error_is_one_line_without_traceback_in_a_fresh_interpreter(tmp_pat
 BAD_COMMAND_LINES = [  # (argv with {file}, {dir}, {run}, {port} filled in, part of the one-line message)
     (SMALL + ["--out", "{file}/run"], "is a file, not a folder"),
     (SMALL + ["--out", "/sys/stratagem-run"], "cannot write in /sys"),
-    (SMALL + ["--out", "{new}", "--judge-cache", "{dir}"], "--judge-cache {dir} is a folder, not a file"),
-    (SMALL + ["--out", "{new}", "--judge-cache", "{file}/cache.jsonl"], "{file} is a file, not a folder"),
-    (SMALL + ["--out", "{new}", "--device", "nonsense"], "--device 'nonsense' is not a torch device"),
+    (
+        SMALL + ["--out", "{new}", "--judge-cache", "{dir}"],
+        "--judge-cache {dir} is a folder, not a file",
+    ),
+    (
+        SMALL + ["--out", "{new}", "--judge-cache", "{file}/cache.jsonl"],
+        "{file} is a file, not a folder",
+    ),
+    (
+        SMALL + ["--out", "{new}", "--device", "nonsense"],
+        "--device 'nonsense' is not a torch device",
+    ),
     (SMALL + ["--out", "{new}", "--device", "cuda:7"], "--device cuda:7: "),
     (["eval", "{run}", "--json", "{file}/eval.json"], "{file} is a file, not a folder"),
     (["eval", "{run}", "--json", "{new}/eval.json"], "does not exist"),
@@ -79,8 +89,14 @@ BAD_COMMAND_LINES = [  # (argv with {file}, {dir}, {run}, {port} filled in, part
         "--temperature must be 0 (greedy) or in [0.001, 100], got nan",
     ),
     (["eval", "{run}", "--device", "warp-drive", "--json", "{new}.json"], "is not a torch device"),
-    (["agree", "{run}", "--judges", "heuristic", "heuristic", "--json", "{file}/a.json"], "is a file, not a folder"),
-    (["agree", "{run}", "--judges", "heuristic", "heuristic", "--judge-timeout", "nan"], "--judge-timeout must be > 0"),
+    (
+        ["agree", "{run}", "--judges", "heuristic", "heuristic", "--json", "{file}/a.json"],
+        "is a file, not a folder",
+    ),
+    (
+        ["agree", "{run}", "--judges", "heuristic", "heuristic", "--judge-timeout", "nan"],
+        "--judge-timeout must be > 0",
+    ),
     (
         ["agree", "{run}", "--judges", "heuristic", "heuristic", "--judge-temperature", "-1"],
         "--judge-temperature must be",
@@ -107,7 +123,9 @@ BAD_COMMAND_LINES = [  # (argv with {file}, {dir}, {run}, {port} filled in, part
 ]
 
 
-@pytest.mark.parametrize("argv, message", BAD_COMMAND_LINES, ids=[" ".join(a[-2:]) for a, _ in BAD_COMMAND_LINES])
+@pytest.mark.parametrize(
+    "argv, message", BAD_COMMAND_LINES, ids=[" ".join(a[-2:]) for a, _ in BAD_COMMAND_LINES]
+)
 def test_main_fails_bad_command_lines_in_one_line_before_any_work(
     one_step_run, tmp_path, capsys, monkeypatch, argv, message
 ):
@@ -122,7 +140,10 @@ def test_main_fails_bad_command_lines_in_one_line_before_any_work(
         "run": str(one_step_run),
         "new": str(tmp_path / "new"),
     }
-    before = sorted(p for p in tmp_path.rglob("*")), sorted((p, p.stat().st_mtime_ns) for p in one_step_run.rglob("*"))
+    before = (
+        sorted(p for p in tmp_path.rglob("*")),
+        sorted((p, p.stat().st_mtime_ns) for p in one_step_run.rglob("*")),
+    )
     err = error_of(capsys, [a.format(**names) for a in argv])
     assert message.format(**names) in err
     assert (
@@ -139,29 +160,51 @@ def test_main_fails_bad_command_lines_in_one_line_before_any_work(
         (["--temperature", "1e9"], "--temperature must be in [0.001, 100], got 1000000000.0"),
         (["--judge-timeout", "1e308"], "--judge-timeout must be <= 86400 (one day), got 1e+308"),
         (["--dist-timeout", "1e308"], "--dist-timeout must be <= 86400 (one day), got 1e+308"),
-        (["--max-new-tokens", "10000000"], "--max-new-tokens must be < 16384, the model's context, got 10000000"),
+        (
+            ["--max-new-tokens", "10000000"],
+            "--max-new-tokens must be < 16384, the model's context, got 10000000",
+        ),
         (["--num-envs", "100000000"], "--num-envs must be <= 65536, got 100000000"),
         (["--judge-samples", "100000"], "--judge-samples must be <= 100, got 100000"),
         (["--judge-retries", "1000000"], "--judge-retries must be <= 100, got 1000000"),
         (["--judge-concurrency", "1000000"], "--judge-concurrency must be <= 4096, got 1000000"),
-        (["--judge-max-tokens", "1000000000"], "--judge-max-tokens must be <= 1048576, got 1000000000"),
+        (
+            ["--judge-max-tokens", "1000000000"],
+            "--judge-max-tokens must be <= 1048576, got 1000000000",
+        ),
         (["--lr", "1e308"], "--lr must be in (0, 1], got 1e+308"),
         (["--beta", "1e308"], "--beta must be <= 1000, got 1e+308"),
         (["--kl-coef", "1e308"], "--kl-coef must be <= 1000, got 1e+308"),
-        (["--invalid-rewards=1e308,0"], "--invalid-rewards must be two numbers in [-1000, 1000], got '1e308,0'"),
+        (
+            ["--invalid-rewards=1e308,0"],
+            "--invalid-rewards must be two numbers in [-1000, 1000], got '1e308,0'",
+        ),
         (["--judge-temperature", "1e308"], "--judge-temperature must be <= 100, got 1e+308"),
         (["--batch-size", "1000000000000"], "--batch-size must be <= 10000000, got 1000000000000"),
         (["--max-turns", "1000000000000"], "--max-turns must be <= 1000000, got 1000000000000"),
     ],
 )
-def test_validate_gives_every_number_flag_a_sane_range_refused_in_one_line(capsys, tmp_path, argv, message):
-    assert message in error_of(capsys, ["--tiny", "--steps", "1", *argv, "--out", str(tmp_path / "never")])
+def test_validate_gives_every_number_flag_a_sane_range_refused_in_one_line(
+    capsys, tmp_path, argv, message
+):
+    assert message in error_of(
+        capsys, ["--tiny", "--steps", "1", *argv, "--out", str(tmp_path / "never")]
+    )
     assert not (tmp_path / "never").exists()
 
 
 def test_context_length_bounds_max_new_tokens_before_anything_is_loaded(tiny, tmp_path, capsys):
     """A model folder's config.json says its context (the tiny one: 16384 positions)."""
-    argv = ["--model", str(tiny), "--judge", "heuristic", "--steps", "1", "--max-new-tokens", "16384"]
+    argv = [
+        "--model",
+        str(tiny),
+        "--judge",
+        "heuristic",
+        "--steps",
+        "1",
+        "--max-new-tokens",
+        "16384",
+    ]
     err = error_of(capsys, argv + ["--out", str(tmp_path / "never")])
     assert "--max-new-tokens must be < 16384, the model's context, got 16384" in err
     assert not (tmp_path / "never").exists()
@@ -187,11 +230,20 @@ def test_eval_refuses_a_temperature_too_small_to_sample_at(tiny, tmp_path, capsy
     ],
 )
 @pytest.mark.parametrize("rule", ["lenient", "spiral"])
-def test_play_move_takes_a_number_too_long_for_int_as_an_invalid_move_never_a_crash(tiny, game, action, rule):
+def test_play_move_takes_a_number_too_long_for_int_as_an_invalid_move_never_a_crash(
+    tiny, game, action, rule
+):
     _, tok = fresh(tiny)
     args = S.Args(tiny=True, batch_size=2, num_envs=2, action_rule=rule)
-    trajs, counts, _ = S.self_play(
-        ScriptedPolicy(lambda p: f"\\boxed{{{action}}}"), tok, args, [game], random.Random(0), watch.Timer(), {}, 2
+    trajs, counts, _ = self_play(
+        ScriptedPolicy(lambda p: f"\\boxed{{{action}}}"),
+        tok,
+        args,
+        [game],
+        random.Random(0),
+        watch.Timer(),
+        {},
+        2,
     )
     movers = [t for t in trajs if t.turns]
     assert movers and all(len(t.turns) == 1 and t.reward == -1.0 for t in movers)
@@ -207,7 +259,9 @@ def test_play_move_takes_a_number_too_long_for_int_as_an_invalid_move_never_a_cr
         ("SimpleNegotiation-v1", f"[Offer: 1 Wood -> {HUGE} Gold]"),
     ],
 )
-def test_make_env_games_take_an_oversized_number_as_an_invalid_move_for_any_textarena_agent(game, action):
+def test_make_env_games_take_an_oversized_number_as_an_invalid_move_for_any_textarena_agent(
+    game, action
+):
     env = S.make_env(game, 0, 0)
     done, _ = env.step(action)
     assert done and env.close()[1][0]["invalid_move"]
@@ -236,10 +290,21 @@ def test_play_move_takes_a_game_that_raises_as_an_invalid_move_and_warns_naming_
     _, tok = fresh(tiny)
     args = S.Args(tiny=True, batch_size=4, num_envs=2)
     cells = itertools.cycle(["\\boxed{4}", "\\boxed{0}"])
-    trajs, counts, _ = S.self_play(
-        ScriptedPolicy(lambda p: next(cells)), tok, args, ["TicTacToe-v0"], random.Random(0), watch.Timer(), {}, 4
+    trajs, counts, _ = self_play(
+        ScriptedPolicy(lambda p: next(cells)),
+        tok,
+        args,
+        ["TicTacToe-v0"],
+        random.Random(0),
+        watch.Timer(),
+        {},
+        4,
     )
-    assert counts["TicTacToe-v0"]["player0"]["invalid"] == counts["TicTacToe-v0"]["player0"]["loss"] >= 1
+    assert (
+        counts["TicTacToe-v0"]["player0"]["invalid"]
+        == counts["TicTacToe-v0"]["player0"]["loss"]
+        >= 1
+    )
     err = capsys.readouterr().err
     assert (
         "stratagem: warning: TicTacToe-v0 raised RuntimeError('the board caught fire') on Player 0's move '[4]'; "
@@ -268,7 +333,11 @@ def test_parse_scores_takes_an_oversized_number_in_a_verdict_as_a_failure_of_a_k
         ("not JSON", only_role1(200, b"this is not json {", {"Content-Type": "application/json"})),
         (
             "HTML error page",
-            only_role1(200, b"<html><body><h1>502 Bad Gateway</h1></body></html>", {"Content-Type": "text/html"}),
+            only_role1(
+                200,
+                b"<html><body><h1>502 Bad Gateway</h1></body></html>",
+                {"Content-Type": "text/html"},
+            ),
         ),
         ("JSON but a list", only_role1(200, b"[1, 2, 3]", {"Content-Type": "application/json"})),
         ("choices not a list", only_role1(200, _completion_with(choices={"0": "x"}))),
@@ -281,7 +350,10 @@ def test_parse_scores_takes_an_oversized_number_in_a_verdict_as_a_failure_of_a_k
                         {
                             "index": 0,
                             "finish_reason": "stop",
-                            "message": {"role": "assistant", "content": [{"type": "text", "text": '{"alpha": 1}'}]},
+                            "message": {
+                                "role": "assistant",
+                                "content": [{"type": "text", "text": '{"alpha": 1}'}],
+                            },
                         }
                     ]
                 ),
@@ -289,7 +361,9 @@ def test_parse_scores_takes_an_oversized_number_in_a_verdict_as_a_failure_of_a_k
         ),
         (
             "non-numeric usage",
-            only_role1(200, _completion_with(usage={"prompt_tokens": "lots", "completion_tokens": None})),
+            only_role1(
+                200, _completion_with(usage={"prompt_tokens": "lots", "completion_tokens": None})
+            ),
         ),
     ],
 )
@@ -307,7 +381,10 @@ def test_out_on_a_dangling_link_or_on_a_file_says_what_it_is_and_touches_nothing
     dangling, nowhere = tmp_path / "dangling", tmp_path / "nowhere"
     dangling.symlink_to(nowhere)
     err = error_of(capsys, SMALL + ["--steps", "1", "--out", str(dangling)])
-    assert err == f"stratagem: error: --out {dangling} is a symbolic link to {nowhere}, which does not exist\n"
+    assert (
+        err
+        == f"stratagem: error: --out {dangling} is a symbolic link to {nowhere}, which does not exist\n"
+    )
     assert not nowhere.exists() and dangling.is_symlink()
     file = tmp_path / "file"
     file.write_text(PRECIOUS)
@@ -316,7 +393,10 @@ def test_out_on_a_dangling_link_or_on_a_file_says_what_it_is_and_touches_nothing
     err = error_of(capsys, ["--resume", "--out", str(file)])
     assert err == f"stratagem: error: --resume: {file} is a file, not a run folder\n"
     err = error_of(capsys, ["--resume", "--out", str(dangling)])
-    assert err == f"stratagem: error: --resume: {dangling} is a symbolic link to {nowhere}, which does not exist\n"
+    assert (
+        err
+        == f"stratagem: error: --resume: {dangling} is a symbolic link to {nowhere}, which does not exist\n"
+    )
     assert file.read_text() == PRECIOUS and not nowhere.exists()
 
 
@@ -329,7 +409,14 @@ def judged_run(tmp_path_factory):
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("OPENAI_API_KEY", "sk-test")
-            flags = ["--judge", "openai", "--judge-base-url", server.url, "--report-to", "tensorboard"]
+            flags = [
+                "--judge",
+                "openai",
+                "--judge-base-url",
+                server.url,
+                "--report-to",
+                "tensorboard",
+            ]
             assert run(SMALL + flags + ["--steps", "1", "--out", str(out)]) == 0
     finally:
         server.close()
@@ -374,7 +461,10 @@ def test_check_no_links_refuses_a_link_planted_in_a_run_folder_in_one_line_never
         place.unlink(missing_ok=True)
     place.symlink_to(victim)
     before = tree_of(out)
-    err = error_of(capsys, ["--resume", "--out", str(out), "--steps", "2", "--judge-base-url", judge_server.url])
+    err = error_of(
+        capsys,
+        ["--resume", "--out", str(out), "--steps", "2", "--judge-base-url", judge_server.url],
+    )
     assert err.startswith(f"stratagem: error: {place} is a symbolic link (to {victim});"), err
     assert tree_of(out) == before and not judge_server.requests
     assert (victim / "keep.txt" if victim.is_dir() else victim).read_text() == PRECIOUS
@@ -400,7 +490,9 @@ def test_refuse_link_keeps_every_run_file_writer_from_writing_through_a_link(tmp
     (out / ".tmp-config.json").symlink_to(victim)  # the temporary name of an atomic write
     runfiles.write_atomic(out / "config.json", b"{}")
     assert (out / "config.json").read_bytes() == b"{}" and not (out / ".tmp-config.json").exists()
-    (out / "checkpoints").symlink_to(tmp_path, target_is_directory=True)  # its old checkpoints would be deleted
+    (out / "checkpoints").symlink_to(
+        tmp_path, target_is_directory=True
+    )  # its old checkpoints would be deleted
     with pytest.raises(S.UserError, match="is a symbolic link"):
         runfiles.save_checkpoint(out, 1, None, None, None, {}, {}, distributed.Dist())
     assert victim.read_text() == PRECIOUS and (tmp_path / "victim").exists()
@@ -423,10 +515,14 @@ def test_claim_run_refuses_a_lock_that_is_not_the_runs_own_file_and_empties_noth
         os.link(victim, lock)
     else:
         os.mkfifo(lock)
-    for attempt in (lambda: runfiles.check_not_in_use(out), lambda: runfiles.claim_run(out, fresh=False)):
+    for attempt in (
+        lambda: runfiles.check_not_in_use(out),
+        lambda: runfiles.claim_run(out, fresh=False),
+    ):
         raised: list[BaseException] = []
         thread = threading.Thread(
-            target=lambda into, fn: into.append(pytest.raises(S.UserError, fn).value), args=(raised, attempt)
+            target=lambda into, fn: into.append(pytest.raises(S.UserError, fn).value),
+            args=(raised, attempt),
         )
         thread.start()
         thread.join(60)
@@ -435,5 +531,7 @@ def test_claim_run_refuses_a_lock_that_is_not_the_runs_own_file_and_empties_noth
             thread.join()
             pytest.fail("opening the lock blocked")
         runfiles.release_runs()
-        assert raised and re.match(f"{re.escape(str(lock))} is (a symbolic link|not a plain file)", str(raised[0]))
+        assert raised and re.match(
+            f"{re.escape(str(lock))} is (a symbolic link|not a plain file)", str(raised[0])
+        )
     assert victim.read_text() == PRECIOUS and not (tmp_path / "made-by-the-run").exists()

@@ -59,7 +59,22 @@ def test_write_config_on_resume_with_changed_flags_keeps_a_history_and_says_so(t
     out = tmp_path / "run"
     assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
     capsys.readouterr()
-    assert run(["--resume", "--out", str(out), "--steps", "2", "--judge-timeout", "30", "--save-every", "50"]) == 0
+    assert (
+        run(
+            [
+                "--resume",
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--judge-timeout",
+                "30",
+                "--save-every",
+                "50",
+            ]
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     assert (
         "config changed on resume (kept in config_history.jsonl): --steps 1 -> 2, --judge-timeout 60.0 -> 30.0\n"
@@ -74,7 +89,9 @@ def test_write_config_on_resume_with_changed_flags_keeps_a_history_and_says_so(t
     assert read_jsonl(out / "config_history.jsonl")[1] == {"step": 2, "changed": {"steps": [2, 3]}}
 
 
-def test_read_config_of_a_run_whose_config_predates_a_flag_resumes_with_its_default(one_step_run, tmp_path, capsys):
+def test_read_config_of_a_run_whose_config_predates_a_flag_resumes_with_its_default(
+    one_step_run, tmp_path, capsys
+):
     """A run saved before a flag existed resumes with the flag's default, and that is no change to record."""
     import shutil
 
@@ -94,7 +111,10 @@ def test_resume_checkpoint_refuses_fewer_steps_and_a_finished_run_says_so(tmp_pa
     assert run(SMALL + ["--steps", "2", "--save-every", "1", "--out", str(out)]) == 0
 
     def snapshot():
-        return sorted((p, p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"") for p in out.rglob("*"))
+        return sorted(
+            (p, p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
+            for p in out.rglob("*")
+        )
 
     before = snapshot()
     capsys.readouterr()
@@ -107,13 +127,17 @@ def test_resume_checkpoint_refuses_fewer_steps_and_a_finished_run_says_so(tmp_pa
     assert json.loads((out / "config.json").read_text())["steps"] == 2
 
 
-def test_start_run_resumes_a_run_without_a_checkpoint_from_step_0_with_the_saved_config(tmp_path, capsys):
+def test_start_run_resumes_a_run_without_a_checkpoint_from_step_0_with_the_saved_config(
+    tmp_path, capsys
+):
     whole, out = tmp_path / "whole", tmp_path / "run"
     assert run(SMALL + ["--steps", "2", "--beta", "0.3", "--out", str(whole)]) == 0
     assert run(SMALL + ["--steps", "2", "--beta", "0.3", "--out", str(out)]) == 0
     import shutil
 
-    shutil.rmtree(out / "checkpoints")  # as if stopped (--save-every 50) after logging step 2, before any save
+    shutil.rmtree(
+        out / "checkpoints"
+    )  # as if stopped (--save-every 50) after logging step 2, before any save
     assert run(["--resume", "--out", str(out)]) == 0
     assert "no checkpoint yet, so it starts again from step 0" in capsys.readouterr().out
     check_run(out, 2, beta=0.3)
@@ -123,7 +147,14 @@ def test_start_run_resumes_a_run_without_a_checkpoint_from_step_0_with_the_saved
 
 def test_resume_of_a_tiny_heuristic_run_is_exact_and_its_checkpoint_a_plain_hf_model(tmp_path):
     whole, part = tmp_path / "whole", tmp_path / "part"
-    evaluation = ["--eval-every", "2", "--eval-games", "TicTacToe-v0", "--eval-n", "2"]  # must not disturb training
+    evaluation = [
+        "--eval-every",
+        "2",
+        "--eval-games",
+        "TicTacToe-v0",
+        "--eval-n",
+        "2",
+    ]  # must not disturb training
     assert run(SMALL + evaluation + ["--steps", "3", "--out", str(whole)]) == 0
     check_run(whole, 3, beta=0.2)
     assert run(SMALL + evaluation + ["--steps", "2", "--save-every", "1", "--out", str(part)]) == 0
@@ -136,7 +167,12 @@ def test_resume_of_a_tiny_heuristic_run_is_exact_and_its_checkpoint_a_plain_hf_m
     model = AutoModelForCausalLM.from_pretrained(whole / "checkpoints/step-000003")
     tok = AutoTokenizer.from_pretrained(whole / "checkpoints/step-000003")
     ids = tok("Observation: [4]", return_tensors="pt").input_ids
-    assert model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id).shape[1] > ids.shape[1]
+    assert (
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id).shape[
+            1
+        ]
+        > ids.shape[1]
+    )
 
 
 # ---- The files after a crash: torn lines, lines logged after the checkpoint, damaged checkpoints
@@ -148,7 +184,9 @@ def test_truncate_jsonl_drops_the_lines_logged_after_the_checkpoint_on_resume(tm
     assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
     shutil.copytree(out / "checkpoints", tmp_path / "ckpt-1")
     assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
-    shutil.rmtree(out / "checkpoints")  # as if it crashed after logging step 2, before its checkpoint
+    shutil.rmtree(
+        out / "checkpoints"
+    )  # as if it crashed after logging step 2, before its checkpoint
     shutil.copytree(tmp_path / "ckpt-1", out / "checkpoints")
     assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
@@ -161,19 +199,29 @@ def test_iter_jsonl_skips_torn_last_lines_and_resume_drops_them(tmp_path, capsys
     assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
     clean = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "trajectories.jsonl")}
     with open(out / "metrics.jsonl", "ab") as f:
-        f.write(b'{"step": 2, "time_s": 1.2, "gam')  # a crash (or a full disk) in the middle of an append
+        f.write(
+            b'{"step": 2, "time_s": 1.2, "gam'
+        )  # a crash (or a full disk) in the middle of an append
     with open(out / "trajectories.jsonl", "ab") as f:
-        f.write(b'{"step": 2, "game": "Kuhn\xff\xfe')  # ... cut inside a multi-byte character: not UTF-8
+        f.write(
+            b'{"step": 2, "game": "Kuhn\xff\xfe'
+        )  # ... cut inside a multi-byte character: not UTF-8
     capsys.readouterr()
     assert run(["show", str(out), "--index", "0"]) == 0
     assert run(["plot", str(out), "--out", str(tmp_path / "plots")]) == 0
     assert run(["agree", str(out), "--judges", "heuristic", "heuristic", "--sample", "4"]) == 0
     err = capsys.readouterr().err
-    assert err.count("stratagem: warning: skipped 1 unreadable line(s) of") == 3 and "Traceback" not in err
+    assert (
+        err.count("stratagem: warning: skipped 1 unreadable line(s) of") == 3
+        and "Traceback" not in err
+    )
     assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
     err = capsys.readouterr().err
     assert err.count("stratagem: warning: skipped 1 unreadable line(s)") == 2
-    for name, before in clean.items():  # the torn lines are gone, the rest is byte for byte the same
+    for (
+        name,
+        before,
+    ) in clean.items():  # the torn lines are gone, the rest is byte for byte the same
         assert (out / name).read_bytes().startswith(before)
     assert read_jsonl(out / "trajectories.jsonl") == read_jsonl(whole / "trajectories.jsonl")
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
@@ -181,7 +229,10 @@ def test_iter_jsonl_skips_torn_last_lines_and_resume_drops_them(tmp_path, capsys
 
 def test_truncate_jsonl_streams_a_large_log_in_flat_memory(tmp_path):
     path = tmp_path / "trajectories.jsonl"
-    line = {"step": 0, "turns": [{"observation": "o" * 20_000, "response": "r" * 20_000, "action": "[4]"}]}
+    line = {
+        "step": 0,
+        "turns": [{"observation": "o" * 20_000, "response": "r" * 20_000, "action": "[4]"}],
+    }
     with open(path, "w") as f:
         for step in range(1, 3001):  # 120 MB
             f.write(json.dumps({**line, "step": 1 + step // 20}) + "\n")
@@ -194,8 +245,12 @@ def test_truncate_jsonl_streams_a_large_log_in_flat_memory(tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 5e6, peak  # a line at a time, not the file's 120 MB (read whole, it took twice that)
-    assert [json.loads(raw)["step"] for raw in path.read_text().splitlines()] == [1 + s // 20 for s in range(1, 2000)]
+    assert peak < 5e6, (
+        peak
+    )  # a line at a time, not the file's 120 MB (read whole, it took twice that)
+    assert [json.loads(raw)["step"] for raw in path.read_text().splitlines()] == [
+        1 + s // 20 for s in range(1, 2000)
+    ]
     assert not list(tmp_path.glob(".tmp-*"))
 
 
@@ -206,7 +261,10 @@ def _truncate(path: Path, n: int):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda c: _truncate(c / "trainer_state.pt", 1000), "trainer_state.pt is damaged (RuntimeError"),
+        (
+            lambda c: _truncate(c / "trainer_state.pt", 1000),
+            "trainer_state.pt is damaged (RuntimeError",
+        ),
         (lambda c: _truncate(c / "trainer_state.pt", 0), "trainer_state.pt is damaged (EOFError"),
         (lambda c: _truncate(c / "rank0.pt", 10), "rank0.pt is damaged"),
         (lambda c: _truncate(c / "model.safetensors", 1000), "cannot load model"),
@@ -231,7 +289,9 @@ def test_check_checkpoint_ends_the_resume_of_damaged_run_files_in_one_line_touch
     damage(out / "checkpoints" / "step-000001")
     before = sorted((p.relative_to(out), p.stat().st_size) for p in out.rglob("*"))
     assert message in error_of(capsys, ["--resume", "--out", str(out), "--steps", "2"])
-    assert sorted((p.relative_to(out), p.stat().st_size) for p in out.rglob("*")) == before  # nothing touched
+    assert (
+        sorted((p.relative_to(out), p.stat().st_size) for p in out.rglob("*")) == before
+    )  # nothing touched
 
 
 WRITE_ATOMIC = """
@@ -253,21 +313,34 @@ def test_write_atomic_that_fails_midway_leaves_the_old_file_and_no_temporary_fil
     old = b'{"old": true}' * 300  # 3.9 kB
     path.write_bytes(old)
     proc = subprocess.run(
-        [sys.executable, "-c", WRITE_ATOMIC.format(here=str(HERE), path=str(path))], capture_output=True, text=True
+        [sys.executable, "-c", WRITE_ATOMIC.format(here=str(HERE), path=str(path))],
+        capture_output=True,
+        text=True,
     )
     assert proc.stdout == f"{path}\n", proc.stderr  # the failure names the file
-    assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json"
+    ]
 
 
-@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775)])
-def test_save_checkpoint_and_the_other_run_files_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
+@pytest.mark.parametrize(
+    "umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775)]
+)
+def test_save_checkpoint_and_the_other_run_files_follow_the_umask(
+    tmp_path, umask, file_mode, dir_mode
+):
     old = os.umask(umask)
     try:
         assert run(SMALL + ["--steps", "1", "--out", str(tmp_path / "run")]) == 0
     finally:
         os.umask(old)
-    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in (tmp_path / "run").rglob("*")}
-    assert modes and all(m == (dir_mode if (tmp_path / p).is_dir() else file_mode) for p, m in modes.items()), modes
+    modes = {
+        str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777
+        for p in (tmp_path / "run").rglob("*")
+    }
+    assert modes and all(
+        m == (dir_mode if (tmp_path / p).is_dir() else file_mode) for p, m in modes.items()
+    ), modes
 
 
 # ---- A full disk
@@ -276,15 +349,21 @@ def small_tmpfs(tmp_path):
     """A real, nearly full disk: a 1 MiB tmpfs (needs root; skipped where mounting is not allowed)."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (not root?)")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-def test_save_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_temporary_folder(small_tmpfs, capsys):
+def test_save_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_temporary_folder(
+    small_tmpfs, capsys
+):
     out = small_tmpfs / "run"
-    err = error_of(capsys, SMALL + ["--steps", "1", "--out", str(out)])  # the logs fit, the 1.5 MB checkpoint not
+    err = error_of(
+        capsys, SMALL + ["--steps", "1", "--out", str(out)]
+    )  # the logs fit, the 1.5 MB checkpoint not
     assert "cannot write checkpoint" in err and f"--resume --out {out}" in err
     assert list((out / "checkpoints").iterdir()) == []  # no .tmp-* left behind
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]  # nothing logged is lost
@@ -293,7 +372,9 @@ def test_save_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_temporary_fold
 def test_main_on_a_full_disk_while_logging_names_the_file(small_tmpfs, capsys):
     out = small_tmpfs / "run"
     filler = small_tmpfs / "filler"
-    filler.write_bytes(b"\0" * (1024 * 1024 - 24 * 1024))  # 24 KiB left: config.json fits, a step's logs do not
+    filler.write_bytes(
+        b"\0" * (1024 * 1024 - 24 * 1024)
+    )  # 24 KiB left: config.json fits, a step's logs do not
     err = error_of(capsys, SMALL + ["--steps", "1", "--out", str(out)])
     assert err == (
         f"stratagem: error: no space left on the device writing {out / 'trajectories.jsonl'}; make room, "
@@ -349,6 +430,7 @@ def test_stop_handler_stops_a_run_on_sigterm_like_ctrl_c_and_it_resumes(tmp_path
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, done + 2))
 
 
+@pytest.mark.slow
 def test_stop_handler_stops_a_run_on_sighup_like_sigterm_and_it_resumes(tmp_path):
     import signal
 
@@ -368,6 +450,7 @@ def test_stop_handler_stops_a_run_on_sighup_like_sigterm_and_it_resumes(tmp_path
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, done + 2))
 
 
+@pytest.mark.slow
 def test_stop_handler_ends_in_one_line_after_ctrl_c_again_and_again_and_the_run_resumes(tmp_path):
     """An impatient user presses Ctrl-C again and again: a Ctrl-C that lands while the first is being handled
     (unwinding a save, releasing the run, saying how to resume) must not turn the stop into a traceback, nor
@@ -392,7 +475,10 @@ def test_stop_handler_ends_in_one_line_after_ctrl_c_again_and_again_and_the_run_
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, done + 2))
 
 
-def test_stop_handler_ends_a_run_at_once_on_sigterm_while_the_judge_never_finishes_its_reply(tmp_path):
+@pytest.mark.slow
+def test_stop_handler_ends_a_run_at_once_on_sigterm_while_the_judge_never_finishes_its_reply(
+    tmp_path,
+):
     import signal
 
     server = RawJudgeServer(endless_body)
@@ -460,6 +546,7 @@ sys.exit(stratagem.main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
+@pytest.mark.slow
 def test_save_checkpoint_stopped_midway_then_resume_is_the_uninterrupted_run(tmp_path, stop):
     """kill -9 or SIGTERM while a checkpoint's trainer_state.pt (optimizer, baselines, the --distill heads and
     holdout) is being written: the previous checkpoint stands, and --resume replays the uninterrupted run exactly."""
@@ -495,14 +582,18 @@ def test_save_checkpoint_stopped_midway_then_resume_is_the_uninterrupted_run(tmp
             ), err
         else:
             assert proc.returncode == -9
-        left = [".tmp-step-000002"] if stop == "SIGKILL" else []  # a kill -9 leaves the half-written one
+        left = (
+            [".tmp-step-000002"] if stop == "SIGKILL" else []
+        )  # a kill -9 leaves the half-written one
         assert sorted(p.name for p in (part / "checkpoints").iterdir()) == [*left, "step-000001"]
         assert run(["--resume", "--out", str(part), "--steps", "3"]) == 0
     finally:
         server.close()
     paid = ("judge_requests", "judge_cache_hits", "judge_prompt_tokens", "judge_completion_tokens")
     a, b = read_jsonl(whole / "metrics.jsonl"), read_jsonl(part / "metrics.jsonl")
-    assert b[1]["judge_cache_hits"] == a[1]["judge_requests"] > 0 == b[1]["judge_requests"]  # step 2 was paid once
+    assert (
+        b[1]["judge_cache_hits"] == a[1]["judge_requests"] > 0 == b[1]["judge_requests"]
+    )  # step 2 was paid once
     for m in a + b:
         for k in paid:
             del m[k]
@@ -510,10 +601,15 @@ def test_save_checkpoint_stopped_midway_then_resume_is_the_uninterrupted_run(tmp
     (part / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in b))
     assert_resumed_exactly(whole, part, 3)
     a, b = (
-        runfiles.load_state(r / "checkpoints/step-000003/trainer_state.pt", runfiles.TRAINER_STATE)["distill"]
+        runfiles.load_state(r / "checkpoints/step-000003/trainer_state.pt", runfiles.TRAINER_STATE)[
+            "distill"
+        ]
         for r in (whole, part)
     )
-    assert all(torch.equal(a["heads"][k], b["heads"][k]) for k in a["heads"]) and a["pairs"] == b["pairs"]
+    assert (
+        all(torch.equal(a["heads"][k], b["heads"][k]) for k in a["heads"])
+        and a["pairs"] == b["pairs"]
+    )
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["step-000003"]
 
 
@@ -527,6 +623,7 @@ def test_claim_run_creates_a_new_lock_exclusively_and_release_runs_empties_it(tm
     assert (out / "run.lock").read_text() == "" and not (out / "run.lock").is_symlink()
 
 
+@pytest.mark.slow
 def test_claim_run_of_two_runs_on_one_out_at_once_one_wins_the_other_says_so_in_one_line(tmp_path):
     out = tmp_path / "run"
     procs = [spawn_quiet(SMALL + ["--steps", "1", "--out", str(out)], tmp_path) for _ in range(2)]
@@ -539,10 +636,15 @@ def test_claim_run_of_two_runs_on_one_out_at_once_one_wins_the_other_says_so_in_
     check_run(out, 1, beta=0.2)  # the winner's run, whole
 
 
-def test_check_not_in_use_refuses_a_second_job_naming_the_holder_and_a_dead_holder_blocks_nothing(tmp_path):
+@pytest.mark.slow
+def test_check_not_in_use_refuses_a_second_job_naming_the_holder_and_a_dead_holder_blocks_nothing(
+    tmp_path,
+):
     out = tmp_path / "run"
     assert run(SMALL + ["--steps", "1", "--save-every", "1", "--out", str(out)]) == 0
-    first = spawn_quiet(["--resume", "--out", str(out), "--steps", "500", "--save-every", "1"], tmp_path)
+    first = spawn_quiet(
+        ["--resume", "--out", str(out), "--steps", "500", "--save-every", "1"], tmp_path
+    )
     try:
         for line in first.stdout:
             if line.startswith("step 3/"):
@@ -563,5 +665,7 @@ def test_check_not_in_use_refuses_a_second_job_naming_the_holder_and_a_dead_hold
     assert (out / "run.lock").read_text() == f"pid {first.pid} on host {socket.gethostname()}\n"
     done = int(sorted((out / "checkpoints").glob("step-*"))[-1].name[5:])
     assert run(["--resume", "--out", str(out), "--steps", str(done + 1)]) == 0
-    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(range(1, done + 2))  # one line a step
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == list(
+        range(1, done + 2)
+    )  # one line a step
     assert (out / "run.lock").read_text() == ""  # released at the end

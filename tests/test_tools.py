@@ -40,7 +40,9 @@ from tools import runs as tools_runs
 
 
 # ---- eval: the model against a random player or a served model
-def test_eval_against_random_and_against_a_served_model(tiny, tmp_path, capsys, judge_server, secret_key):
+def test_eval_against_random_and_against_a_served_model(
+    tiny, tmp_path, capsys, judge_server, secret_key
+):
     out = tmp_path / "eval.json"
     assert (
         run(
@@ -63,9 +65,14 @@ def test_eval_against_random_and_against_a_served_model(tiny, tmp_path, capsys, 
     assert result["opponent"] == "random" and len(result["games"]) == 6
     assert set(result["summary"]["games"]) == {"TicTacToe-v0", "Nim-v0", "PigDice-v0"}
     printed = capsys.readouterr().out
-    assert "model vs random, trained games (TicTacToe-v0): 2 games, win rate" in printed and "invalid" in printed
+    assert (
+        "model vs random, trained games (TicTacToe-v0): 2 games, win rate" in printed
+        and "invalid" in printed
+    )
     assert "model vs random, unseen games (Nim-v0, PigDice-v0): 4 games, win rate" in printed
-    assert "trained on TicTacToe-v0; unseen: Nim-v0, PigDice-v0" in printed  # the header says which is which
+    assert (
+        "trained on TicTacToe-v0; unseen: Nim-v0, PigDice-v0" in printed
+    )  # the header says which is which
     assert result["summary"]["trained"]["n"] == 2 and result["summary"]["unseen"]["n"] == 4
     assert "already exists" in error_of(capsys, ["eval", str(tiny), "--json", str(out)])
     judge_server.behaviour = lambda body: (200, completion("I take the centre. \\boxed{4}"))
@@ -94,7 +101,9 @@ def test_eval_against_random_and_against_a_served_model(tiny, tmp_path, capsys, 
 
 
 def test_eval_refuses_games_that_need_the_network(tiny, tmp_path, capsys):
-    err = error_of(capsys, ["eval", str(tiny), "--games", "WordChains-v0", "--json", str(tmp_path / "e.json")])
+    err = error_of(
+        capsys, ["eval", str(tiny), "--games", "WordChains-v0", "--json", str(tmp_path / "e.json")]
+    )
     assert "needs data it downloads from the network" in err and not (tmp_path / "e.json").exists()
 
 
@@ -109,9 +118,20 @@ def test_closing_line_commands_run_on_the_finished_run(tmp_path, capsys):
     for command in commands:
         argv = shlex.split(command)[2:]
         if argv[0] == "eval":
-            argv += ["--n", "2", "--games", "TicTacToe-v0", "--max-new-tokens", "8", "--json", str(tmp_path / "e.json")]
+            argv += [
+                "--n",
+                "2",
+                "--games",
+                "TicTacToe-v0",
+                "--max-new-tokens",
+                "8",
+                "--json",
+                str(tmp_path / "e.json"),
+            ]
         assert S.main(argv) == 0, command
-    assert (out / "plots" / "loss.png").exists() and json.loads((tmp_path / "e.json").read_text())["summary"]["n"] == 2
+    assert (out / "plots" / "loss.png").exists() and json.loads((tmp_path / "e.json").read_text())[
+        "summary"
+    ]["n"] == 2
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +155,10 @@ def suggested(lines: list[str]) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("script", ["stratagem.py", "spyrl.py"])
-def test_closing_line_commands_work_as_printed_from_the_repository_root_twice(finished_runs, script):
+@pytest.mark.slow
+def test_closing_line_commands_work_as_printed_from_the_repository_root_twice(
+    finished_runs, script
+):
     """Run as printed, from the repository's root, the last one twice: plot, show and eval (a second eval of the same
     run must not collide with the first's output; eval plays with the run's own generation settings, SMALL's 16 new
     tokens); for a SpyRL run, plot, show and spyrl.py to train it further (no eval: it plays two-player games)."""
@@ -146,29 +169,49 @@ def test_closing_line_commands_work_as_printed_from_the_repository_root_twice(fi
     assert [c[1:3] for c in commands] == [["stratagem.py", "plot"], ["stratagem.py", "show"], last]
     for command in commands + [commands[-1]]:
         proc = python(command[1:], HERE)
-        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (command, proc.stderr[-2000:])
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (
+            command,
+            proc.stderr[-2000:],
+        )
     assert (out / "plots" / "loss.png").exists()
     if script == "stratagem.py":
-        first, second = (json.loads((out / name).read_text()) for name in ("eval-1.json", "eval-1-2.json"))
-        assert first["max_new_tokens"] == second["max_new_tokens"] == 16 and first["summary"]["n"] == 8 * 20
+        first, second = (
+            json.loads((out / name).read_text()) for name in ("eval-1.json", "eval-1-2.json")
+        )
+        assert (
+            first["max_new_tokens"] == second["max_new_tokens"] == 16
+            and first["summary"]["n"] == 8 * 20
+        )
     else:  # trained to twice its steps, then said it was finished
-        assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2] and "already finished" in proc.stdout
+        assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [
+            1,
+            2,
+        ] and "already finished" in proc.stdout
     assert set(os.listdir(HERE)) == before  # every output went into the run's own folder
 
 
-def test_eval_takes_the_runs_settings_says_so_and_a_given_flag_wins(finished_runs, tmp_path, capsys):
+def test_eval_takes_the_runs_settings_says_so_and_a_given_flag_wins(
+    finished_runs, tmp_path, capsys
+):
     out, _ = finished_runs["stratagem.py"]
     argv = ["eval", str(out / "checkpoints" / "step-000001"), "--n", "1", "--games", "TicTacToe-v0"]
     assert run(argv + ["--max-new-tokens", "4", "--json", str(tmp_path / "e.json")]) == 0
     said = capsys.readouterr().out.splitlines()[0]
-    assert said.startswith(f"eval: as {out} was trained (its config.json; a flag given wins): --temperature 1.0")
-    assert "--max-new-tokens" not in said and json.loads((tmp_path / "e.json").read_text())["max_new_tokens"] == 4
+    assert said.startswith(
+        f"eval: as {out} was trained (its config.json; a flag given wins): --temperature 1.0"
+    )
+    assert (
+        "--max-new-tokens" not in said
+        and json.loads((tmp_path / "e.json").read_text())["max_new_tokens"] == 4
+    )
     assert "e.json already exists; choose another --json" in error_of(
         capsys, argv + ["--json", str(tmp_path / "e.json")]
     )
 
 
-def test_main_runs_a_command_as_a_script_sharing_the_trainer_module_and_its_one_line_errors(tmp_path):
+def test_main_runs_a_command_as_a_script_sharing_the_trainer_module_and_its_one_line_errors(
+    tmp_path,
+):
     """`python stratagem.py COMMAND` runs tools/COMMAND with stratagem.py as `__main__`: the tool must get
     that module, not a second copy whose UserError main() would not catch (a traceback instead of a line)."""
     proc = subprocess.run(
@@ -215,14 +258,22 @@ def test_periodic_eval_is_logged_and_plot_and_show_read_the_runs(tmp_path, capsy
     capsys.readouterr()
     assert run(["plot", *map(str, runs), "--out", str(tmp_path / "plots")]) == 0
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    assert pngs == sorted(f"{n}.png" for n in plot.PLOTS if n not in ("distill", "spy"))  # no empty figures
-    assert capsys.readouterr().out.endswith("; no data for distill.png (--distill), spy.png (a spyrl.py run)\n")
+    assert pngs == sorted(
+        f"{n}.png" for n in plot.PLOTS if n not in ("distill", "spy")
+    )  # no empty figures
+    assert capsys.readouterr().out.endswith(
+        "; no data for distill.png (--distill), spy.png (a spyrl.py run)\n"
+    )
     assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     capsys.readouterr()
     assert run(["show", str(runs[0]), "--judged", "--index", "0"]) == 0
     printed = capsys.readouterr().out
     row = next(r for r in read_jsonl(runs[0] / "trajectories.jsonl") if r["scores"])
-    assert f"= {row['a_mod']:+.4f}" in printed and "--- turn 1 ---" in printed and f"phi = {row['phi']:.4f}" in printed
+    assert (
+        f"= {row['a_mod']:+.4f}" in printed
+        and "--- turn 1 ---" in printed
+        and f"phi = {row['phi']:.4f}" in printed
+    )
     assert "--index must be in" in error_of(capsys, ["show", str(runs[0]), "--index", "9999"])
 
 
@@ -232,7 +283,9 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
     assert "pip install matplotlib" in error_of(capsys, ["plot", str(tmp_path)])
 
 
-def test_draw_plot_colour_per_run_style_per_series_coinciding_lines_visible_legend_outside(tmp_path):
+def test_draw_plot_colour_per_run_style_per_series_coinciding_lines_visible_legend_outside(
+    tmp_path,
+):
     import matplotlib
     import matplotlib.colors
     import numpy as np
@@ -240,8 +293,13 @@ def test_draw_plot_colour_per_run_style_per_series_coinciding_lines_visible_lege
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [{"step": s, "a_mod_std": 0.5 + 0.01 * s, "a_game_std": 0.5 + 0.01 * s} for s in range(1, 41)]
-    runs = [(tmp_path / "a", rows), (tmp_path / "b", rows)]  # two identical runs whose two series coincide too
+    rows = [
+        {"step": s, "a_mod_std": 0.5 + 0.01 * s, "a_game_std": 0.5 + 0.01 * s} for s in range(1, 41)
+    ]
+    runs = [
+        (tmp_path / "a", rows),
+        (tmp_path / "b", rows),
+    ]  # two identical runs whose two series coincide too
     fig = plot.draw_plot(plt, "a_mod_spread", runs)
     ax = fig.axes[0]
     lines = ax.get_lines()
@@ -254,10 +312,14 @@ def test_draw_plot_colour_per_run_style_per_series_coinciding_lines_visible_lege
         ln.get_fillstyle() == "none" for ln in lines
     )
     widths, zorders = [ln.get_linewidth() for ln in lines], [ln.get_zorder() for ln in lines]
-    assert widths == sorted(widths, reverse=True) and len(set(widths)) == 4  # each later line thinner ...
+    assert (
+        widths == sorted(widths, reverse=True) and len(set(widths)) == 4
+    )  # each later line thinner ...
     assert zorders == sorted(zorders) and len(set(zorders)) == 4  # ... and on top: nested stripes
     fig.canvas.draw()
-    assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1  # the legend is off the data
+    assert (
+        ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
+    )  # the legend is off the data
     pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].reshape(-1, 3)
     for colour in ("C0", "C1"):  # both runs are seen although their lines coincide
         rgb = (np.array(matplotlib.colors.to_rgb(colour)) * 255).round()
@@ -273,19 +335,33 @@ def test_draw_plot_draws_the_levels_as_one_panel_per_dimension_with_a_line_per_r
 
     keys = ["alpha", "sigma", "rho", "d", "a", "c"]
     rows = [{"step": s, "levels_mean": {k: 0.1 * i for i, k in enumerate(keys)}} for s in (1, 2, 3)]
-    others = [{"step": s, "levels_mean": {"d": -0.5}} for s in (1, 2)]  # a run that logged one dimension
+    others = [
+        {"step": s, "levels_mean": {"d": -0.5}} for s in (1, 2)
+    ]  # a run that logged one dimension
     fig = plot.draw_plot(plt, "levels", [(tmp_path / "a", rows), (tmp_path / "b", others)])
     panels = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in panels] == keys
-    assert [len(ax.get_lines()) for ax in panels] == [2, 2, 2, 3, 2, 2]  # d: both runs; each: a line at 0
+    assert [len(ax.get_lines()) for ax in panels] == [
+        2,
+        2,
+        2,
+        3,
+        2,
+        2,
+    ]  # d: both runs; each: a line at 0
     assert list(panels[3].get_lines()[0].get_ydata()) == pytest.approx([0.3, 0.3, 0.3])
     assert list(panels[3].get_lines()[1].get_ydata()) == [-0.5, -0.5]
-    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["a (?)", "b (?)"]  # b, though alpha has no b
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "a (?)",
+        "b (?)",
+    ]  # b, though alpha has no b
     plt.close(fig)
     assert plot.draw_plot(plt, "levels", [(tmp_path / "c", [{"step": 1}])]) is None
 
 
-def test_draw_plot_keeps_its_title_in_the_figure_and_draws_judge_figures_for_judged_runs_only(finished_runs, tmp_path):
+def test_draw_plot_keeps_its_title_in_the_figure_and_draws_judge_figures_for_judged_runs_only(
+    finished_runs, tmp_path
+):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,10 +377,14 @@ def test_draw_plot_keeps_its_title_in_the_figure_and_draws_judge_figures_for_jud
     box = title.get_window_extent()
     assert 0 <= box.x0 and box.x1 <= fig.bbox.width  # not cut off at the left by a long legend
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
-    assert labels and all(long.name in x for x in labels)  # the SpyRL run has no judge: no line of zeros for it
+    assert labels and all(
+        long.name in x for x in labels
+    )  # the SpyRL run has no judge: no line of zeros for it
     plt.close(fig)
     assert plot.draw_plot(plt, "judge_requests", runs[1:]) is None
-    assert tools_runs.run_label(spy) == f"{spy.name} (spyrl summarize)" and "beta" not in tools_runs.run_label(spy)
+    assert tools_runs.run_label(
+        spy
+    ) == f"{spy.name} (spyrl summarize)" and "beta" not in tools_runs.run_label(spy)
 
 
 def test_invalid_rate_counts_the_seats_that_moved():
@@ -315,7 +395,10 @@ def test_invalid_rate_counts_the_seats_that_moved():
         "player1": dict(win=7, draw=0, loss=0, invalid=0),
     }
     assert plot.invalid_rate({"games": {"TicTacToe-v0": seats}, "idle_seats": 7}) == 1.0
-    roles = {"spy": dict(win=0, draw=1, loss=0, invalid=1), "civilian": dict(win=0, draw=4, loss=0, invalid=2)}
+    roles = {
+        "spy": dict(win=0, draw=1, loss=0, invalid=1),
+        "civilian": dict(win=0, draw=4, loss=0, invalid=2),
+    }
     assert plot.invalid_rate({"games": {"WhoIsTheSpy-v0": roles}, "idle_seats": 0}) == 3 / 5
 
 
@@ -348,8 +431,42 @@ def test_show_makes_control_characters_visible(tmp_path, capsys):
     assert run(["show", str(run_dir), "--index", "0"]) == 0
     out = capsys.readouterr().out
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f\u202e]", out)
-    assert "I \\x1b[31mwin\\x1b[0m\\r\\u202eevil\\x07" in out and "[action sent] [4]\\x1b]0;title\\x07" in out
+    assert (
+        "I \\x1b[31mwin\\x1b[0m\\r\\u202eevil\\x07" in out
+        and "[action sent] [4]\\x1b]0;title\\x07" in out
+    )
     assert "board\\x1b[2J" in out and "TicTacToe-v0\\x1b[1m, Player 0" in out
+
+
+def test_show_advantage_line_says_r_minus_b_only_where_a_game_is_r_minus_b():
+    """RAE's A_game is R - b; another estimator's (docs/hacking.md's GRPO fork, SpyRL's votes) is not, and
+    show says so rather than print a false equation."""
+    assert show.advantage_line({"reward": 1, "baseline": 0.25, "a_game": 0.75}) == (
+        "reward R = +1   baseline b = +0.2500   A_game = R - b = +0.7500"
+    )
+    grouped = show.advantage_line({"reward": 1, "baseline": 0.0, "a_game": 0.0})
+    assert grouped == (
+        "reward R = +1   baseline b = +0.0000   A_game = +0.0000 (not R - b: set by the run's advantage estimator)"
+    )
+
+
+def test_show_modulation_line_takes_the_steps_beta_and_psis_centre():
+    """A_mod as the step computed it: --beta-share's beta of that step, --centre-psi's centre; a value the
+    numbers do not give is said to come from an extension of step 3. metrics.jsonl is read only when the run's
+    --beta alone does not give A_mod."""
+    r = {"a_game": 0.5, "phi": 0.5, "psi": 1.0, "a_mod": 0.25 + 0.3 * (1.0 - 0.4)}
+    line = show.modulation_line(r, 0.2, lambda: {"beta": {"value": 0.3}, "psi_centre": 0.4})
+    assert (
+        line
+        == "A_mod = A_game*phi + beta*(psi - centre) = +0.5000*0.5000 + 0.3*(+1.0000 - 0.4000) = +0.4300"
+    )
+    plain = show.modulation_line(
+        {**r, "a_mod": 0.45}, 0.2, lambda: pytest.fail("read metrics.jsonl")
+    )
+    assert plain == "A_mod = A_game*phi + beta*psi = +0.5000*0.5000 + 0.2*+1.0000 = +0.4500"
+    assert show.modulation_line({**r, "a_mod": 9.0}, 0.2).endswith(
+        "= +9.0000  (not from these numbers: an extension of step 3 set it)"
+    )
 
 
 def test_show_into_a_pipe_closed_early_ends_quietly(tmp_path):
@@ -381,21 +498,37 @@ def test_show_into_a_pipe_closed_early_ends_quietly(tmp_path):
     assert proc.wait(timeout=120) == 0 and err == b""
 
 
-def test_show_prints_each_turns_prompt_as_format_prompt_wrote_it_and_the_run_saved_it(one_step_run, capsys):
+def test_show_prints_each_turns_prompt_as_format_prompt_wrote_it_and_the_run_saved_it(
+    one_step_run, capsys
+):
     _, tok = S.load_policy(str(one_step_run / "checkpoints" / "step-000001"), torch.device("cpu"))
     rows = [r for r in read_jsonl(one_step_run / "trajectories.jsonl") if r["turns"]]
     assert rows and all(
-        t["prompt"] == S.format_prompt(tok, t["observation"], r["role"]) for r in rows for t in r["turns"]
+        t["prompt"] == S.format_prompt(tok, t["observation"], r["role"])
+        for r in rows
+        for t in r["turns"]
     )
     capsys.readouterr()
     assert (
-        run(["show", str(one_step_run), "--index", str(read_jsonl(one_step_run / "trajectories.jsonl").index(rows[0]))])
+        run(
+            [
+                "show",
+                str(one_step_run),
+                "--index",
+                str(read_jsonl(one_step_run / "trajectories.jsonl").index(rows[0])),
+            ]
+        )
         == 0
     )
-    assert f"[prompt, as the policy got it]\n{rows[0]['turns'][0]['prompt']}" in capsys.readouterr().out
+    assert (
+        f"[prompt, as the policy got it]\n{rows[0]['turns'][0]['prompt']}"
+        in capsys.readouterr().out
+    )
 
 
-def test_show_spy_game_shows_each_vote_with_its_own_label_and_no_negative_zero(finished_runs, capsys):
+def test_show_spy_game_shows_each_vote_with_its_own_label_and_no_negative_zero(
+    finished_runs, capsys
+):
     assert run(["show", str(finished_runs["spyrl.py"][0]), "--index", "0"]) == 0
     printed = capsys.readouterr().out
     assert "-0.0000" not in printed and show.signed(-0.0) == show.signed(-4e-9) == "+0.0000"
@@ -403,7 +536,10 @@ def test_show_spy_game_shows_each_vote_with_its_own_label_and_no_negative_zero(f
     votes = [k for k, x in enumerate(lines) if x.startswith("[vote, detection] ")]
     assert len(votes) == 4 and not any(x.startswith("[vote] invalid  |") for x in lines)
     for k in votes:  # the vote's label, then its text, before the next player's block
-        assert re.match(r"\[vote, detection\] (Player \d|invalid \(it names no other player\))  \|  r\^D = ", lines[k])
+        assert re.match(
+            r"\[vote, detection\] (Player \d|invalid \(it names no other player\))  \|  r\^D = ",
+            lines[k],
+        )
         assert lines[k - 1].startswith("[output, performance] votes drawn s = ")
     assert sum(x.startswith("[vote] ") and "the spy's vote" in x for x in lines) == 1
 
@@ -414,8 +550,17 @@ def test_show_plot_and_agree_read_partial_and_missing_scores(one_step_run, tmp_p
     out = tmp_path / "run"
     shutil.copytree(one_step_run, out)
     rows = [r for r in read_jsonl(out / "trajectories.jsonl") if r["turns"]][:6]
-    rows[0]["scores"] = {"alpha": 1.0}  # a judge's partial verdict, as a hand-edited or foreign file can hold
-    rows[1]["scores"] = {"alpha": 1.0, "sigma": 0.5, "rho": 0.0, "d": None, "a": None, "c": None}  # --no-psi
+    rows[0]["scores"] = {
+        "alpha": 1.0
+    }  # a judge's partial verdict, as a hand-edited or foreign file can hold
+    rows[1]["scores"] = {
+        "alpha": 1.0,
+        "sigma": 0.5,
+        "rho": 0.0,
+        "d": None,
+        "a": None,
+        "c": None,
+    }  # --no-psi
     rows[2]["scores"] = {"d": 1.0}
     rows[2]["predicted"] = {"levels": {"alpha": 0.5}, "used": False}
     del rows[3]["phi"], rows[3]["psi"], rows[3]["a_mod"]
@@ -427,21 +572,30 @@ def test_show_plot_and_agree_read_partial_and_missing_scores(one_step_run, tmp_p
         assert run(["show", str(out), "--index", str(index)]) == 0, index
         said.append(capsys.readouterr().out)
     assert "\njudge: alpha 1  (sigma, rho: not given)\n" in said[0]
-    assert "\njudge: alpha 1  sigma 0.5  rho 0  -> phi = " in said[1] and "\n       d" not in said[1]
+    assert (
+        "\njudge: alpha 1  sigma 0.5  rho 0  -> phi = " in said[1] and "\n       d" not in said[1]
+    )
     assert "\njudge: (alpha, sigma, rho: not given)\n       d 1  (a, c: not given)\n" in said[2]
     assert "\nheads: alpha 0.5  (sigma, rho: not given)  (the judge's verdict stands)\n" in said[2]
     assert "\nA_mod = A_game*phi + beta*psi = " in said[3] and "*? + 0.2*? = ?\n" in said[3]
-    assert "judge: not sampled; batch means used" in said[4] + said[5] or "judge: failed" in said[4] + said[5]
+    assert (
+        "judge: not sampled; batch means used" in said[4] + said[5]
+        or "judge: failed" in said[4] + said[5]
+    )
     metrics = read_jsonl(out / "metrics.jsonl")
     for key in ("phi_mean", "a_mod_std", "loss", "games", "response_tokens_mean"):
         del metrics[0][key]
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     assert run(["plot", str(out), "--out", str(tmp_path / "plots")]) == 0
     assert "wrote " in capsys.readouterr().out
-    (out / "plots").symlink_to(tmp_path / "plots", target_is_directory=True)  # its figures would be replaced
+    (out / "plots").symlink_to(
+        tmp_path / "plots", target_is_directory=True
+    )  # its figures would be replaced
     assert "plots is a symbolic link" in error_of(capsys, ["plot", str(out)])
     with open(out / "trajectories.jsonl", "a") as f:
-        f.write(json.dumps({"step": 1, "scores": {"alpha": 1.0}}) + "\n")  # no turns, no game: nothing to judge
+        f.write(
+            json.dumps({"step": 1, "scores": {"alpha": 1.0}}) + "\n"
+        )  # no turns, no game: nothing to judge
     assert run(["agree", str(out), "--judges", "heuristic", "heuristic", "--sample", "6"]) == 0
     assert "agreement on 6 of 6 sampled trajectories" in capsys.readouterr().out
 
@@ -467,7 +621,9 @@ def varied_run(tmp_path):
             }
             for k in range(1 + i % 3)
         ]
-        rows.append({"step": 1, "game": "KuhnPoker-v0", "role": i % 2, "reward": 1.0, "turns": turns})
+        rows.append(
+            {"step": 1, "game": "KuhnPoker-v0", "role": i % 2, "reward": 1.0, "turns": turns}
+        )
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -503,12 +659,21 @@ def test_agree_matches_itself_through_a_served_judge(varied_run, capsys, monkeyp
     result = json.loads(out_json.read_text())
     assert result["n"] == 20 and result["judges"]["B"] == f"openai:served-heuristic@{url}"
     values = [v["A~B"] for v in result["table"].values()]
-    assert all(v in (None, pytest.approx(1.0)) for v in values) and values.count(None) < len(values) - 3
+    assert (
+        all(v in (None, pytest.approx(1.0)) for v in values)
+        and values.count(None) < len(values) - 3
+    )
     printed = capsys.readouterr().out
-    assert "agreement on 20 of 20" in printed and "kappa alpha" in printed and "spearman psi" in printed
+    assert (
+        "agreement on 20 of 20" in printed
+        and "kappa alpha" in printed
+        and "spearman psi" in printed
+    )
 
 
-def test_agree_against_a_judge_that_always_says_the_same(varied_run, judge_server, secret_key, capsys):
+def test_agree_against_a_judge_that_always_says_the_same(
+    varied_run, judge_server, secret_key, capsys
+):
     assert (
         run(
             [
@@ -526,15 +691,21 @@ def test_agree_against_a_judge_that_always_says_the_same(varied_run, judge_serve
         == 0
     )
     table = json.loads((varied_run / "a.json").read_text())["table"]
-    assert table["kappa d"]["A~B"] in (0.0, None) and table["spearman phi"]["A~B"] is None  # B is constant (where
+    assert (
+        table["kappa d"]["A~B"] in (0.0, None) and table["spearman phi"]["A~B"] is None
+    )  # B is constant (where
     # the judges decide: a level the rules set, as d = a = c = 0 for a one-turn game, is not an agreement)
     assert run(["agree", str(varied_run), "--judges", "heuristic"]) == 2
     assert "at least two --judges" in capsys.readouterr().err
 
 
-def test_agree_says_when_a_statistic_is_undefined_without_blaming_one_judge(varied_run, capsys, monkeypatch):
+def test_agree_says_when_a_statistic_is_undefined_without_blaming_one_judge(
+    varied_run, capsys, monkeypatch
+):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    assert run(["agree", str(varied_run), "--judges", "heuristic", "heuristic", "--sample", "6"]) == 0
+    assert (
+        run(["agree", str(varied_run), "--judges", "heuristic", "heuristic", "--sample", "6"]) == 0
+    )
     footnote = capsys.readouterr().out.splitlines()[-1]
     assert footnote.endswith(
         "n/a: undefined, for kappa when both judges of the pair gave every trajectory one and the same level (or "
@@ -583,6 +754,7 @@ def test_serve_judge_stops_on_ctrl_c_without_training_advice(tmp_path):
         (b"", {"Content-Length": "abc"}),
     ],
 )
+@pytest.mark.slow
 def test_serve_judge_answers_400_to_what_is_not_a_chat_request(tmp_path, body, headers):
     import http.client
     import signal
@@ -591,7 +763,12 @@ def test_serve_judge_answers_400_to_what_is_not_a_chat_request(tmp_path, body, h
     try:
         port = int(proc.stdout.readline().split("http://127.0.0.1:")[1].split("/")[0])
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Length": str(len(body)), **headers})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=body,
+            headers={"Content-Length": str(len(body)), **headers},
+        )
         resp = conn.getresponse()
         assert resp.status == 400 and "error" in json.loads(resp.read())
     finally:
@@ -600,6 +777,7 @@ def test_serve_judge_answers_400_to_what_is_not_a_chat_request(tmp_path, body, h
     assert err == "serve-judge: stopped\n"  # no traceback on stderr
 
 
+@pytest.mark.slow
 def test_serve_judge_with_the_teacher_prints_nothing_before_its_ready_line(tmp_path):
     import signal
 
@@ -633,27 +811,47 @@ def test_bench_reports_rates_split_and_appends_json(tmp_path, capsys):
     ]
     assert run(argv) == 0 and run(argv) == 0
     records = read_jsonl(out)
-    assert [r["argv"] for r in records] == [argv[1:]] * 2 and records[0]["config"]["batch_size"] == 8
+    assert [r["argv"] for r in records] == [argv[1:]] * 2 and records[0]["config"][
+        "batch_size"
+    ] == 8
     res = records[0]["results"]
     for mode in ("lockstep", "sequential"):
         r = res[mode]
         assert r["steps_measured"] == 1 and r["games_per_s"] > 0 and r["tokens_per_s"] > 0
         assert set(r["time_split"]) == {"generate", "game", "judge", "learn", "sync", "other"}
         assert sum(r["time_split"].values()) == pytest.approx(1.0)
-    assert res["sequential"]["live_games_per_call"] == 1.0 and res["lockstep"]["live_games_per_call"] > 1.0
+    assert (
+        res["sequential"]["live_games_per_call"] == 1.0
+        and res["lockstep"]["live_games_per_call"] > 1.0
+    )
     assert res["judge"]["judgements"] == 6 and res["judge"]["failed"] == 0
-    assert res["judge"]["requests"] == 12 - res["judge"]["one_turn"]  # one-turn games skip the evolution rubric
+    assert (
+        res["judge"]["requests"] == 12 - res["judge"]["one_turn"]
+    )  # one-turn games skip the evolution rubric
     printed = capsys.readouterr().out
     assert "lockstep / sequential games/s" in printed and "time: learn %" in printed
     assert "drop --out" in error_of(capsys, ["bench", "--tiny", "--out", str(tmp_path / "x")])
 
 
-def test_bench_suggests_no_command_on_its_deleted_folder_and_names_what_it_extrapolates(tmp_path, capsys):
-    argv = ["bench", "--rollout", "lockstep", "--json", str(tmp_path / "b.jsonl")] + SMALL + ["--steps", "1"]
+def test_bench_suggests_no_command_on_its_deleted_folder_and_names_what_it_extrapolates(
+    tmp_path, capsys
+):
+    argv = (
+        ["bench", "--rollout", "lockstep", "--json", str(tmp_path / "b.jsonl")]
+        + SMALL
+        + ["--steps", "1"]
+    )
     assert run(argv) == 0
     printed = capsys.readouterr().out
-    assert "Next:" not in printed and "done:" not in printed and "the paper's run) at this rate" not in printed
-    assert "lockstep: 400 steps of this configuration (batch 12, up to 16 new tokens a turn) would take " in printed
+    assert (
+        "Next:" not in printed
+        and "done:" not in printed
+        and "the paper's run) at this rate" not in printed
+    )
+    assert (
+        "lockstep: 400 steps of this configuration (batch 12, up to 16 new tokens a turn) would take "
+        in printed
+    )
     [record] = read_jsonl(tmp_path / "b.jsonl")
     threads = record["machine"]["threads"]
     assert threads == torch.get_num_threads() and f"torch threads {threads} (" in printed
@@ -666,5 +864,8 @@ def test_random_model_builds_the_tiny_qwen3_and_refuses_an_existing_folder(tmp_p
     model, tok = S.load_policy(str(tmp_path / "m"), torch.device("cpu"))
     assert model.config.hidden_size == 64 and len(tok) > 256
     assert "already exists" in error_of(capsys, ["random-model", str(tmp_path / "m")])
-    assert S.ARCHS["qwen3-4b"]["hidden_size"] == 2560 and S.ARCHS["qwen3-4b"]["num_hidden_layers"] == 36
+    assert (
+        S.ARCHS["qwen3-4b"]["hidden_size"] == 2560
+        and S.ARCHS["qwen3-4b"]["num_hidden_layers"] == 36
+    )
     assert model.config.head_dim == 32  # the smallest head vLLM's CPU attention takes

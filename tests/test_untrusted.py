@@ -61,7 +61,9 @@ def test_load_state_runs_no_code_planted_in_a_checkpoint(one_step_run, tmp_path,
     err = error_of(capsys, ["--resume", "--out", str(out), "--steps", "2"])
     assert not marker.exists()  # nothing ran
     assert f"{name} is damaged (UnpicklingError" in err and err.count("\n") == 1
-    with pytest.raises(UserError, match="is damaged"):  # agree's distilled judge reads it the same way
+    with pytest.raises(
+        UserError, match="is damaged"
+    ):  # agree's distilled judge reads it the same way
         runfiles.load_state(last_checkpoint(out) / name, runfiles.TRAINER_STATE, "distilled:x")
     assert not marker.exists()
 
@@ -76,7 +78,9 @@ def test_load_state_runs_no_code_planted_in_a_checkpoint(one_step_run, tmp_path,
         ("rank0.pt", lambda s: s["rng"].pop("numpy"), "'rng' is not the RNG states"),
     ],
 )
-def test_load_state_names_the_file_and_the_key_it_lacks(one_step_run, tmp_path, capsys, name, damage, message):
+def test_load_state_names_the_file_and_the_key_it_lacks(
+    one_step_run, tmp_path, capsys, name, damage, message
+):
     out = copy_run(one_step_run, tmp_path)
     path = last_checkpoint(out) / name
     state = torch.load(path, weights_only=True)
@@ -108,21 +112,32 @@ def weights_of(folder: Path) -> dict:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda w: w.pop("model.layers.0.mlp.up_proj.weight"), "tensor model.layers.0.mlp.up_proj.weight is missing"),
+        (
+            lambda w: w.pop("model.layers.0.mlp.up_proj.weight"),
+            "tensor model.layers.0.mlp.up_proj.weight is missing",
+        ),
         (
             lambda w: w.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}),
             "tensor model.layers.0.mlp.up_proj.weight has shape (3, 3), the model's is (128, 64)",
         ),
-        (lambda w: w.update({"model.planted.weight": torch.zeros(2)}), "tensor model.planted.weight is not one of"),
+        (
+            lambda w: w.update({"model.planted.weight": torch.zeros(2)}),
+            "tensor model.planted.weight is not one of",
+        ),
     ],
 )
-def test_load_policy_refuses_weights_that_do_not_fit_naming_the_first_tensor(tiny, tmp_path, capsys, edit, message):
+def test_load_policy_refuses_weights_that_do_not_fit_naming_the_first_tensor(
+    tiny, tmp_path, capsys, edit, message
+):
     model = tmp_path / "model"
     shutil.copytree(tiny, model)
     weights = weights_of(model)
     edit(weights)
     save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
-    err = error_of(capsys, ["eval", str(model), "--n", "1", "--games", "KuhnPoker-v1", "--json", str(tmp_path / "j")])
+    err = error_of(
+        capsys,
+        ["eval", str(model), "--n", "1", "--games", "KuhnPoker-v1", "--json", str(tmp_path / "j")],
+    )
     assert f"{model / 'model.safetensors'} does not fit its config.json: {message}" in err
     assert err.count("\n") == 1 and not (tmp_path / "j").exists()
 
@@ -134,19 +149,37 @@ def test_resume_refuses_a_checkpoint_whose_layer_was_removed(one_step_run, tmp_p
         del weights[key]
     save_file(weights, str(last_checkpoint(out) / "model.safetensors"), metadata={"format": "pt"})
     err = error_of(capsys, ["--resume", "--out", str(out), "--steps", "2"])
-    assert "does not fit its config.json: tensor model.layers.0.mlp.down_proj.weight is missing (and 2 more)" in err
+    assert (
+        "does not fit its config.json: tensor model.layers.0.mlp.down_proj.weight is missing (and 2 more)"
+        in err
+    )
 
 
-def test_latest_checkpoint_ignores_and_keeps_a_copied_folder_with_another_name(one_step_run, tmp_path, capsys):
+def test_latest_checkpoint_ignores_and_keeps_a_copied_folder_with_another_name(
+    one_step_run, tmp_path, capsys
+):
     out = copy_run(one_step_run, tmp_path)
     shutil.copytree(last_checkpoint(out), out / "checkpoints" / "step-000001.bak")
     assert run(["--resume", "--out", str(out), "--steps", "2", "--save-every", "1"]) == 0
     assert "holds step-000001.bak: not checkpoints of this project" in capsys.readouterr().err
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001.bak", "step-000002"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-000001.bak",
+        "step-000002",
+    ]
 
 
 # ---- 3. best/ is a checkpoint
-KEEP = ["--eval-every", "1", "--eval-n", "2", "--eval-games", "KuhnPoker-v1", "--keep-best", "--best-eval-n", "2"]
+KEEP = [
+    "--eval-every",
+    "1",
+    "--eval-n",
+    "2",
+    "--eval-games",
+    "KuhnPoker-v1",
+    "--keep-best",
+    "--best-eval-n",
+    "2",
+]
 
 
 def test_keep_best_refuses_a_planted_link_and_writes_nothing_through_it(tmp_path, capsys):
@@ -156,7 +189,9 @@ def test_keep_best_refuses_a_planted_link_and_writes_nothing_through_it(tmp_path
     (elsewhere / "config.json").write_text("mine")
     (out / ".best-tmp").symlink_to(elsewhere)
     err = error_of(capsys, ["--resume", "--out", str(out), "--steps", "2"])
-    assert ".best-tmp is a symbolic link" in err and (elsewhere / "config.json").read_text() == "mine"
+    assert (
+        ".best-tmp is a symbolic link" in err and (elsewhere / "config.json").read_text() == "mine"
+    )
     assert (out / "best" / "best.json").is_file() and not (out / "best").is_symlink()
 
 
@@ -164,16 +199,27 @@ def test_keep_best_refuses_a_planted_link_and_writes_nothing_through_it(tmp_path
     "plant, message",
     [
         (lambda best: (shutil.rmtree(best), best.write_text("x")), "best is not a folder"),
-        (lambda best: (best / "best.json").write_text("{not json"), "best.json is unreadable (JSONDecodeError)"),
-        (lambda best: (best / "best.json").write_text('{"step": 0, "win_rate": "high"}'), "'win_rate' is not a rate"),
-        (lambda best: ((best / "best.json").unlink(), os.mkfifo(best / "best.json")), "is not a plain file"),
+        (
+            lambda best: (best / "best.json").write_text("{not json"),
+            "best.json is unreadable (JSONDecodeError)",
+        ),
+        (
+            lambda best: (best / "best.json").write_text('{"step": 0, "win_rate": "high"}'),
+            "'win_rate' is not a rate",
+        ),
+        (
+            lambda best: ((best / "best.json").unlink(), os.mkfifo(best / "best.json")),
+            "is not a plain file",
+        ),
     ],
 )
 def test_read_best_ends_in_one_line_on_a_best_of_the_wrong_kind(tmp_path, capsys, plant, message):
     out = tmp_path / "run"
     assert run(SMALL + KEEP + ["--steps", "1", "--out", str(out)]) == 0
     plant(out / "best")
-    err = error_of(capsys, ["--resume", "--out", str(out), "--steps", "2"])  # a fifo would block a plain open()
+    err = error_of(
+        capsys, ["--resume", "--out", str(out), "--steps", "2"]
+    )  # a fifo would block a plain open()
     assert message in err and err.count("\n") == 1
 
 
@@ -185,7 +231,10 @@ def test_keep_best_files_follow_the_umask_as_checkpoints_do(tmp_path):
     finally:
         os.umask(mask)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (out / "best").iterdir()}
-    assert modes["model.safetensors"] == modes["best.json"] == 0o644 and (out / "best").stat().st_mode & 0o777 == 0o755
+    assert (
+        modes["model.safetensors"] == modes["best.json"] == 0o644
+        and (out / "best").stat().st_mode & 0o777 == 0o755
+    )
 
 
 def test_keep_best_on_a_full_disk_warns_and_keeps_the_previous_best(tmp_path, capsys):
@@ -201,12 +250,26 @@ def test_keep_best_on_a_full_disk_warns_and_keeps_the_previous_best(tmp_path, ca
             raise OSError(28, "No space left on device")
 
     run_ = type(
-        "R", (), {"args": S.Args(keep_best=True, eval_every=5), "out": out, "model": Full(), "tokenizer": Full()}
+        "R",
+        (),
+        {
+            "args": S.Args(keep_best=True, eval_every=5),
+            "out": out,
+            "model": Full(),
+            "tokenizer": Full(),
+        },
     )
     S.lifecycle.keep_best(run_, 10, {"win_rate": 0.9})
     err = capsys.readouterr().err
-    assert "could not keep step 10's policy" in err and "it holds step 5's" in err and err.count("\n") == 1
-    assert not (out / ".best-tmp").exists() and json.loads((out / "best" / "best.json").read_text())["step"] == 5
+    assert (
+        "could not keep step 10's policy" in err
+        and "it holds step 5's" in err
+        and err.count("\n") == 1
+    )
+    assert (
+        not (out / ".best-tmp").exists()
+        and json.loads((out / "best" / "best.json").read_text())["step"] == 5
+    )
 
 
 def test_read_best_puts_back_a_best_a_kill_left_between_its_two_renames(tmp_path):
@@ -233,20 +296,39 @@ def test_keep_best_keeps_the_earlier_step_on_a_tie(tmp_path):
         ({"hidden_size": -64}, "hidden_size must be a whole number in [1, 65,536], got -64"),
         ({"vocab_size": 10**12}, "vocab_size must be a whole number"),
         ({"num_attention_heads": 0}, "num_attention_heads must be a whole number"),
-        ({"num_hidden_layers": 2 * 10**6}, "num_hidden_layers must be a whole number in [1, 1,024]"),
+        (
+            {"num_hidden_layers": 2 * 10**6},
+            "num_hidden_layers must be a whole number in [1, 1,024]",
+        ),
         ({"hidden_size": "64"}, "hidden_size must be a whole number"),
-        ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+        (
+            {"num_key_value_heads": 3},
+            "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+        ),
     ],
 )
-def test_check_folder_refuses_config_sizes_before_anything_is_allocated(tiny, tmp_path, capsys, edit, message):
+def test_check_folder_refuses_config_sizes_before_anything_is_allocated(
+    tiny, tmp_path, capsys, edit, message
+):
     model = tmp_path / "model"
     shutil.copytree(tiny, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, **edit}))
-    err = error_of(capsys, ["eval", str(model), "--n", "1", "--games", "KuhnPoker-v1", "--json", str(tmp_path / "j")])
+    err = error_of(
+        capsys,
+        ["eval", str(model), "--n", "1", "--games", "KuhnPoker-v1", "--json", str(tmp_path / "j")],
+    )
     assert message in err and err.count("\n") == 1
     dry = subprocess.run(
-        [sys.executable, str(HERE / "stratagem.py"), "--dry-run", "--model", str(model), "--out", str(tmp_path / "n")],
+        [
+            sys.executable,
+            str(HERE / "stratagem.py"),
+            "--dry-run",
+            "--model",
+            str(model),
+            "--out",
+            str(tmp_path / "n"),
+        ],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -260,26 +342,42 @@ def test_plan_lines_read_a_gpt2_config_and_say_which_key_a_shapeless_one_lacks()
     lines = memory.plan_lines(args, gpt2, torch.device("cpu"), 1, None, "auto")
     assert "parameters" in lines[0] and any("will it fit?" in x for x in lines)
     lines = memory.plan_lines(args, {"vocab_size": 10}, torch.device("cpu"), 1, None, "auto")
-    assert lines == ["memory: Qwen/Qwen3-4B-Base's config.json gives no hidden_size (nor a known alias): no projection"]
+    assert lines == [
+        "memory: Qwen/Qwen3-4B-Base's config.json gives no hidden_size (nor a known alias): no projection"
+    ]
 
 
 def test_load_policy_of_a_broken_tokenizer_is_one_line(tiny, tmp_path, capsys):
     model = tmp_path / "model"
     shutil.copytree(tiny, model)
     (model / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
-    err = error_of(capsys, ["eval", str(model), "--n", "1", "--games", "KuhnPoker-v1", "--json", str(tmp_path / "j")])
+    err = error_of(
+        capsys,
+        ["eval", str(model), "--n", "1", "--games", "KuhnPoker-v1", "--json", str(tmp_path / "j")],
+    )
     assert f"cannot load model {str(model)!r}" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda c: (c / "adapter_config.json").write_text("{"), "adapter_config.json is unreadable"),
-        (lambda c: edit_json(c / "adapter_config.json", r=-3), "r must be a whole number in [1, 4096], got -3"),
-        (lambda c: (c / "adapter_model.safetensors").write_bytes(b"\0" * 9), "its LoRA adapter cannot be loaded"),
+        (
+            lambda c: (c / "adapter_config.json").write_text("{"),
+            "adapter_config.json is unreadable",
+        ),
+        (
+            lambda c: edit_json(c / "adapter_config.json", r=-3),
+            "r must be a whole number in [1, 4096], got -3",
+        ),
+        (
+            lambda c: (c / "adapter_model.safetensors").write_bytes(b"\0" * 9),
+            "its LoRA adapter cannot be loaded",
+        ),
     ],
 )
-def test_load_adapters_of_a_damaged_adapter_is_one_line_on_resume_and_in_merge_lora(tmp_path, capsys, damage, message):
+def test_load_adapters_of_a_damaged_adapter_is_one_line_on_resume_and_in_merge_lora(
+    tmp_path, capsys, damage, message
+):
     out = tmp_path / "run"
     assert run(SMALL + ["--steps", "1", "--lora-rank", "4", "--out", str(out)]) == 0
     damage(last_checkpoint(out))
@@ -332,7 +430,9 @@ def test_validate_bounds_lora_flags(capsys, tmp_path, argv, message):
     assert message in error_of(capsys, SMALL + argv + ["--out", str(tmp_path / "never")])
 
 
-def test_policy_update_that_diverges_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_path, capsys):
+def test_policy_update_that_diverges_stops_the_run_naming_the_step_and_keeps_the_checkpoint(
+    tmp_path, capsys
+):
     out = tmp_path / "run"
     assert run(SMALL + ["--steps", "1", "--out", str(out)]) == 0
     real = S.sequence_logprobs
@@ -354,9 +454,9 @@ def test_main_of_a_name_too_long_is_one_line_in_every_command(tmp_path, capsys, 
     long = str(tmp_path / ("x" * 300))
     argv = (SMALL + ["--steps", "1", "--out", long]) if not command else [*command, long]
     err = error_of(capsys, argv)
-    assert ("a file name is too long" in err or "not found" in err or "no such directory" in err) and err.count(
-        "\n"
-    ) == 1
+    assert (
+        "a file name is too long" in err or "not found" in err or "no such directory" in err
+    ) and err.count("\n") == 1
 
 
 def test_main_in_a_read_only_folder_is_one_line(tmp_path, capsys):
@@ -368,12 +468,23 @@ def test_main_in_a_read_only_folder_is_one_line(tmp_path, capsys):
 
 
 # ---- 7. logs are read in bounded memory; 8. strings from files are neutralised
-def test_iter_jsonl_skips_a_line_longer_than_its_limit_in_bounded_memory(tmp_path, capsys, monkeypatch):
+def test_iter_jsonl_skips_a_line_longer_than_its_limit_in_bounded_memory(
+    tmp_path, capsys, monkeypatch
+):
     monkeypatch.setattr(runfiles, "LINE_LIMIT", 1024)
     path = tmp_path / "t.jsonl"
-    path.write_bytes(b'{"a": 1}\n' + b'{"x": "' + b"y" * 100_000 + b'"}\n{"b": 2}\n' + b'{"torn": "' + b"z" * 5000)
+    path.write_bytes(
+        b'{"a": 1}\n'
+        + b'{"x": "'
+        + b"y" * 100_000
+        + b'"}\n{"b": 2}\n'
+        + b'{"torn": "'
+        + b"z" * 5000
+    )
     assert runfiles.read_jsonl(path) == [{"a": 1}, {"b": 2}]
-    assert "skipped 2 line(s)" in capsys.readouterr().err  # the long one and the torn one, each said
+    assert (
+        "skipped 2 line(s)" in capsys.readouterr().err
+    )  # the long one and the torn one, each said
 
 
 def test_lines_never_reads_more_than_its_limit_at_once():
@@ -393,7 +504,9 @@ def test_lines_never_reads_more_than_its_limit_at_once():
 
 def test_show_of_a_torn_gigabyte_line_takes_bounded_memory(one_step_run, tmp_path):
     out = copy_run(one_step_run, tmp_path)
-    with open(out / "trajectories.jsonl", "ab") as f:  # 160 MiB, longer than LINE_LIMIT: skipped in chunks
+    with open(
+        out / "trajectories.jsonl", "ab"
+    ) as f:  # 160 MiB, longer than LINE_LIMIT: skipped in chunks
         for _ in range(160):
             f.write(b"x" * (1 << 20))
     code = "import resource, sys, stratagem\nresource.setrlimit(resource.RLIMIT_AS, (1 << 31, 1 << 31))\n"
@@ -402,7 +515,9 @@ def test_show_of_a_torn_gigabyte_line_takes_bounded_memory(one_step_run, tmp_pat
     assert proc.returncode == 0 and "MemoryError" not in proc.stderr
 
 
-def test_main_neutralises_control_characters_from_a_file_in_its_error_line(one_step_run, tmp_path, capsys):
+def test_main_neutralises_control_characters_from_a_file_in_its_error_line(
+    one_step_run, tmp_path, capsys
+):
     out = copy_run(one_step_run, tmp_path)
     edit_json(out / "config.json", **{"\x1b]0;pwned\x07\x1b[2J": 1})
     err = error_of(capsys, ["--resume", "--out", str(out), "--steps", "2"])
@@ -412,7 +527,12 @@ def test_main_neutralises_control_characters_from_a_file_in_its_error_line(one_s
 # ---- 9. tools take hostile lines
 @pytest.mark.parametrize(
     "line",
-    [{"step": 3, "eval": 5}, {"step": 3, "beta": 0.2}, {"step": 3, "distill": [1]}, {"step": 3, "games": {"g": 5}}],
+    [
+        {"step": 3, "eval": 5},
+        {"step": 3, "beta": 0.2},
+        {"step": 3, "distill": [1]},
+        {"step": 3, "games": {"g": 5}},
+    ],
 )
 def test_plot_skips_a_metrics_value_of_the_wrong_shape(one_step_run, tmp_path, capsys, line):
     out = copy_run(one_step_run, tmp_path)

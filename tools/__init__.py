@@ -1,5 +1,5 @@
 """The commands a training run never executes, one module each, run as `python stratagem.py COMMAND`
-(stratagem.py imports the module only when its command is asked for):
+(stratagem.py's main() imports COMMANDS below):
 
     eval          tools/eval.py          a model against a fixed opponent, per game and seat
     plot          tools/plot.py          PNG figures of runs over steps
@@ -17,3 +17,33 @@
 tools/runs.py holds what several of them read from a run directory. Each imports `stratagem` for the
 pieces it shares with the trainer; nothing in stratagem.py imports from here.
 """
+
+from tools import (
+    ablation,
+    agree,
+    bench,
+    eval,
+    merge_lora,
+    plot,
+    random_model,
+    refresh_docs,
+    serve_judge,
+    show,
+    sync_check,
+    warmstart,
+)
+
+COMMANDS = {
+    "eval": eval.main,
+    "plot": plot.main,
+    "show": show.main,
+    "agree": agree.main,
+    "serve-judge": serve_judge.main,
+    "bench": bench.main,
+    "random-model": random_model.main,
+    "sync-check": sync_check.main,
+    "merge-lora": merge_lora.main,
+    "warmstart": warmstart.main,
+    "ablation": ablation.main,
+    "refresh-docs": refresh_docs.main,
+}

@@ -31,13 +31,23 @@ LEARNING = (
 ARMS = {  # name -> the flags that make the arm; the names are the run folders' and the table's rows
     "stratagem": [],
     "spiral-shadow": ["--mode", "spiral", "--judge-shadow"],
-    "no-psi": ["--no-psi", "--judge-shadow"],  # psi logged, not in A_mod: every arm measured on one scale
+    "no-psi": [
+        "--no-psi",
+        "--judge-shadow",
+    ],  # psi logged, not in A_mod: every arm measured on one scale
     "centre-psi": ["--centre-psi"],
     "spiral": ["--mode", "spiral"],
     "beta-0.5": ["--beta", "0.5"],
-    "beta-share": ["--beta-share", "0.075"],  # the share beta = 0.2 has at the start (docs/learning.md), held
+    "beta-share": [
+        "--beta-share",
+        "0.075",
+    ],  # the share beta = 0.2 has at the start (docs/learning.md), held
 }
-DEFAULT_ARMS = ("stratagem", "spiral-shadow", "no-psi")  # the paper's ablation, every arm judged on one scale
+DEFAULT_ARMS = (
+    "stratagem",
+    "spiral-shadow",
+    "no-psi",
+)  # the paper's ablation, every arm judged on one scale
 WHAT = {
     "stratagem": "STRATAGEM, beta 0.2, the stand-in judge",
     "spiral-shadow": "SPIRAL (A_game), the judge's scores only logged",
@@ -59,20 +69,35 @@ def train(run: Path, arm: str, seed: int, steps: int) -> int:
     cmd = [sys.executable, str(HERE / "stratagem.py"), *LEARNING, *ARMS[arm], "--seed", str(seed)]
     cmd += ["--steps", str(steps)]
     cmd += ["--out", str(run)] + (["--resume"] if (run / "config.json").exists() else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread a run: two runs at once use the two cores
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+    }  # one thread a run: two runs at once use the two cores
     with open(f"{run}.log", "a") as log:
-        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE).returncode
+        return subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE
+        ).returncode
 
 
-COLLAPSE = 0.2  # a run collapsed: an evaluation lost more than this share of its games on an invalid move
+COLLAPSE = (
+    0.2  # a run collapsed: an evaluation lost more than this share of its games on an invalid move
+)
 WINDOW = 5  # psi's rise: from the mean of the first WINDOW steps to the best mean of WINDOW steps in a row
 
 
 def invalid_share(evaluation: dict) -> float | None:
     """The share of an evaluation's games (every game id, both seats) lost on an invalid move; None without counts."""
     cells = [c.get("both") for c in (evaluation.get("games") or {}).values() if isinstance(c, dict)]
-    counts = [(c["invalid"]["count"], c["n"]) for c in cells if isinstance(c, dict) and "invalid" in c and "n" in c]
-    return sum(i for i, _ in counts) / sum(n for _, n in counts) if counts and sum(n for _, n in counts) else None
+    counts = [
+        (c["invalid"]["count"], c["n"])
+        for c in cells
+        if isinstance(c, dict) and "invalid" in c and "n" in c
+    ]
+    return (
+        sum(i for i, _ in counts) / sum(n for _, n in counts)
+        if counts and sum(n for _, n in counts)
+        else None
+    )
 
 
 def psi_rise(psi: list[float]) -> float | None:
@@ -87,7 +112,11 @@ def psi_rise(psi: list[float]) -> float | None:
 def fresh_win(run: Path) -> float | None:
     """The kept best's win rate on fresh games (best/best.json's "fresh"), or None where none was measured."""
     fresh = (read_best(run) or {}).get("fresh")
-    return fresh["win_rate"] if isinstance(fresh, dict) and runs_number(fresh.get("win_rate")) else None
+    return (
+        fresh["win_rate"]
+        if isinstance(fresh, dict) and runs_number(fresh.get("win_rate"))
+        else None
+    )
 
 
 def arm_row(arm: str, runs: list[Path]) -> dict:
@@ -97,21 +126,34 @@ def arm_row(arm: str, runs: list[Path]) -> dict:
     share of judged trajectories whose psi (entering A_mod or only logged) was not 0."""
     metrics = [read_metrics(r) for r in runs]
     evals = [
-        keep([m for m in ms if "eval" in m], r / "metrics.jsonl", lambda m: evaluation_ok(m["eval"]), "evaluation")
+        keep(
+            [m for m in ms if "eval" in m],
+            r / "metrics.jsonl",
+            lambda m: evaluation_ok(m["eval"]),
+            "evaluation",
+        )
         for r, ms in zip(runs, metrics)
     ]
     if missing := [str(r) for r, e in zip(runs, evals) if not e]:
-        raise UserError(f"{missing[0]} has no evaluation in its metrics.jsonl: the ablation's runs use --eval-every")
+        raise UserError(
+            f"{missing[0]} has no evaluation in its metrics.jsonl: the ablation's runs use --eval-every"
+        )
     finals, starts = [e[-1]["eval"] for e in evals], [e[0]["eval"] for e in evals]
     step_ok = lambda m: all(runs_number(m[k]) for k in ("a_game_std", "a_mod_std", "judge_judged"))  # noqa: E731
-    steps = keep([m for ms in metrics for m in ms if "loss" in m], runs[0].parent, step_ok, "whole step")
+    steps = keep(
+        [m for ms in metrics for m in ms if "loss" in m], runs[0].parent, step_ok, "whole step"
+    )
     wins, n = sum(round(e["win_rate"] * e["n"]) for e in finals), sum(e["n"] for e in finals)
     judged = sum(m["judge_judged"] for m in steps)
     scores = {  # the judged means of each seed's steps, where the judge scored (entering A_mod or logged)
         key: [[m[key] for m in ms if "loss" in m and runs_number(m.get(key))] for ms in metrics]
         for key in ("phi_mean", "psi_mean")
     }
-    phi = [(sum(ms[:WINDOW]) / WINDOW, sum(ms[-WINDOW:]) / WINDOW) for ms in scores["phi_mean"] if len(ms) >= WINDOW]
+    phi = [
+        (sum(ms[:WINDOW]) / WINDOW, sum(ms[-WINDOW:]) / WINDOW)
+        for ms in scores["phi_mean"]
+        if len(ms) >= WINDOW
+    ]
     return {
         "arm": arm,
         "start": sum(e["win_rate"] * e["n"] for e in starts) / sum(e["n"] for e in starts),
@@ -121,12 +163,18 @@ def arm_row(arm: str, runs: list[Path]) -> dict:
         "seeds_fresh": [fresh_win(r) for r in runs],
         "collapsed": sum(any((invalid_share(m["eval"]) or 0) > COLLAPSE for m in e) for e in evals),
         "psi_rise": [psi_rise(ms) for ms in scores["psi_mean"]],
-        "phi": [sum(p[k] for p in phi) / len(phi) for k in (0, 1)] if phi else None,  # the seeds' means
+        "phi": [sum(p[k] for p in phi) / len(phi) for k in (0, 1)]
+        if phi
+        else None,  # the seeds' means
         "a_game_std": sum(m["a_game_std"] for m in steps) / len(steps),
         "a_mod_std": sum(m["a_mod_std"] for m in steps) / len(steps),
         "psi_nonzero": sum(m.get("psi_nonzero", 0) for m in steps) / judged if judged else None,
-        "beta_share": [mean_of(metrics, k, key) for k in (0, -1) for key in ("value", "share")],  # first, last step
-        "multi_turn": sum(m.get("judged_multi_turn", 0) for m in steps) / judged if judged else None,
+        "beta_share": [
+            mean_of(metrics, k, key) for k in (0, -1) for key in ("value", "share")
+        ],  # first, last step
+        "multi_turn": sum(m.get("judged_multi_turn", 0) for m in steps) / judged
+        if judged
+        else None,
     }
 
 
@@ -157,7 +205,11 @@ def table(rows: list[dict], seeds: list[int], steps: int) -> str:
     for r in rows:
         low, high = r["final_ci95"]
         nonzero = "n/a (no judge)" if r["psi_nonzero"] is None else f"{r['psi_nonzero']:.0%}"
-        phi = either(r["phi"], lambda v: f"{v[0]:.2f} -> {v[1]:.2f}") if r["psi_nonzero"] is not None else "n/a"
+        phi = (
+            either(r["phi"], lambda v: f"{v[0]:.2f} -> {v[1]:.2f}")
+            if r["psi_nonzero"] is not None
+            else "n/a"
+        )
         lines.append(
             f"| {WHAT[r['arm']]} | {pct(r['start'])} | {pct(r['final'])} [{pct(low)}, {pct(high)}] | "
             f"{' '.join(map(pct, r['seeds_final']))} | {' '.join(either(v, pct) for v in r['seeds_fresh'])} | "
@@ -177,7 +229,9 @@ def drift(values: list[float | None]) -> str:
 
 def main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py ablation", description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="folder of the runs (<arm>-s<seed>, each with its .log) and of table.md")
+    p.add_argument(
+        "out", help="folder of the runs (<arm>-s<seed>, each with its .log) and of table.md"
+    )
     p.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (1,2,3)")
     p.add_argument(
         "--steps",
@@ -185,8 +239,14 @@ def main(argv: list[str]) -> int:
         default=int(LEARNING[LEARNING.index("--steps") + 1]),
         help="the budget: steps a run (LEARNING's: %(default)s)",
     )
-    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated arms (of {', '.join(ARMS)})")
-    p.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (2: a 2-core machine)")
+    p.add_argument(
+        "--arms",
+        default=",".join(DEFAULT_ARMS),
+        help=f"comma-separated arms (of {', '.join(ARMS)})",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=2, help="runs at once, one thread each (2: a 2-core machine)"
+    )
     ns = p.parse_args(argv)
     try:
         seeds = [int(s) for s in ns.seeds.split(",")]
@@ -200,8 +260,16 @@ def main(argv: list[str]) -> int:
     out = Path(ns.out)
     check_writable_dir(out, "out")
     out.mkdir(parents=True, exist_ok=True)
-    todo = [(out / f"{a}-s{s}", a, s) for a in arms for s in seeds if not finished(out / f"{a}-s{s}", ns.steps)]
-    print(f"{len(todo)} run(s) to train, {ns.jobs} at a time; their output in {out}/<arm>-s<seed>.log", flush=True)
+    todo = [
+        (out / f"{a}-s{s}", a, s)
+        for a in arms
+        for s in seeds
+        if not finished(out / f"{a}-s{s}", ns.steps)
+    ]
+    print(
+        f"{len(todo)} run(s) to train, {ns.jobs} at a time; their output in {out}/<arm>-s<seed>.log",
+        flush=True,
+    )
     with ThreadPoolExecutor(ns.jobs) as pool:
         codes = list(pool.map(lambda job: train(job[0], job[1], job[2], ns.steps), todo))
     if failed := [str(run) for (run, _, _), code in zip(todo, codes) if code]:

@@ -1,5 +1,5 @@
-"""`stratagem.py agree`: the cross-judge agreement check of the paper's Table 1 (Cohen's kappa on
-the levels, Spearman's rho on phi and psi)."""
+"""`stratagem.py agree`: the cross-judge agreement check of the paper's Table 1: Cohen's kappa on
+every level, Spearman's rho on every rubric's score (the keys and scores of judge_prompts.RUBRICS)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,22 @@ from machinery.distill import cohen_kappa, spearman
 from machinery.distributed import Dist, pick_device
 from machinery.flags import FriendlyParser, field_docs
 from machinery.judge import HeuristicJudge, JudgeRunner, OpenAIJudge, render_for_judge
-from machinery.runfiles import JudgeCache, check_writable_file, latest_checkpoint, load_state, read_config
-from stratagem import Args, Trajectory, collate, format_prompt, load_policy, validate
+from machinery.runfiles import (
+    JudgeCache,
+    check_writable_file,
+    latest_checkpoint,
+    load_state,
+    read_config,
+)
+from stratagem import (
+    Args,
+    Trajectory,
+    collate,
+    format_prompt,
+    judge_trajectories,
+    load_policy,
+    validate,
+)
 from tools.eval import openai_spec
 from tools.runs import read_trajectories
 
@@ -36,7 +50,12 @@ class DistilledJudge:
         ckpt = latest_checkpoint(run) if (run / "config.json").exists() else None
         if ckpt is None:
             raise UserError(f"{spec}: {run} is not a run with a checkpoint")
-        heads = {"distill": ("the heads of a --distill run (or null)", lambda v: v is None or isinstance(v, dict))}
+        heads = {
+            "distill": (
+                "the heads of a --distill run (or null)",
+                lambda v: v is None or isinstance(v, dict),
+            )
+        }
         state = load_state(ckpt / "trainer_state.pt", heads, spec).get("distill")
         if state is None:
             raise UserError(f"{spec}: {run} was trained without --distill; it has no heads to ask")
@@ -46,21 +65,37 @@ class DistilledJudge:
         for t in trajs:
             for turn in t.turns:
                 turn.prompt_ids = tok(
-                    turn.prompt or format_prompt(tok, turn.observation, t.role), add_special_tokens=False
+                    turn.prompt or format_prompt(tok, turn.observation, t.role),
+                    add_special_tokens=False,
                 ).input_ids
-                turn.response_ids = tok(turn.response, add_special_tokens=False).input_ids or [tok.eos_token_id]
+                turn.response_ids = tok(turn.response, add_special_tokens=False).input_ids or [
+                    tok.eos_token_id
+                ]
         feats = distill.features(
-            model, trajs, collate, tok.pad_token_id, args.micro_batch_size, device, Dist(), watch.Timer()
+            model,
+            trajs,
+            collate,
+            tok.pad_token_id,
+            args.micro_batch_size,
+            device,
+            Dist(),
+            watch.Timer(),
         )
         heads = distill.Distiller(model.config.hidden_size, args)
         heads.load_state_dict(state)
-        self.name, self.levels = spec, dict(zip(map(render_for_judge, trajs), heads.predict(torch.stack(feats))))
+        self.name, self.levels = (
+            spec,
+            dict(zip(map(render_for_judge, trajs), heads.predict(torch.stack(feats)))),
+        )
 
-    def complete(self, rubric: str, trajectory_text: str) -> tuple[str, int, int]:
-        return json.dumps({k: self.levels[trajectory_text][k] for k in judge_prompts.keys(rubric)}), 0, 0
+    def complete(self, rubric: str, messages: list[dict]) -> tuple[str, int, int]:
+        levels = self.levels[judge_prompts.trajectory_in(messages[-1]["content"])]
+        return json.dumps({k: levels[k] for k in judge_prompts.keys(rubric)}), 0, 0
 
 
-def judge_from_spec(spec: str, args: Args, trajs: list[Trajectory]) -> HeuristicJudge | OpenAIJudge | DistilledJudge:
+def judge_from_spec(
+    spec: str, args: Args, trajs: list[Trajectory]
+) -> HeuristicJudge | OpenAIJudge | DistilledJudge:
     if spec == "heuristic":
         return HeuristicJudge()
     if spec.startswith("distilled:"):
@@ -79,7 +114,9 @@ def main(argv: list[str]) -> int:
             "paper's Table 1)."
         ),
     )
-    p.add_argument("run", help="run directory (its trajectories.jsonl is read, its judge_cache.jsonl reused)")
+    p.add_argument(
+        "run", help="run directory (its trajectories.jsonl is read, its judge_cache.jsonl reused)"
+    )
     p.add_argument(
         "--judges",
         nargs="+",
@@ -88,11 +125,22 @@ def main(argv: list[str]) -> int:
         help="two or more of: heuristic, openai:MODEL, openai:MODEL@BASE_URL (key from OPENAI_API_KEY), "
         "distilled:RUN_DIR (a --distill run's heads, on its last checkpoint's features)",
     )
-    p.add_argument("--sample", type=int, default=200, help="trajectories to re-score (default: 200, as in the paper)")
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=200,
+        help="trajectories to re-score (default: 200, as in the paper)",
+    )
     p.add_argument("--seed", type=int, default=1, help="seed of the sample (default: 1)")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
     docs = field_docs(Args)
-    for name in ("judge_temperature", "judge_max_tokens", "judge_concurrency", "judge_timeout", "judge_retries"):
+    for name in (
+        "judge_temperature",
+        "judge_max_tokens",
+        "judge_concurrency",
+        "judge_timeout",
+        "judge_retries",
+    ):
         default = Args.__dataclass_fields__[name].default
         p.add_argument(
             "--" + name.replace("_", "-"),
@@ -116,14 +164,22 @@ def main(argv: list[str]) -> int:
     if ns.json:
         check_writable_file(Path(ns.json), "--json")
     pool = read_trajectories(run)
-    trajs = [pool[i] for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))]
+    trajs = [
+        pool[i]
+        for i in sorted(random.Random(ns.seed).sample(range(len(pool)), min(ns.sample, len(pool))))
+    ]
     cache = JudgeCache(run / "judge_cache.jsonl")
-    judges = [judge_from_spec(spec, args, trajs) for spec in ns.judges]  # every judge is checked before any is paid
+    judges = [
+        judge_from_spec(spec, args, trajs) for spec in ns.judges
+    ]  # every judge is checked before any is paid
     verdicts, ruled = [], set()
     for spec, judge in zip(ns.judges, judges):
-        judgements, usage = JudgeRunner(judge, args, cache).judge(trajs, list(judge_prompts.RUBRICS))
+        runner = JudgeRunner(judge, args, cache)
+        judgements, usage = judge_trajectories(runner, trajs, list(judge_prompts.RUBRICS))
         verdicts.append([j.scores for j in judgements])
-        ruled |= {i for i, j in enumerate(judgements) if j.rule}  # d, a, c set by the rules, not by the judge
+        ruled |= {
+            i for i, j in enumerate(judgements) if j.rule
+        }  # levels set by the rules, not by the judge
         print(
             f"{spec}: {usage.get('requests', 0)} requests, {usage.get('cache_hits', 0)} from cache, "
             f"{sum(j.failure is not None for j in judgements)} failed",
@@ -131,11 +187,15 @@ def main(argv: list[str]) -> int:
         )
     keep = [i for i in range(len(trajs)) if all(v[i] is not None for v in verdicts)]
     if len(keep) < 2:
-        raise UserError(f"only {len(keep)} trajectories were scored by every judge; nothing to compare")
+        raise UserError(
+            f"only {len(keep)} trajectories were scored by every judge; nothing to compare"
+        )
     names = [chr(ord("A") + k) for k in range(len(ns.judges))]
     pairs = [(x, y) for x in range(len(names)) for y in range(x + 1, len(names))]
     table: dict[str, dict[str, float]] = {}
-    free = [i for i in keep if i not in ruled]  # a rubric with rules (evolution) agrees where the judges decided
+    free = [
+        i for i in keep if i not in ruled
+    ]  # a rubric with rules (evolution) agrees where the judges decided
     for dim in judge_prompts.ALL_KEYS:
         rows = keep if judge_prompts.RUBRIC_OF[dim] not in judge_prompts.RULES else free
         table[f"kappa {dim}"] = {
@@ -150,17 +210,25 @@ def main(argv: list[str]) -> int:
         table[f"spearman {spec['score']}"] = {
             f"{names[x]}~{names[y]}": spearman(values[x], values[y]) for x, y in pairs
         }
+    ruled_rubrics = [r for r in judge_prompts.RUBRICS if r in judge_prompts.RULES]
+    ruled_names = [*(k for r in ruled_rubrics for k in judge_prompts.keys(r))]
+    ruled_names += [judge_prompts.RUBRICS[r]["score"] for r in ruled_rubrics]
     print(
         f"agreement on {len(keep)} of {len(trajs)} sampled trajectories of {run} "
-        f"({len(trajs) - len(keep)} dropped: a judge failed); d, a, c and psi on the {len(free)} whose evolution "
-        f"no rule decided (one turn, stagnation: judge_prompts.evolution_rules)"
+        f"({len(trajs) - len(keep)} dropped: a judge failed); {', '.join(ruled_names)} on the {len(free)} "
+        f"where no rule of code decided them (judge_prompts.RULES)"
     )
     for name, spec in zip(names, ns.judges):
         print(f"  {name} = {spec}")
     columns = list(next(iter(table.values())))
     print(f"{'':16}" + "".join(f"{c:>10}" for c in columns))
     for row, values in table.items():
-        print(f"{row:16}" + "".join(f"{'n/a' if math.isnan(values[c]) else f'{values[c]:.3f}':>10}" for c in columns))
+        print(
+            f"{row:16}"
+            + "".join(
+                f"{'n/a' if math.isnan(values[c]) else f'{values[c]:.3f}':>10}" for c in columns
+            )
+        )
     print(
         "paper (Table 1): kappa > 0.60, Spearman > 0.70; n/a: undefined, for kappa when both judges of the pair gave "
         "every trajectory one and the same level (or none was compared), for Spearman when either judge gave one "
@@ -175,7 +243,8 @@ def main(argv: list[str]) -> int:
                     "n": len(keep),
                     "sampled": len(trajs),
                     "table": {
-                        r: {c: (None if math.isnan(v) else v) for c, v in vals.items()} for r, vals in table.items()
+                        r: {c: (None if math.isnan(v) else v) for c, v in vals.items()}
+                        for r, vals in table.items()
                     },
                 },
                 indent=2,

@@ -21,8 +21,15 @@ from machinery import UserError
 from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser
 from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
-from machinery.runfiles import TRAINER_STATE, JudgeCache, check_writable_file, latest_checkpoint, load_state, read_jsonl
-from stratagem import Args, Trajectory, build_parser, resolve_args, train
+from machinery.runfiles import (
+    TRAINER_STATE,
+    JudgeCache,
+    check_writable_file,
+    latest_checkpoint,
+    load_state,
+    read_jsonl,
+)
+from stratagem import Args, Trajectory, build_parser, judge_trajectories, resolve_args, train
 from tools.runs import read_trajectories
 
 PHASES = ("generate", "game", "judge", "learn", "sync")
@@ -38,23 +45,31 @@ def bench_summary(metrics: list[dict]) -> dict:
         "steps_measured": len(rows),
         "s_per_step": total / len(rows),
         "games_per_s": sum(m["episodes"] for m in rows) / total,
-        "rollout_games_per_s": sum(m["episodes"] for m in rows) / (total * (split["generate"] + split["game"])),
+        "rollout_games_per_s": sum(m["episodes"] for m in rows)
+        / (total * (split["generate"] + split["game"])),
         "transitions_per_s": sum(m["transitions"] for m in rows) / total,
         "tokens_per_s": sum(m["response_tokens"] for m in rows) / total,
-        "live_games_per_call": sum(m["transitions"] for m in rows) / sum(m["generate_calls"] for m in rows),
-        "generate_calls_per_game": sum(m["generate_calls"] for m in rows) / sum(m["episodes"] for m in rows),
+        "live_games_per_call": sum(m["transitions"] for m in rows)
+        / sum(m["generate_calls"] for m in rows),
+        "generate_calls_per_game": sum(m["generate_calls"] for m in rows)
+        / sum(m["episodes"] for m in rows),
         "time_split": split,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20
+        if torch.cuda.is_available()
+        else None,
     }
 
 
 def optimizer_size(run: Path) -> dict:
     """Adam's state in the run's last checkpoint (every tensor of it) and the parameters it trains."""
-    state = load_state(latest_checkpoint(run) / "trainer_state.pt", TRAINER_STATE, "bench")["optimizer"]["state"]
+    state = load_state(latest_checkpoint(run) / "trainer_state.pt", TRAINER_STATE, "bench")[
+        "optimizer"
+    ]["state"]
     state = state.values()
     return {
-        "optimizer_state_mb": sum(t.numel() * t.element_size() for s in state for t in s.values()) / 2**20,
+        "optimizer_state_mb": sum(t.numel() * t.element_size() for s in state for t in s.values())
+        / 2**20,
         "trained_parameters": sum(s["exp_avg"].numel() for s in state),
     }
 
@@ -68,7 +83,7 @@ def bench_judge(args: Args, trajs: list[Trajectory], n: int) -> dict:
     runner = JudgeRunner(judge, args, JudgeCache(None))
     batch = [trajs[i % len(trajs)] for i in range(n)]
     t0 = time.perf_counter()
-    judgements, usage = runner.judge(batch, list(judge_prompts.RUBRICS))
+    judgements, usage = judge_trajectories(runner, batch, list(judge_prompts.RUBRICS))
     return {
         "judgements": n,
         "requests": usage.get("requests", 0),
@@ -103,14 +118,20 @@ def main(argv: list[str]) -> int:
         help="also time this many uncached judgements with the configured judge (default: 0)",
     )
     p.add_argument(
-        "--json", default="bench.jsonl", help="append the results here, one JSON line (default: bench.jsonl)"
+        "--json",
+        default="bench.jsonl",
+        help="append the results here, one JSON line (default: bench.jsonl)",
     )
     ns, rest = p.parse_known_args(argv)
     mode = argparse.ArgumentParser(add_help=False)
     mode.add_argument("--mode")
     chosen, others = mode.parse_known_args(rest)
-    spyrl = importlib.import_module("spyrl") if chosen.mode == "spyrl" else None  # spyrl.py's flags, its mode implied
-    explicit = vars(spyrl.build_parser().parse_args(others) if spyrl else build_parser().parse_args(rest))
+    spyrl = (
+        importlib.import_module("spyrl") if chosen.mode == "spyrl" else None
+    )  # spyrl.py's flags, its mode implied
+    explicit = vars(
+        spyrl.build_parser().parse_args(others) if spyrl else build_parser().parse_args(rest)
+    )
     if "out" in explicit or "resume" in explicit:
         raise UserError("bench runs in a temporary directory; drop --out and --resume")
     if ns.judgements < 0:
@@ -119,32 +140,52 @@ def main(argv: list[str]) -> int:
     explicit.setdefault("steps", 3)
     base = (spyrl.resolve_args if spyrl else resolve_args)(explicit)
     modes = ["lockstep", "sequential"] if ns.rollout == "both" else [ns.rollout]
-    configs = {mode: dataclasses.replace(base, num_envs=base.num_envs if mode == "lockstep" else 1) for mode in modes}
+    configs = {
+        mode: dataclasses.replace(base, num_envs=base.num_envs if mode == "lockstep" else 1)
+        for mode in modes
+    }
     trainers = dict.fromkeys(modes, train)
     if spyrl:  # SpyRL's figures beside STRATAGEM's, lockstep, measured in the same invocation
         modes, trainers = ["spyrl", "stratagem"], {"spyrl": spyrl.train, "stratagem": train}
         shared = {k: v for k, v in explicit.items() if k in Args.__dataclass_fields__}
         configs = {"spyrl": base, "stratagem": resolve_args({**shared, "mode": "stratagem"})}
-    if base.lora_rank and not spyrl and ns.rollout == "both":  # LoRA's figures beside full fine-tuning's, lockstep
+    if (
+        base.lora_rank and not spyrl and ns.rollout == "both"
+    ):  # LoRA's figures beside full fine-tuning's, lockstep
         modes, trainers = ["lora", "full"], {"lora": train, "full": train}
-        configs = {"lora": base, "full": resolve_args({k: v for k, v in explicit.items() if not k.startswith("lora_")})}
+        configs = {
+            "lora": base,
+            "full": resolve_args({k: v for k, v in explicit.items() if not k.startswith("lora_")}),
+        }
     threads = pick_threads(pick_device(base.device))  # what each run's start_run sets again
-    machine = {"threads": threads[0], "why": threads[1], "cores": os.cpu_count(), "load_before": os.getloadavg()[0]}
+    machine = {
+        "threads": threads[0],
+        "why": threads[1],
+        "cores": os.cpu_count(),
+        "load_before": os.getloadavg()[0],
+    }
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             args = dataclasses.replace(configs[mode], out=os.path.join(tmp, mode))
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            print(f"--- bench: {mode} ({args.mode}), {args.num_envs} game(s) in flight ---", flush=True)
+            print(
+                f"--- bench: {mode} ({args.mode}), {args.num_envs} game(s) in flight ---",
+                flush=True,
+            )
             trainers[mode](args)
             results[mode] = {
                 **bench_summary(read_jsonl(Path(args.out) / "metrics.jsonl")),
                 **optimizer_size(Path(args.out)),
             }
         if ns.judgements > 0:
-            results["judge"] = bench_judge(base, read_trajectories(Path(tmp) / modes[0]), ns.judgements)
-    machine["load_after"] = os.getloadavg()[0]  # the 1-minute load average: a shared machine moves every figure
+            results["judge"] = bench_judge(
+                base, read_trajectories(Path(tmp) / modes[0]), ns.judgements
+            )
+    machine["load_after"] = os.getloadavg()[
+        0
+    ]  # the 1-minute load average: a shared machine moves every figure
     print(f"\n{'':24}" + "".join(f"{m:>12}" for m in modes))
     rows = [
         ("s/step", "s_per_step", 2),
@@ -162,7 +203,8 @@ def main(argv: list[str]) -> int:
         print(f"{label:24}" + "".join(f"{results[m][key]:>12.{digits}f}" for m in modes))
     for phase in (*PHASES, "other"):
         print(
-            f"{'time: ' + phase + ' %':24}" + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes)
+            f"{'time: ' + phase + ' %':24}"
+            + "".join(f"{100 * results[m]['time_split'][phase]:>12.1f}" for m in modes)
         )
     for m in modes:
         print(
@@ -172,7 +214,10 @@ def main(argv: list[str]) -> int:
         )
     if modes == ["lockstep", "sequential"]:
         speedup = results["lockstep"]["games_per_s"] / results["sequential"]["games_per_s"]
-        rollout = results["lockstep"]["rollout_games_per_s"] / results["sequential"]["rollout_games_per_s"]
+        rollout = (
+            results["lockstep"]["rollout_games_per_s"]
+            / results["sequential"]["rollout_games_per_s"]
+        )
         results["lockstep_speedup"], results["lockstep_rollout_speedup"] = speedup, rollout
         print(f"lockstep / sequential games/s: {speedup:.1f}x per step, {rollout:.1f}x in rollout")
     if "judge" in results:
@@ -186,6 +231,11 @@ def main(argv: list[str]) -> int:
         f"{machine['load_after']:.1f} after (1 min, {machine['cores']} cores here)"
     )
     with open(ns.json, "a", encoding="utf-8") as f:
-        record = {"argv": argv, "config": dataclasses.asdict(base), "machine": machine, "results": results}
+        record = {
+            "argv": argv,
+            "config": dataclasses.asdict(base),
+            "machine": machine,
+            "results": results,
+        }
         f.write(json.dumps(record) + "\n")
     return 0

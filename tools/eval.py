@@ -20,7 +20,6 @@ from machinery.runfiles import check_writable_file, latest_checkpoint, read_conf
 from machinery.vllm_engine import VLLMPolicy
 from machinery.watch import quiet_transformers
 from stratagem import (
-    CHOICES,
     PROMPT,
     Args,
     HFPolicy,
@@ -28,6 +27,7 @@ from stratagem import (
     load_policy,
     parse_action,
     play_matches,
+    schedule,
     seed_everything,
     stop_ids,
 )
@@ -40,7 +40,11 @@ class LLMPlayer:
     def __init__(self, model: str, base_url: str, args: Args):
         self.model, self.args, self.name, self.failures = model, args, f"openai:{model}", 0
         self.client = openai_client(
-            base_url, args.judge_timeout, args.judge_retries, "an openai opponent", args.max_new_tokens
+            base_url,
+            args.judge_timeout,
+            args.judge_retries,
+            "an openai opponent",
+            args.max_new_tokens,
         )
         check_reachable(self.client, base_url, args.judge_timeout, "opponent")
 
@@ -60,7 +64,9 @@ class LLMPlayer:
             return ""
 
     def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
-        return concurrently(lambda job: self._one(job[1], job[2]), jobs, self.args.judge_concurrency)
+        return concurrently(
+            lambda job: self._one(job[1], job[2]), jobs, self.args.judge_concurrency
+        )
 
 
 def openai_spec(spec: str, alternative: str) -> tuple[str, str]:
@@ -78,7 +84,12 @@ def pooled(records: list[dict], games: list[str]) -> dict | None:
     if not rows:
         return None
     wins = sum(r["outcome"] == "win" for r in rows)
-    return {"games": games, "n": len(rows), "win_rate": wins / len(rows), "win_ci95": wilson(wins, len(rows))}
+    return {
+        "games": games,
+        "n": len(rows),
+        "win_rate": wins / len(rows),
+        "win_ci95": wilson(wins, len(rows)),
+    }
 
 
 def print_matches(summary: dict, opponent: str, groups: dict[str, dict | None]) -> None:
@@ -90,7 +101,10 @@ def print_matches(summary: dict, opponent: str, groups: dict[str, dict | None]) 
                 f"{g['win_rate']:.2f} [{g['win_ci95'][0]:.2f}, {g['win_ci95'][1]:.2f}]"
             )
     print("per game and seat (95 % Wilson intervals):")
-    print(f"{'game':22}{'seat':>6}{'n':>5}" + "".join(f"{k:>19}" for k in ("win", "draw", "loss", "invalid")))
+    print(
+        f"{'game':22}{'seat':>6}{'n':>5}"
+        + "".join(f"{k:>19}" for k in ("win", "draw", "loss", "invalid"))
+    )
     for game, seats in summary["games"].items():
         for seat, cell in seats.items():
             print(
@@ -153,7 +167,9 @@ def settings(ns, run: Path | None) -> list[str]:
         if getattr(ns, flag) is None:
             value = config.get(key, DEFAULTS[flag])
             setattr(ns, flag, value)
-            if key in config and value != "" and flag != "games":  # the games are said as trained and unseen
+            if (
+                key in config and value != "" and flag != "games"
+            ):  # the games are said as trained and unseen
                 taken.append(f"--{flag.replace('_', '-')} {value}")
     return taken
 
@@ -174,39 +190,55 @@ def main(argv: list[str]) -> int:
         ),
     )
     p.add_argument(
-        "model", help="a run directory (its newest checkpoint), a checkpoint or model directory, or a hub id"
+        "model",
+        help="a run directory (its newest checkpoint), a checkpoint or model directory, or a hub id",
     )
     p.add_argument(
-        "--games", help=f"comma-separated ids (default: the run's --eval-games; without a run: {Args.eval_games})"
+        "--games",
+        help=f"comma-separated ids (default: the run's --eval-games; without a run: {Args.eval_games})",
     )
-    p.add_argument("--n", type=int, default=20, help="games per id, seats alternating (default: 20)")
     p.add_argument(
-        "--opponent", default="random", help="random, openai:MODEL or openai:MODEL@BASE_URL (default: random)"
+        "--n", type=int, default=20, help="games per id, seats alternating (default: 20)"
     )
-    p.add_argument("--greedy", action="store_true", help="greedy decoding for the model (default: sampled)")
+    p.add_argument(
+        "--opponent",
+        default="random",
+        help="random, openai:MODEL or openai:MODEL@BASE_URL (default: random)",
+    )
+    p.add_argument(
+        "--greedy", action="store_true", help="greedy decoding for the model (default: sampled)"
+    )
     run_default = "(default: the run's {}; without a run: {!r})"
-    p.add_argument("--temperature", type=float, help="sampling temperature " + run_default.format("--temperature", 1.0))
+    p.add_argument(
+        "--temperature",
+        type=float,
+        help="sampling temperature " + run_default.format("--temperature", 1.0),
+    )
     p.add_argument(
         "--max-new-tokens",
         type=int,
-        help="longest response per turn " + run_default.format("--max-new-tokens", Args.max_new_tokens),
+        help="longest response per turn "
+        + run_default.format("--max-new-tokens", Args.max_new_tokens),
     )
     p.add_argument(
         "--max-turns",
         type=int,
-        help="turn cap; a capped game is a draw " + run_default.format("--eval-max-turns", Args.eval_max_turns),
+        help="turn cap; a capped game is a draw "
+        + run_default.format("--eval-max-turns", Args.eval_max_turns),
     )
     p.add_argument(
         "--error-allowance",
         type=int,
-        help="invalid moves allowed before losing " + run_default.format("--error-allowance", Args.error_allowance),
+        help="invalid moves allowed before losing "
+        + run_default.format("--error-allowance", Args.error_allowance),
     )
     docs = field_docs(Args)
     for name in ("action_rule", "invalid_rewards", "rejected_rewards"):
         p.add_argument(
             "--" + name.replace("_", "-"),
-            choices=CHOICES.get(name),
-            help=f"{docs[name][1]} " + run_default.format("--" + name.replace("_", "-"), getattr(Args, name)),
+            choices=flags.CHOICES.get(name),
+            help=f"{docs[name][1]} "
+            + run_default.format("--" + name.replace("_", "-"), getattr(Args, name)),
         )
     p.add_argument(
         "--first-last",
@@ -215,10 +247,19 @@ def main(argv: list[str]) -> int:
         "history, as in training",
     )
     p.add_argument("--concurrency", type=int, default=64, help="games in flight (default: 64)")
-    p.add_argument("--seed", type=int, default=1, help="seeds the games, the opponent and sampling (default: 1)")
-    p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="seeds the games, the opponent and sampling (default: 1)",
+    )
+    p.add_argument(
+        "--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)"
+    )
     p.add_argument("--device", default="auto", help="torch device (default: auto)")
-    p.add_argument("--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1])
+    p.add_argument(
+        "--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1]
+    )
     p.add_argument(
         "--json",
         default="",
@@ -230,8 +271,12 @@ def main(argv: list[str]) -> int:
     taken = settings(ns, run)
     if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1:
         raise UserError("--n, --max-new-tokens, --max-turns and --concurrency must be >= 1")
-    if not (ns.temperature == 0 or 1e-3 <= ns.temperature <= 100):  # below 0.001, logits / T overflow to inf
-        raise UserError(f"--temperature must be 0 (greedy) or in [0.001, 100], got {ns.temperature}")
+    if not (
+        ns.temperature == 0 or 1e-3 <= ns.temperature <= 100
+    ):  # below 0.001, logits / T overflow to inf
+        raise UserError(
+            f"--temperature must be 0 (greedy) or in [0.001, 100], got {ns.temperature}"
+        )
     if ns.error_allowance < 0:
         raise UserError("--error-allowance must be >= 0")
     if ns.json and Path(ns.json).exists():
@@ -262,11 +307,15 @@ def main(argv: list[str]) -> int:
         else LLMPlayer(*openai_spec(ns.opponent, "random"), args)
     )
     path = resolve_model_path(ns.model)
-    trained = flags.items(read_config(run).get("games", Args.games) if run is not None else Args.games)
+    trained = flags.items(
+        read_config(run).get("games", Args.games) if run is not None else Args.games
+    )
     unseen = [g for g in games if g not in trained]
     said = f"{', '.join(taken)}; " if taken else ""
     where = (
-        f"as {run} was trained (its config.json; a flag given wins): " if run is not None else "no run: the defaults; "
+        f"as {run} was trained (its config.json; a flag given wins): "
+        if run is not None
+        else "no run: the defaults; "
     )
     print(
         f"eval: {where}{said}trained on {', '.join(g for g in games if g in trained) or 'none of these'}; "
@@ -281,13 +330,21 @@ def main(argv: list[str]) -> int:
     )
     t0 = time.perf_counter()
     rules = Rules(ns.action_rule, ns.error_allowance, ns.max_turns, *payouts)
-    records = play_matches(policy, tokenizer, games, ns.n, opponent, rng, rules, ns.concurrency, first_last)
+    records = play_matches(
+        policy, tokenizer, opponent, schedule(games, ns.n, rng, first_last), rules, ns.concurrency
+    )
     policy.close()
     summary = summarize_matches(records)
     summary["trained"] = pooled(records, [g for g in games if g in trained])
     summary["unseen"] = pooled(records, unseen)
-    print_matches(summary, opponent.name, {"trained games": summary["trained"], "unseen games": summary["unseen"]})
-    print(f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}")
+    print_matches(
+        summary,
+        opponent.name,
+        {"trained games": summary["trained"], "unseen games": summary["unseen"]},
+    )
+    print(
+        f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}"
+    )
     out.write_text(
         json.dumps(
             {

@@ -37,7 +37,9 @@ def main(argv: list[str]) -> int:
             "checkpoint like a full run's, for eval, lm-evaluation-harness and vLLM."
         ),
     )
-    p.add_argument("adapter", help="a LoRA run directory (its newest checkpoint) or one of its checkpoints")
+    p.add_argument(
+        "adapter", help="a LoRA run directory (its newest checkpoint) or one of its checkpoints"
+    )
     p.add_argument("out", help="output directory (must not exist)")
     p.add_argument(
         "--base",
@@ -62,10 +64,16 @@ def main(argv: list[str]) -> int:
         base = str(WARM_START)  # --tiny-init warm: the shipped warm start is the run's base
     with tempfile.TemporaryDirectory() as tiny_dir:
         if rebuild:
-            build_random_model(tiny_dir, config["seed"])  # the run's base, rebuilt from its seed as the run built it
+            build_random_model(
+                tiny_dir, config["seed"]
+            )  # the run's base, rebuilt from its seed as the run built it
         model, _ = load_policy(tiny_dir if rebuild else base, torch.device("cpu"))
-        merged = lora.load_adapters(model, ckpt, trainable=False).merge_and_unload()  # fp32: nothing rounds
+        merged = lora.load_adapters(
+            model, ckpt, trainable=False
+        ).merge_and_unload()  # fp32: nothing rounds
     merged.save_pretrained(ns.out)
-    AutoTokenizer.from_pretrained(ckpt).save_pretrained(ns.out)  # the run's own, saved beside the adapter
+    AutoTokenizer.from_pretrained(ckpt).save_pretrained(
+        ns.out
+    )  # the run's own, saved beside the adapter
     print(f"merged the adapter of {ckpt} into {base}: a whole model in {ns.out}")
     return 0

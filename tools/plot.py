@@ -13,7 +13,11 @@ from machinery.runfiles import check_writable_dir, refuse_link
 from tools.runs import number as runs_number
 from tools.runs import read_metrics, run_config, run_label, run_mode
 
-TRAINING_GAMES = ("TicTacToe-v0", "KuhnPoker-v1", "SimpleNegotiation-v1")  # SPIRAL's, the evaluation's series
+TRAINING_GAMES = (
+    "TicTacToe-v0",
+    "KuhnPoker-v1",
+    "SimpleNegotiation-v1",
+)  # SPIRAL's, the evaluation's series
 
 
 def eval_cell(m: dict, game: str, key: str) -> float | None:
@@ -21,7 +25,13 @@ def eval_cell(m: dict, game: str, key: str) -> float | None:
     of the only game evaluated is the "all games" line already: None."""
     games = m.get("eval", {}).get("games", {})
     cell = None if key == "win" and len(games) == 1 else games.get(game, {}).get("both")
-    return None if cell is None or key not in cell else cell[key] if key == "turns_mean" else cell[key]["rate"]
+    return (
+        None
+        if cell is None or key not in cell
+        else cell[key]
+        if key == "turns_mean"
+        else cell[key]["rate"]
+    )
 
 
 PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics line or None: not there)])
@@ -46,7 +56,11 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
         "lost by an invalid move, per seat that moved",
         [("", lambda m: invalid_rate(m))],
     ),
-    "response_length": ("Mean response length", "tokens", [("", lambda m: m.get("response_tokens_mean"))]),
+    "response_length": (
+        "Mean response length",
+        "tokens",
+        [("", lambda m: m.get("response_tokens_mean"))],
+    ),
     "phi_psi": (
         "Judge scores, batch means of the judged trajectories (the paper's Figure 11)",
         "value",
@@ -55,7 +69,10 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
     "levels": (
         "Judge levels per rubric dimension, batch means of the judged (beside Figure 11)",
         "level",
-        [(key, lambda m, k=key: (m.get("levels_mean") or {}).get(k)) for key in judge_prompts.ALL_KEYS],
+        [
+            (key, lambda m, k=key: (m.get("levels_mean") or {}).get(k))
+            for key in judge_prompts.ALL_KEYS
+        ],
     ),
     "a_mod_spread": (
         "Advantage spread",
@@ -80,7 +97,9 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
             ("the bar (--distill-kappa)", lambda m: m.get("distill", {}).get("bar")),
             (
                 "trusted (1 = yes)",
-                lambda m: float(m["distill"]["trusted"]) if "trusted" in m.get("distill", {}) else None,
+                lambda m: (
+                    float(m["distill"]["trusted"]) if "trusted" in m.get("distill", {}) else None
+                ),
             ),
         ],
     ),
@@ -89,7 +108,10 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
         "per step",
         [
             ("judge requests", lambda m: m.get("judge_requests")),
-            ("scored by the heads (--distill)", lambda m: m.get("distill", {}).get("scored", {}).get("heads")),
+            (
+                "scored by the heads (--distill)",
+                lambda m: m.get("distill", {}).get("scored", {}).get("heads"),
+            ),
         ],
     ),
     "spy": (
@@ -120,7 +142,9 @@ NEEDS = {
 
 
 JUDGED = ("judge_requests",)  # figures drawn only for runs that have a judge (--mode stratagem)
-PANELS = ("levels",)  # figures drawn as one panel per series (six dimensions on one axis are unreadable)
+PANELS = (
+    "levels",
+)  # figures drawn as one panel per series (six dimensions on one axis are unreadable)
 
 
 def invalid_rate(m: dict) -> float | None:
@@ -130,13 +154,19 @@ def invalid_rate(m: dict) -> float | None:
     if not isinstance(m.get("games"), dict):
         return None
     seats = sum(c[p][k] for c in m["games"].values() for p in c for k in ("win", "draw", "loss"))
-    return sum(c[p]["invalid"] for c in m["games"].values() for p in c) / max(1, seats - m.get("idle_seats", 0))
+    return sum(c[p]["invalid"] for c in m["games"].values() for p in c) / max(
+        1, seats - m.get("idle_seats", 0)
+    )
 
 
 def min_kappa(report: dict | None) -> float | None:
     """The lowest kappa over the dimensions the run uses (None: not measured yet, or nothing to measure)."""
     report = report or {}
-    values = [v for k, v in report.get("kappa", {}).items() if k in report.get("used", ()) and v is not None]
+    values = [
+        v
+        for k, v in report.get("kappa", {}).items()
+        if k in report.get("used", ()) and v is not None
+    ]
     return min(values, default=None)
 
 
@@ -214,29 +244,51 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
                     label=" ".join(x for x in (run_label(run), label) if x),
                 )
                 drawn += 1
-                if name == "eval_win_rate" and s == 0:  # the 95 % Wilson interval of every point, shaded
-                    band = [(m["step"], *m["eval"]["win_ci95"]) for m in metrics if read(eval_band, m) is not None]
+                if (
+                    name == "eval_win_rate" and s == 0
+                ):  # the 95 % Wilson interval of every point, shaded
+                    band = [
+                        (m["step"], *m["eval"]["win_ci95"])
+                        for m in metrics
+                        if read(eval_band, m) is not None
+                    ]
                     if band:
-                        ax.fill_between(*zip(*band), color=f"C{r % 10}", alpha=0.15, linewidth=0, zorder=1)
+                        ax.fill_between(
+                            *zip(*band), color=f"C{r % 10}", alpha=0.15, linewidth=0, zorder=1
+                        )
     if not drawn:
         plt.close(fig)
         return None
-    games = {g for _, ms in runs for m in ms if isinstance(m.get("eval"), dict) for g in m["eval"].get("games", {})}
+    games = {
+        g
+        for _, ms in runs
+        for m in ms
+        if isinstance(m.get("eval"), dict)
+        for g in m["eval"].get("games", {})
+    }
     if name == "eval_win_rate" and len(games) == 1 and (ceiling := CEILINGS.get(next(iter(games)))):
         label = f"ceiling: the best reply to the random player ({ceiling:.4f})"
         ax.axhline(ceiling, color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
     players = {run_config(run).get("spy_players") for run, _ in runs} - {None}
-    if name == "spy" and len(players) == 1 and (n := players.pop()) > 1:  # a vote drawn at random names the spy 1/(n-1)
+    if (
+        name == "spy" and len(players) == 1 and (n := players.pop()) > 1
+    ):  # a vote drawn at random names the spy 1/(n-1)
         label = f"a random vote's detection accuracy (1/{n - 1})"
-        ax.axhline(1 / (n - 1), color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
+        ax.axhline(
+            1 / (n - 1), color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label
+        )
     ax.set(xlabel="step", ylabel=ylabel)
-    fig.suptitle(title)  # over the whole figure, legend included: a long legend cannot push it off the left edge
+    fig.suptitle(
+        title
+    )  # over the whole figure, legend included: a long legend cannot push it off the left edge
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     if name in ("eval_win_rate", "eval_invalid_rate", "invalid_rate", "spy"):
         ax.set_ylim(-0.02, 1.02)
     if name == "distill":
         ax.set_ylim(-0.22, 1.02)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
+    ax.legend(
+        fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False
+    )
     return fig
 
 
@@ -245,19 +297,29 @@ def draw_panels(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     rubric dimension, titled with its key), a colour and marker per run, one shared y range and legend."""
     title, ylabel, series = PLOTS[name]
     found = [
-        [[(m["step"], v) for m in ms if (v := read(value, m)) is not None] for _, ms in runs] for _, value in series
+        [[(m["step"], v) for m in ms if (v := read(value, m)) is not None] for _, ms in runs]
+        for _, value in series
     ]
     shown = [(label, lines) for (label, _), lines in zip(series, found) if any(lines)]
     if not shown:
         return None
     cols = min(3, len(shown))
     rows = -(-len(shown) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1.6, 2.4 * rows), dpi=110, layout="constrained")
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.2 * cols + 1.6, 2.4 * rows), dpi=110, layout="constrained"
+    )
     axes = list(getattr(axes, "flat", [axes]))
     for ax, (label, lines) in zip(axes, shown):
         for r, points in enumerate(lines):
             if points:
-                draw_line(ax, points, (r, r, r, 8), markersize=4, linewidth=1.4, label=run_label(runs[r][0]))
+                draw_line(
+                    ax,
+                    points,
+                    (r, r, r, 8),
+                    markersize=4,
+                    linewidth=1.4,
+                    label=run_label(runs[r][0]),
+                )
         ax.set_title(label, fontsize=9)
         ax.set_ylim(-1.05, 1.05)
         ax.axhline(0, color="0.8", linewidth=0.8, zorder=0)
@@ -271,7 +333,12 @@ def draw_panels(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     for ax in axes:
         legend.update(zip(*reversed(ax.get_legend_handles_labels())))
     fig.legend(
-        legend.values(), legend, fontsize=7, loc="outside lower center", ncols=min(3, len(legend)), frameon=False
+        legend.values(),
+        legend,
+        fontsize=7,
+        loc="outside lower center",
+        ncols=min(3, len(legend)),
+        frameon=False,
     )
     fig.suptitle(title)
     return fig
@@ -289,7 +356,11 @@ def main(argv: list[str]) -> int:
         ),
     )
     p.add_argument("runs", nargs="+", help="run directories")
-    p.add_argument("--out", default="", help="folder for the PNGs (default: <first run>/plots; files are replaced)")
+    p.add_argument(
+        "--out",
+        default="",
+        help="folder for the PNGs (default: <first run>/plots; files are replaced)",
+    )
     ns = p.parse_args(argv)
     try:
         import matplotlib

@@ -15,11 +15,16 @@ from stratagem import ARCHS, build_random_model
 def main(argv: list[str]) -> int:
     p = FriendlyParser(
         prog="stratagem.py random-model",
-        description=("Save a randomly initialised Qwen3 (and the in-memory byte-level tokenizer) to DIR, offline."),
+        description=(
+            "Save a randomly initialised Qwen3 (and the in-memory byte-level tokenizer) to DIR, offline."
+        ),
     )
     p.add_argument("dir", help="output directory (must not exist)")
     p.add_argument(
-        "--arch", choices=list(ARCHS), default="tiny", help="shape (default: tiny; qwen3-4b = Qwen3-4B-Base)"
+        "--arch",
+        choices=list(ARCHS),
+        default="tiny",
+        help="shape (default: tiny; qwen3-4b = Qwen3-4B-Base)",
     )
     p.add_argument("--seed", type=int, default=1, help="seed of the weights (default: 1)")
     ns = p.parse_args(argv)

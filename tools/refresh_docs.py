@@ -28,7 +28,11 @@ TINY = ["--tiny", "--steps", "30", "--eval-every", "5", "--report-to", "tensorbo
 FIGURES = {
     "tiny-a_mod_spread.png": ("tiny", "a_mod_spread", list(TINY_RUNS)),
     "tensorboard-readback.png": ("tiny", None, list(TINY_RUNS)),  # read back from the event files
-    "learning-kuhn.png": ("ablation", "eval_win_rate", ["stratagem-s1", "stratagem-s2", "stratagem-s3"]),
+    "learning-kuhn.png": (
+        "ablation",
+        "eval_win_rate",
+        ["stratagem-s1", "stratagem-s2", "stratagem-s3"],
+    ),
     "figure11.png": ("ablation", "phi_psi", ["stratagem-s1", "spiral-shadow-s1", "no-psi-s1"]),
     "figure11-levels.png": ("ablation", "levels", ["stratagem-s1", "spiral-shadow-s1"]),
     "spy-detection.png": ("spyrl", "spy", ["spyrl-s1", "spyrl-s2", "spyrl-s3"]),
@@ -45,7 +49,9 @@ SPY = ["--tiny", "--steps", "30"]  # docs/spyrl.md's documented run, seeds 1-3
 
 
 def python(argv: list[str], cwd: Path = HERE) -> str:
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=cwd, env=None)
+    proc = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, cwd=cwd, env=None
+    )
     if proc.returncode:
         raise UserError(f"{' '.join(argv[:4])} ... failed: {proc.stderr.strip().splitlines()[-1:]}")
     return proc.stdout
@@ -62,7 +68,16 @@ def train_group(group: str, folder: Path, ablation: Path | None) -> Path:
         python([str(HERE / "stratagem.py"), "ablation", str(folder)])
     elif group == "spyrl":
         for seed in (1, 2, 3):
-            python([str(HERE / "spyrl.py"), *SPY, "--seed", str(seed), "--out", str(folder / f"spyrl-s{seed}")])
+            python(
+                [
+                    str(HERE / "spyrl.py"),
+                    *SPY,
+                    "--seed",
+                    str(seed),
+                    "--out",
+                    str(folder / f"spyrl-s{seed}"),
+                ]
+            )
     elif group == "distill":
         distill_demo(folder)
     return folder
@@ -71,17 +86,64 @@ def train_group(group: str, folder: Path, ablation: Path | None) -> Path:
 def distill_demo(folder: Path) -> None:
     """docs/distill.md's demonstration: two teacher servers, 40 steps, then 20 more against the noisy one."""
     servers = [
-        subprocess.Popen([sys.executable, str(HERE / "stratagem.py"), "serve-judge", "--teacher", "tokens", *extra])
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "stratagem.py"),
+                "serve-judge",
+                "--teacher",
+                "tokens",
+                *extra,
+            ]
+        )
         for extra in (["--port", "8741"], ["--noise", "1", "--port", "8742"])
     ]
     try:
         run = str(folder / "distill-demo")
         judge = ["--judge", "openai", "--judge-model", "tokens-teacher", "--judge-price-in", "2.5"]
-        flags = ["--tiny", "--tiny-init", "random", "--no-psi", "--steps", "40", *judge, "--judge-price-out", "10"]
-        flags += ["--judge-sample-rate", "0.5", "--distill", "--distill-window", "60", "--distill-audit-rate", "0.125"]
-        python([str(HERE / "stratagem.py"), *flags, "--judge-base-url", "http://127.0.0.1:8741/v1", "--out", run])
+        flags = [
+            "--tiny",
+            "--tiny-init",
+            "random",
+            "--no-psi",
+            "--steps",
+            "40",
+            *judge,
+            "--judge-price-out",
+            "10",
+        ]
+        flags += [
+            "--judge-sample-rate",
+            "0.5",
+            "--distill",
+            "--distill-window",
+            "60",
+            "--distill-audit-rate",
+            "0.125",
+        ]
+        python(
+            [
+                str(HERE / "stratagem.py"),
+                *flags,
+                "--judge-base-url",
+                "http://127.0.0.1:8741/v1",
+                "--out",
+                run,
+            ]
+        )
         url = "http://127.0.0.1:8742/v1"
-        python([str(HERE / "stratagem.py"), "--resume", "--out", run, "--steps", "60", "--judge-base-url", url])
+        python(
+            [
+                str(HERE / "stratagem.py"),
+                "--resume",
+                "--out",
+                run,
+                "--steps",
+                "60",
+                "--judge-base-url",
+                url,
+            ]
+        )
     finally:
         for server in servers:
             server.terminate()
@@ -107,7 +169,11 @@ def draw(name: str, runs: list[Path], out: Path) -> None:
         events.Reload()
         for ax, tag in zip(axes, ("judge/phi_mean", "judge/psi_mean", "adv/a_mod_std")):
             if tag in events.Tags()["scalars"]:
-                ax.plot(*zip(*[(e.step, e.value) for e in events.Scalars(tag)]), label=run.name, color=f"C{i}")
+                ax.plot(
+                    *zip(*[(e.step, e.value) for e in events.Scalars(tag)]),
+                    label=run.name,
+                    color=f"C{i}",
+                )
             ax.set(title=tag, xlabel="step")
     axes[-1].legend(fontsize=7)
     fig.suptitle("TensorBoard scalars of three tiny runs, read back from their event files")
@@ -125,21 +191,38 @@ def as_documented(text: str, folder: Path) -> str:
 def block(name: str, folder: Path) -> str:
     """A captured block's text, from a run made for it (the tiny runs' STRATAGEM run, or the main job)."""
     if name == "main-job":
-        printed = python([str(HERE / "stratagem.py"), "--tiny", "--steps", "20"], cwd=folder)  # as a user runs it
+        printed = python(
+            [str(HERE / "stratagem.py"), "--tiny", "--steps", "20"], cwd=folder
+        )  # as a user runs it
         lines = printed.splitlines()
         return "\n".join([*lines[:4], "...", *lines[-2:]])
     run = folder / "stratagem"
     if name == "eval-table":
-        printed = python([str(HERE / "stratagem.py"), "eval", str(run), "--n", "10", "--json", str(folder / "e.json")])
-        return as_documented("\n".join(printed.splitlines()[1:]), folder)  # the header names this machine's paths
-    text = python([str(HERE / "stratagem.py"), "show", str(run), "--judged", "--step", "30", "--index", "0"])
+        printed = python(
+            [
+                str(HERE / "stratagem.py"),
+                "eval",
+                str(run),
+                "--n",
+                "10",
+                "--json",
+                str(folder / "e.json"),
+            ]
+        )
+        return as_documented(
+            "\n".join(printed.splitlines()[1:]), folder
+        )  # the header names this machine's paths
+    text = python(
+        [str(HERE / "stratagem.py"), "show", str(run), "--judged", "--step", "30", "--index", "0"]
+    )
     return as_documented(text, folder)
 
 
 def replace_block(path: Path, name: str, text: str) -> None:
     source = path.read_text()
     pattern = re.compile(
-        rf"(<!-- refresh-docs {re.escape(name)} -->\n```\n).*?(\n```\n<!-- /refresh-docs -->)", re.DOTALL
+        rf"(<!-- refresh-docs {re.escape(name)} -->\n```\n).*?(\n```\n<!-- /refresh-docs -->)",
+        re.DOTALL,
     )
     if not pattern.search(source):
         raise UserError(f"{path} has no refresh-docs block {name!r}")
@@ -148,13 +231,23 @@ def replace_block(path: Path, name: str, text: str) -> None:
 
 def main(argv: list[str]) -> int:
     p = FriendlyParser(prog="stratagem.py refresh-docs", description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default="", help="comma-separated figures and blocks to rebuild (default: all)")
-    p.add_argument("--ablation", default="", help="a finished `ablation` folder to draw the learning figures from")
-    p.add_argument("--keep", default="", help="keep the runs in this folder (default: a temporary one)")
+    p.add_argument(
+        "--only", default="", help="comma-separated figures and blocks to rebuild (default: all)"
+    )
+    p.add_argument(
+        "--ablation",
+        default="",
+        help="a finished `ablation` folder to draw the learning figures from",
+    )
+    p.add_argument(
+        "--keep", default="", help="keep the runs in this folder (default: a temporary one)"
+    )
     ns = p.parse_args(argv)
     names = ns.only.split(",") if ns.only else [*FIGURES, *BLOCKS]
     if unknown := [n for n in names if n not in FIGURES and n not in BLOCKS]:
-        raise UserError(f"--only: unknown {', '.join(unknown)} (known: {', '.join([*FIGURES, *BLOCKS])})")
+        raise UserError(
+            f"--only: unknown {', '.join(unknown)} (known: {', '.join([*FIGURES, *BLOCKS])})"
+        )
     ablation = Path(ns.ablation) if ns.ablation else None
     if ablation is not None and not read_jsonl(ablation / "stratagem-s1" / "metrics.jsonl"):
         raise UserError(f"{ablation} holds no finished ablation")
@@ -162,7 +255,9 @@ def main(argv: list[str]) -> int:
         root = Path(ns.keep or tmp)
         groups: dict[str, Path] = {}
         for name in names:
-            group = FIGURES[name][0] if name in FIGURES else "main" if name == "main-job" else "tiny"
+            group = (
+                FIGURES[name][0] if name in FIGURES else "main" if name == "main-job" else "tiny"
+            )
             if group not in groups:
                 (root / group).mkdir(parents=True, exist_ok=True)
                 groups[group] = train_group(group, root / group, ablation)

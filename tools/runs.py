@@ -50,11 +50,14 @@ def read_trajectories(run: Path) -> list[Trajectory]:
     for r in read_jsonl(path):
         try:
             turns = [
-                Turn(t["observation"], t["response"], t["action"], [], [], t.get("prompt", "")) for t in r["turns"]
+                Turn(t["observation"], t["response"], t["action"], [], [], t.get("prompt", ""))
+                for t in r["turns"]
             ]
             trajectory = Trajectory(r["game"], r["role"], turns, r["reward"])
             texts = [x for t in turns for x in (t.observation, t.response, t.action, t.prompt)]
-            if not (all(isinstance(x, str) for x in [*texts, r["game"]]) and isinstance(r["role"], int)):
+            if not (
+                all(isinstance(x, str) for x in [*texts, r["game"]]) and isinstance(r["role"], int)
+            ):
                 raise TypeError("not a trajectory's text")
         except (KeyError, TypeError, AttributeError):
             skipped += 1

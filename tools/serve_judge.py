@@ -23,7 +23,15 @@ from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.judge import PROBE_TEXT, HeuristicJudge, probe_verdict
 from machinery.watch import quiet_transformers
-from stratagem import TINY_DEFAULTS, Args, HFPolicy, build_random_model, format_prompt, load_policy, make_env
+from stratagem import (
+    TINY_DEFAULTS,
+    Args,
+    HFPolicy,
+    build_random_model,
+    format_prompt,
+    load_policy,
+    make_env,
+)
 
 
 class TokenTeacher:
@@ -50,7 +58,9 @@ class TokenTeacher:
         with tempfile.TemporaryDirectory() as folder:
             build_random_model(folder, seed)
             model, self.tokenizer = load_policy(folder, torch.device("cpu"))
-        self.lock = threading.Lock()  # the server answers in threads; a fast tokenizer is not to be shared by them
+        self.lock = (
+            threading.Lock()
+        )  # the server answers in threads; a fast tokenizer is not to be shared by them
         self.table = model.get_input_embeddings().weight.detach() @ torch.randn(
             model.config.hidden_size, 3, generator=torch.Generator().manual_seed(seed)
         )  # [V, 3]
@@ -58,13 +68,17 @@ class TokenTeacher:
         state = random.getstate()  # make_env reseeds the global `random`; leave it as it was
         games = [g for g in args.games.split(",") for _ in range(32)]
         prompts = [
-            format_prompt(self.tokenizer, make_env(g, k, 0).get_observation()[1], 0) for k, g in enumerate(games)
+            format_prompt(self.tokenizer, make_env(g, k, 0).get_observation()[1], 0)
+            for k, g in enumerate(games)
         ]
         random.setstate(state)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             texts = [
-                text for _, _, text in HFPolicy(model, self.tokenizer, args, torch.device("cpu")).generate(prompts)
+                text
+                for _, _, text in HFPolicy(
+                    model, self.tokenizer, args, torch.device("cpu")
+                ).generate(prompts)
             ]
         means = torch.tensor([self.mean_scores(t) for t in texts])  # [96, 3]
         self.mean, self.std = means.mean(0), means.std(0)  # [3] each
@@ -85,16 +99,22 @@ class TokenTeacher:
             return HeuristicJudge().scores(rubric, trajectory_text)
         game = self._HEAD.match(trajectory_text).group(1)
         turns = [self.z(t["response"], game) for t in judge_prompts.read_turns(trajectory_text)]
-        keys = judge_prompts.keys(rubric)  # the first three are taught; any other gets the middle level
+        keys = judge_prompts.keys(
+            rubric
+        )  # the first three are taught; any other gets the middle level
         levels = {
-            k: judge_prompts.typical_level([0.0 if z[dim] < low else 0.5 if z[dim] < high else 1.0 for z in turns])
+            k: judge_prompts.typical_level(
+                [0.0 if z[dim] < low else 0.5 if z[dim] < high else 1.0 for z in turns]
+            )
             for dim, (k, (low, high)) in enumerate(zip(keys, self.cuts))
         }
         return {k: levels.get(k, 0.5) for k in keys}
 
 
 class JudgeHTTPServer(http.server.ThreadingHTTPServer):
-    request_queue_size = 256  # the default backlog of 5 drops bursts of concurrent judge connections
+    request_queue_size = (
+        256  # the default backlog of 5 drops bursts of concurrent judge connections
+    )
 
 
 def make_judge_server(
@@ -128,14 +148,20 @@ def make_judge_server(
             """A path the API does not have gets a 404, as from a real server (a base URL without /v1, say)."""
             if self.path.split("?")[0] in ("/v1/models", "/v1/chat/completions"):
                 return False
-            self._send(404, {"error": {"message": f"no route {self.command} {self.path}", "code": 404}})
+            self._send(
+                404, {"error": {"message": f"no route {self.command} {self.path}", "code": 404}}
+            )
             return True
 
         def do_GET(self):
             if self._no_route():
                 return
             self._send(
-                200, {"object": "list", "data": [{"id": "heuristic", "object": "model", "owned_by": "stratagem"}]}
+                200,
+                {
+                    "object": "list",
+                    "data": [{"id": "heuristic", "object": "model", "owned_by": "stratagem"}],
+                },
             )
 
         def _chat_request(self) -> tuple[dict, str] | None:
@@ -156,9 +182,13 @@ def make_judge_server(
                 return
             request = self._chat_request()
             body, content = request or ({}, "")
-            if content.startswith(PROBE_TEXT):  # the trainer's start-up check: it asks for a verdict, and gets it
+            if content.startswith(
+                PROBE_TEXT
+            ):  # the trainer's start-up check: it asks for a verdict, and gets it
                 return self._answer(body, json.dumps(probe_verdict()))
-            rubric = next((r for r in judge_prompts.RUBRICS if judge_prompts.rubric_text(r) in content), None)
+            rubric = next(
+                (r for r in judge_prompts.RUBRICS if judge_prompts.rubric_text(r) in content), None
+            )
             if rubric is None or judge_prompts.TRAJECTORY_OPEN not in content:
                 return self._send(
                     400,
@@ -170,18 +200,21 @@ def make_judge_server(
                         }
                     },
                 )
-            text = content.split(judge_prompts.TRAJECTORY_OPEN + "\n", 1)[1].rsplit(
-                "\n" + judge_prompts.TRAJECTORY_CLOSE, 1
-            )[0]
+            text = judge_prompts.trajectory_in(content)
             scores = (judge or HeuristicJudge()).scores(rubric, text)
             draw = random.Random(hashlib.sha256(f"{seed}:{content}".encode()).digest())
             levels = judge_prompts.RUBRICS[rubric]["levels"]
-            scores = {k: (draw.choice(levels) if draw.random() < noise else v) for k, v in scores.items()}
+            scores = {
+                k: (draw.choice(levels) if draw.random() < noise else v) for k, v in scores.items()
+            }
             self._answer(body, json.dumps(scores))
 
         def _answer(self, body: dict, reply: str) -> None:
             time.sleep(delay)
-            prompt_tokens = sum(len(str(m.get("content", ""))) for m in body["messages"] if isinstance(m, dict)) // 4
+            prompt_tokens = (
+                sum(len(str(m.get("content", ""))) for m in body["messages"] if isinstance(m, dict))
+                // 4
+            )
             self._send(
                 200,
                 {
@@ -190,7 +223,11 @@ def make_judge_server(
                     "created": 0,
                     "model": body.get("model"),
                     "choices": [
-                        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": reply}}
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": reply},
+                        }
                     ],
                     "usage": {
                         "prompt_tokens": prompt_tokens,
@@ -214,9 +251,16 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
-    p.add_argument("--noise", type=float, default=0.0, help="probability of replacing each level by a random one")
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        help="probability of replacing each level by a random one",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the noise (default: 0)")
-    p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each answer (default: 0)")
+    p.add_argument(
+        "--delay", type=float, default=0.0, help="seconds to wait before each answer (default: 0)"
+    )
     p.add_argument(
         "--teacher",
         choices=("heuristic", "tokens"),
@@ -225,7 +269,10 @@ def main(argv: list[str]) -> int:
         "judge (default); tokens: the synthetic teacher of the --distill demonstration (docs/distill.md)",
     )
     p.add_argument(
-        "--teacher-seed", type=int, default=1, help="tokens: the --seed of the --tiny run it teaches (default: 1)"
+        "--teacher-seed",
+        type=int,
+        default=1,
+        help="tokens: the --seed of the --tiny run it teaches (default: 1)",
     )
     ns = p.parse_args(argv)
     if not (0 <= ns.noise <= 1 and 0 <= ns.delay < math.inf):
@@ -245,7 +292,10 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         raise UserError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}") from None
     try:  # the line inside: a Ctrl-C right after it is a stop too, not a traceback
-        print(f"{ns.teacher} judge on http://{ns.host}:{server.server_address[1]}/v1 (Ctrl-C to stop)", flush=True)
+        print(
+            f"{ns.teacher} judge on http://{ns.host}:{server.server_address[1]}/v1 (Ctrl-C to stop)",
+            flush=True,
+        )
         server.serve_forever()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the normal way to stop a server
         print("serve-judge: stopped", file=sys.stderr)

@@ -3,7 +3,6 @@ SpyRL run, one whole game (seats, inputs with the spy's removed parts marked, ou
 
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from games import spy
 from machinery import UserError, visible
 from machinery.flags import FriendlyParser
 from machinery.runfiles import read_config, read_jsonl
+from stratagem import asked
 from tools.runs import keep, run_file
 
 
@@ -34,9 +34,13 @@ def main(argv: list[str]) -> int:
         ),
     )
     p.add_argument("run", help="run directory")
-    p.add_argument("--step", type=int, default=0, help="only trajectories of this step (default: any)")
+    p.add_argument(
+        "--step", type=int, default=0, help="only trajectories of this step (default: any)"
+    )
     p.add_argument("--judged", action="store_true", help="only trajectories the judge scored")
-    p.add_argument("--index", type=int, default=-1, help="the index among the matching ones (default: random)")
+    p.add_argument(
+        "--index", type=int, default=-1, help="the index among the matching ones (default: random)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random pick (default: 0)")
     p.add_argument(
         "--prompts",
@@ -50,7 +54,9 @@ def main(argv: list[str]) -> int:
         rows = keep(read_jsonl(path), path, spy_line_ok, "whole SpyRL trajectory")
         return show_spy_game(ns, [r for r in rows if not ns.step or r.get("step") == ns.step])
     rows = [
-        r for r in read_jsonl(path) if (not ns.step or r.get("step") == ns.step) and (not ns.judged or r.get("scores"))
+        r
+        for r in read_jsonl(path)
+        if (not ns.step or r.get("step") == ns.step) and (not ns.judged or r.get("scores"))
     ]
     if not rows:
         raise UserError("no trajectory matches (check --step and --judged)")
@@ -65,21 +71,25 @@ def main(argv: list[str]) -> int:
         f"{ns.run} | step {r.get('step', '?')} | trajectory {i} of {len(rows)} | {r.get('game', '?')}, "
         f"Player {r.get('role', '?')}, {len(turns)} turn(s)"
     )
-    say(
-        f"reward R = {num(r, 'reward', '+g')}   baseline b = {num(r, 'baseline', '+.4f')}   "
-        f"A_game = R - b = {num(r, 'a_game', '+.4f')}"
-    )
+    say(advantage_line(r))
     s = r.get("scores") if isinstance(r.get("scores"), dict) else None
     logged = r.get("logged") if isinstance(r.get("logged"), dict) else {}
-    scores = {**r, **logged}  # each rubric's score: phi and psi as they entered A_mod, the others logged
+    scores = {
+        **r,
+        **logged,
+    }  # each rubric's score: phi and psi as they entered A_mod, the others logged
     if s:  # what the judge gave, whole or not (a hand-edited or foreign file may hold part of a verdict)
         first, *rest = judge_prompts.RUBRICS
         say(f"judge: {levels(s, first, scores.get(judge_prompts.RUBRICS[first]['score']))}")
         for rubric in rest:
             if any(level_of(s, k) is not None for k in judge_prompts.keys(rubric)):
-                say(f"       {levels(s, rubric, scores.get(judge_prompts.RUBRICS[rubric]['score']))}")
+                say(
+                    f"       {levels(s, rubric, scores.get(judge_prompts.RUBRICS[rubric]['score']))}"
+                )
     elif (r.get("predicted") or {}).get("used"):
-        say(f"judge: {'failed' if r.get('judged') else 'not sampled'}; the trusted heads' levels used (below)")
+        say(
+            f"judge: {'failed' if r.get('judged') else 'not sampled'}; the trusted heads' levels used (below)"
+        )
     else:
         means = ", ".join(
             f"{spec['score']} = {num(scores, spec['score'], score_format(rubric))}"
@@ -88,7 +98,9 @@ def main(argv: list[str]) -> int:
         )
         say(f"judge: {'failed' if r.get('judged') else 'not sampled'}; batch means used: {means}")
     predicted = r.get("predicted") if isinstance(r.get("predicted"), dict) else None
-    if predicted:  # --distill: the heads' levels beside the judge's (evolution rules applied to both)
+    if (
+        predicted
+    ):  # --distill: the heads' levels beside the judge's (evolution rules applied to both)
         h = predicted.get("levels") if isinstance(predicted.get("levels"), dict) else {}
         role = (
             "scored this trajectory"
@@ -97,21 +109,27 @@ def main(argv: list[str]) -> int:
             if s
             else "not trusted: the batch mean stands"
         )
-        run = argparse.Namespace(**{"mode": "stratagem", "no_psi": False, "judge_shadow": False, **config})
-        for k, rubric in enumerate(judge_prompts.asked(run)):
-            say(f"{'heads:' if k == 0 else '      '} {levels(h, rubric)}" + (f"  ({role})" if k == 0 else ""))
-    say(
-        f"A_mod = A_game*phi + beta*psi = {num(r, 'a_game', '+.4f')}*{num(r, 'phi', '.4f')} + {beta}*"
-        f"{num(r, 'psi', '+.4f')} = {num(r, 'a_mod', '+.4f')}"
-    )
+        mode, no_psi = config.get("mode", "stratagem"), bool(config.get("no_psi"))
+        for k, rubric in enumerate(asked(mode, no_psi, bool(config.get("judge_shadow")))):
+            say(
+                f"{'heads:' if k == 0 else '      '} {levels(h, rubric)}"
+                + (f"  ({role})" if k == 0 else "")
+            )
+    say(modulation_line(r, beta, lambda: step_metrics(Path(ns.run), r.get("step"))))
     if not turns:
-        say("this seat never moved (the other lost on its first move): RAE took its return, nothing to judge or learn")
+        say(
+            "this seat never moved (the other lost on its first move): RAE took its return, nothing to judge or learn"
+        )
     turns = [t if isinstance(t, dict) else {} for t in turns]
     news = judge_prompts.new_observations([str(t.get("observation", "")) for t in turns])
     for k, (turn, new) in enumerate(zip(turns, news), 1):
-        whole = (ns.prompts or k == 1) and "prompt" in turn  # runs before the prompt was kept have observations only
+        whole = (
+            ns.prompts or k == 1
+        ) and "prompt" in turn  # runs before the prompt was kept have observations only
         shown = (
-            f"[prompt, as the policy got it]\n{turn['prompt']}" if whole else f"[observation, new part]\n{new.strip()}"
+            f"[prompt, as the policy got it]\n{turn['prompt']}"
+            if whole
+            else f"[observation, new part]\n{new.strip()}"
         )
         say(
             f"\n--- turn {k} ---\n{shown}\n\n[response]\n{str(turn.get('response', '')).strip()}"
@@ -120,10 +138,70 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def number(r: dict, key: str) -> float | None:
+    value = r.get(key)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def advantage_line(r: dict) -> str:
+    """R, b and A_game, saying R - b only where A_game is R - b (RAE): another estimator
+    (docs/hacking.md's group advantage, SpyRL's votes) writes A_game without a baseline."""
+    reward, baseline, a_game = (number(r, k) for k in ("reward", "baseline", "a_game"))
+    head = f"reward R = {num(r, 'reward', '+g')}   baseline b = {num(r, 'baseline', '+.4f')}   "
+    if None not in (reward, baseline, a_game) and abs(reward - baseline - a_game) <= 1e-9:
+        return head + f"A_game = R - b = {num(r, 'a_game', '+.4f')}"
+    return (
+        head
+        + f"A_game = {num(r, 'a_game', '+.4f')} (not R - b: set by the run's advantage estimator)"
+    )
+
+
+def step_metrics(run: Path, step) -> dict:
+    """The metrics.jsonl line of `step`, or {} where there is none (beta and psi's centre are there)."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    return next((m for m in read_jsonl(path) if isinstance(m, dict) and m.get("step") == step), {})
+
+
+def modulation_line(r: dict, beta, metrics=dict) -> str:
+    """A_mod and how it came about: A_game*phi + beta*psi, with the step's beta (--beta-share moves
+    it) less psi's centre (--centre-psi), both read from `metrics()` (the step's metrics.jsonl line)
+    where the run's --beta does not give the logged A_mod. A value that the numbers do not give is
+    said to come from an extension of step 3."""
+    values = [number(r, k) for k in ("a_game", "phi", "psi", "a_mod")]
+    known = None not in values and isinstance(beta, (int, float)) and not isinstance(beta, bool)
+    step = {} if known and agrees(values, beta, None) else metrics()
+    step_beta = step.get("beta")
+    if isinstance(step_beta, dict) and number(step_beta, "value") is not None:
+        beta = step_beta["value"]
+    centre = number(step, "psi_centre")
+    shown = f"{num(r, 'a_game', '+.4f')}*{num(r, 'phi', '.4f')} + {beta}*"
+    if centre is None:
+        text = f"A_mod = A_game*phi + beta*psi = {shown}{num(r, 'psi', '+.4f')}"
+    else:
+        psi = f"({num(r, 'psi', '+.4f')} - {centre:.4f})"
+        text = f"A_mod = A_game*phi + beta*(psi - centre) = {shown}{psi}"
+    text += f" = {num(r, 'a_mod', '+.4f')}"
+    known = None not in values and isinstance(beta, (int, float)) and not isinstance(beta, bool)
+    if known and not agrees(values, beta, centre):
+        text += "  (not from these numbers: an extension of step 3 set it)"
+    return text
+
+
+def agrees(values: list[float], beta: float, centre: float | None) -> bool:
+    a_game, phi, psi, a_mod = values
+    return abs(a_game * phi + beta * (psi - (centre or 0.0)) - a_mod) <= 1e-9
+
+
 def num(r: dict, key: str, spec: str) -> str:
     """r[key] formatted, or "?" where the line does not hold a number there."""
     value = r.get(key)
-    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
+    return (
+        format(value, spec)
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+        else "?"
+    )
 
 
 def level_of(levels: dict, key: str) -> float | None:
@@ -197,7 +275,9 @@ def show_spy_game(ns, rows: list[dict]) -> int:
         f"{ns.run} | step {game[0]['step']} | game {i} of {len(games)} | {spy.GAME}, {g['task']}, {n} players, "
         f"the spy: Player {g['spy']} | seed {g['seed']}"
     )
-    say(f"\n--- the {thing} (civilians' copy; [-...-]: removed from the spy's) ---\n{marked(text, g['removed'])}")
+    say(
+        f"\n--- the {thing} (civilians' copy; [-...-]: removed from the spy's) ---\n{marked(text, g['removed'])}"
+    )
     for k in range(n):
         out, vote = outputs[k], votes.get(k)
         say(
@@ -206,7 +286,11 @@ def show_spy_game(ns, rows: list[dict]) -> int:
             f"b = {signed(out['baseline'])}, A = {signed(out['a_mod'])}"
             + (f"  |  ROUGE-L {out['info']['rouge_l']:.3f}" if "rouge_l" in out["info"] else "")
         )
-        voted = f"Player {g['votes'][k]}" if g["votes"][k] is not None else "invalid (it names no other player)"
+        voted = (
+            f"Player {g['votes'][k]}"
+            if g["votes"][k] is not None
+            else "invalid (it names no other player)"
+        )
         if vote is not None:  # the vote's own line, then the text it was read from
             say(
                 f"[vote, detection] {voted}  |  r^D = {vote['reward']:g}, A (group-relative) = "

