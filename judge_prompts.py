@@ -440,20 +440,28 @@ def reasoning_text(response: str) -> str:
     return response[:start]
 
 
+def reasoning_key(response: str) -> str:
+    """What same_reasoning compares of a response: its reasoning (reasoning_text: the move left
+    out) in lower case, its spacing collapsed and every number made "#"."""
+    return re.sub(r"\d+", "#", " ".join(reasoning_text(response).lower().split()))
+
+
 def same_reasoning(a: str, b: str) -> bool:
     """Two responses that reason alike: their reasoning (reasoning_text: the move left out) equal once case,
     spacing and numbers are set aside (so "I take cell 4" and "I take cell 2" are the same reasoning)."""
-    x, y = (re.sub(r"\d+", "#", " ".join(reasoning_text(t).lower().split())) for t in (a, b))
-    return x == y
+    return reasoning_key(a) == reasoning_key(b)
 
 
 def stagnant(observations: list[str], responses: list[str]) -> bool:
-    """A turn repeats an earlier turn's reasoning although the game showed something new in between."""
-    return any(
-        observations[k] != observations[j] and same_reasoning(responses[k], responses[j])
-        for k in range(1, len(responses))
-        for j in range(k)
-    )
+    """A turn repeats an earlier turn's reasoning although the game showed something new in between:
+    two turns of the same reasoning (reasoning_key) whose observations differ. One pass, not a
+    comparison of every pair of turns: the turns of one reasoning differ in their observations
+    exactly where one of them differs from the first."""
+    first: dict[str, str] = {}
+    for seen, said in zip(observations, responses):
+        if first.setdefault(reasoning_key(said), seen) != seen:
+            return True
+    return False
 
 
 def evolution_rules(

@@ -125,7 +125,9 @@ def resolve_args(explicit: dict, saved: dict | None = None) -> Args:
 def parse_args(argv: list[str]) -> Args:
     """The run's Args, as stratagem.py's parse_args, with SpyRL's own flags, presets and checks."""
     explicit = vars(build_parser().parse_args(argv))
-    return resolve_args(explicit, flags.saved_config(explicit, Args, "spyrl.py"))
+    return resolve_args(
+        explicit, flags.saved_config(explicit, Args, "spyrl.py", CHOICES, flags.BOUNDS + BOUNDS)
+    )
 
 
 def spy_play(
@@ -176,7 +178,7 @@ def text_room(args: Args) -> tuple[int | None, object]:
 
         try:
             tok = AutoTokenizer.from_pretrained(
-                os.path.expanduser(args.model), local_files_only=True
+                os.path.expanduser(args.model), local_files_only=True, trust_remote_code=False
             )
             count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
         except (
@@ -232,6 +234,7 @@ def train(args: Args) -> Path | None:
         lifecycle.end_step(
             run, step, timer, trajs, (outcomes, calls), {}, {}, mod, update, evaluation, extra
         )
+    S.best_on_fresh_games(run)  # --keep-best: the kept policy on games it was not chosen on
     return lifecycle.finish_run(run)
 
 

@@ -74,7 +74,14 @@ from machinery.distributed import (
 )
 from machinery.judge import parse_scores
 from machinery.matches import RandomPlayer, summarize_matches
-from machinery.modelfiles import check_folder, check_loaded, unloadable
+from machinery.modelfiles import (
+    chat_markup,
+    check_finite_weights,
+    check_folder,
+    check_loaded,
+    generation_eos,
+    unloadable,
+)
 from machinery.vllm_engine import VLLMPolicy
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in this process
@@ -403,13 +410,14 @@ QWEN_MARKUP = "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 def format_prompt(tokenizer, observation: str, role: int, template: str = PROMPT) -> str:
     """The text the policy is given: `template` in SPIRAL's Qwen markup for
     a Qwen model (set by load_policy), other families in their own chat
-    template, else bare."""
+    template (rendered once by load_policy, in a bounded child process:
+    the text around one message), else bare."""
     text = template.format(role=role, observation=observation)
     if tokenizer.qwen_markup:
         return QWEN_MARKUP.format(text=text)
-    if tokenizer.chat_template:
-        message = [{"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    if tokenizer.markup:
+        prefix, suffix, trimmed = tokenizer.markup
+        return prefix + (text.strip() if trimmed else text) + suffix
     return text + "\n"
 
 
@@ -531,7 +539,7 @@ _OVERSIZED_NUMBER = re.compile(r"\d{101}")  # no move means one; int() refuses 4
 
 def play_move(env, pid: int, action: str, game: str) -> tuple[bool, int | None]:
     """Returns (done, the seat that forfeits). No move (INVALID_ACTION), or a
-    number of 100+ digits, loses at once, as in SPIRAL's code. Whatever a
+    number of over 100 digits, loses at once, as in SPIRAL's code. Whatever a
     game's step() raises is an invalid move too."""
     if action == INVALID_ACTION or _OVERSIZED_NUMBER.search(action):
         return True, pid
@@ -1124,21 +1132,25 @@ def load_policy(path: str, device: torch.device, dtype: torch.dtype = torch.floa
     """Model and tokenizer through the real from_pretrained. fp32 weights:
     at lr 1e-6 most Adam updates are below one bf16 ulp and would round away
     (CUDA computes in bf16 autocast)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    folder = check_folder(path)  # an untrusted folder: its sizes checked before any allocation
+    folder = check_folder(path)  # untrusted: sizes, code, weight types checked before allocating
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        load = dict(
-            dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
-        )  # checked below
-        model, info = AutoModelForCausalLM.from_pretrained(folder, **load)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        load = dict(dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True)
+        model, info = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **load)
     except Exception as e:  # noqa: BLE001 - what a damaged folder raises is one line
         raise unloadable(path, e) from None
     check_loaded(folder, info)  # whole or refused: never a tensor silently initialised
+    check_finite_weights(folder, model)
+    vocab = model.get_input_embeddings().num_embeddings
+    eos = generation_eos(folder, model.generation_config, vocab)
+    model.generation_config = GenerationConfig(eos_token_id=eos)  # nothing else steers sampling
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.qwen_markup = model.config.model_type.startswith("qwen")  # see format_prompt
+    template = None if tokenizer.qwen_markup else tokenizer.chat_template
+    tokenizer.markup = chat_markup(path, template, tokenizer.special_tokens_map)
     return model.to(device), tokenizer
 
 
@@ -1280,11 +1292,14 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
     """--keep-best: the kept policy against the random player on fresh
     games. This is the figure to report, since the best of several
     evaluations is biased upwards by the choice. It is written beside the
-    choice, in best/best.json."""
+    choice, in best/best.json, last: a run stopped before has done its steps
+    but not this, which --resume then does (lifecycle.start_run)."""
     args = run.args
     chosen = lifecycle.read_best(run.out) if args.keep_best and run.dist.main else None
     if chosen is None or "fresh" in chosen:  # none kept, or measured already (a finished run)
         return
+    n = args.best_eval_n or 5 * args.eval_n
+    print(f"best/ (step {chosen['step']}): {n} fresh games per id vs random ...", flush=True)
     best = load_policy(str(run.out / "best"), run.device)[0]
     policy = run.policy
     if isinstance(policy, HFPolicy):
@@ -1293,7 +1308,6 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
     rules = dataclasses.replace(args.rules, max_turns=args.eval_max_turns)
     first_last = first_last_ids(args.eval_first_last, args.eval_games)
     opponent = RandomPlayer(random.Random(f"fresh:{args.seed}"))
-    n = args.best_eval_n or 5 * args.eval_n
     games = schedule(run.eval_games, n, FreshSeeds(args.seed), first_last)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)

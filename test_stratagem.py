@@ -650,7 +650,10 @@ def test_after_budget_gives_the_unjudged_the_recent_judged_means_and_resume_keep
     try:  # 0.0012 a request: the 25th, about step 3 of 12-transition steps, passes the budget
         assert run(SMALL + ["--steps", "6", "--out", str(whole)] + flags) == 0
         assert run(SMALL + ["--steps", "4", "--save-every", "1", "--out", str(part)] + flags) == 0
-        assert run(["--resume", "--out", str(part), "--steps", "6"]) == 0
+        assert (
+            run(["--resume", "--out", str(part), "--steps", "6", "--judge-base-url", server.url])
+            == 0
+        )
     finally:
         server.close()
     metrics, trajs = check_run(

@@ -31,14 +31,15 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import random
 import re
-from pathlib import Path
+import stat
 
 import textarena as ta
 from textarena.envs.registration import ENV_REGISTRY, register
 
-from machinery import UserError
+from machinery import UserError, runfiles
 
 GAME = "WhoIsTheSpy-v0"
 PHASES = ("performance", "detection")
@@ -135,14 +136,71 @@ def lone_surrogate(text: str) -> str | None:
     return None if bad is None else f"\\u{ord(bad):04x}"
 
 
+# The most bytes a --spy-data file may hold: its texts stay in memory for the whole run.
+# GovReport's training split, the largest that docs/spyrl.md turns into one, is about 1 GB.
+DATA_LIMIT = 4 << 30
+
+
+def _too_large(path: str) -> UserError:
+    return UserError(
+        f"--spy-data {path}: larger than {DATA_LIMIT:,} bytes, more text than a run holds in "
+        "memory: give it a part of the file"
+    )
+
+
+def open_data(path: str):
+    """--spy-data opened to be read, if it is a plain file (a link to one is followed) of at most
+    DATA_LIMIT bytes: a fifo is never waited on (O_NONBLOCK), a device never read."""
+    try:
+        f = open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK))
+    except OSError as e:
+        raise UserError(f"--spy-data {path}: {e.strerror}") from None
+    info = os.fstat(f.fileno())
+    if stat.S_ISREG(info.st_mode) and info.st_size <= DATA_LIMIT:
+        return f
+    f.close()
+    if not stat.S_ISREG(info.st_mode):
+        raise UserError(f"--spy-data {path}: not a plain file (a fifo, a device or a socket)")
+    raise _too_large(path)
+
+
+def _blank_lines(f) -> int:
+    """Skips the blank lines at the reader's position a buffer at a time, so that a file of newlines
+    is read at the speed of its bytes, not of a loop turn per line; returns how many it skipped."""
+    skipped = 0
+    while ahead := f.peek():
+        # past the last newline before the first byte that is not blank space
+        end = ahead.rfind(b"\n", 0, len(ahead) - len(ahead.lstrip())) + 1
+        if not end:
+            break
+        skipped += ahead.count(b"\n", 0, end)
+        f.read(end)
+    return skipped
+
+
+def numbered_lines(f):
+    """(number, line, whole) of the file's lines, as runfiles.lines gives them (whole False for one
+    longer than LINE_LIMIT, read in bounded chunks and not kept), runs of blank lines skipped by
+    _blank_lines."""
+    number, lines = 1, runfiles.lines(f)
+    while True:
+        number += _blank_lines(f)
+        if (got := next(lines, None)) is None:
+            return
+        yield number, *got
+        number += 1
+
+
 def load_texts(
     path: str, mask: float, tiny: bool, room: int | None = None, count=None
 ) -> list[dict]:
-    """--spy-data: one JSON object per line, {"text": ..., "reference": ... (optional)}. Every flaw ends in one
-    line naming the file and the line: not there, not UTF-8, not a JSON object (or nested too deeply to read),
-    no "text", a text too short for --spy-mask to remove anything, a reference that is not a string, a lone
-    surrogate, a text longer than `room` tokens (text_room; `count` counts them, default: UTF-8 bytes), no texts
-    at all. The whole file is checked before a run starts."""
+    """--spy-data: one JSON object per line, {"text": ..., "reference": ... (optional)}. Every flaw
+    ends in one line naming the file and the line: not there, not a plain file, larger than
+    DATA_LIMIT, a line longer than runfiles.LINE_LIMIT, not UTF-8, not a JSON object (or nested too
+    deeply to read), no "text", a text too short for --spy-mask to remove anything, a reference that
+    is not a string, a lone surrogate, a text longer than `room` tokens (text_room; `count` counts
+    them, default: UTF-8 bytes), no texts at all. The whole file is checked before a run starts,
+    read line by line in bounded memory."""
     if not path:
         if not tiny:
             raise UserError(
@@ -150,61 +208,68 @@ def load_texts(
                 "only --tiny has an offline default"
             )
         return default_texts()
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise UserError(f"--spy-data {path}: {e.strerror}") from None
     texts = []
-    for number, line in enumerate(raw.splitlines(), 1):
-        where = f"--spy-data {path}, line {number}"
-        if not line.strip():  # blank lines are allowed
-            continue
-        try:
-            item = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise UserError(
-                f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
-            ) from None
-        except ValueError as e:
-            raise UserError(f"{where}: not JSON ({e})") from None
-        except RecursionError:  # "[[[[..." a hundred thousand deep
-            raise UserError(f"{where}: nested too deeply to be read as JSON") from None
-        if (
-            not isinstance(item, dict)
-            or not isinstance(item.get("text"), str)
-            or not item["text"].strip()
-        ):
-            raise UserError(f'{where}: needs an object with a non-empty "text" string')
-        if not isinstance(item.get("reference", ""), str):
-            raise UserError(f'{where}: "reference" must be a string')
-        for field in ("text", "reference"):
-            if bad := lone_surrogate(item.get(field, "")):
+    with open_data(path) as f:
+        for number, line, whole in numbered_lines(f):
+            where = f"--spy-data {path}, line {number}"
+            if f.tell() > DATA_LIMIT:  # a file that grew while it was read
+                raise _too_large(path)
+            if not whole:
                 raise UserError(
-                    f"{where}: the {field} holds a lone surrogate ({bad}), which is not text"
+                    f"{where}: longer than {runfiles.LINE_LIMIT:,} bytes, more than a game's "
+                    "prompts hold"
                 )
-        text = item["text"].strip()
-        size = len(
-            text.encode("utf-8")
-        )  # at least its tokens (a byte-level tokenizer's at most a token a byte)
-        if room is not None and size > room and (n := count(text) if count else size) > room:
-            raise UserError(
-                f"{where}: the text takes up to {n} tokens, and a game's prompts leave it room for {room} (the "
-                "model's context less every player's output: --spy-players, --max-new-tokens)"
-            )
-        units = split_units(text)
-        if not 1 <= removed_count(len(units), mask) < len(units):
-            raise UserError(
-                f"{where}: the text is too short to degrade ({len(units)} word(s); --spy-mask {mask} "
-                f"would remove {removed_count(len(units), mask)})"
-            )
-        texts.append(
-            {"text": text, **({"reference": item["reference"]} if "reference" in item else {})}
-        )
+            if line.strip():  # blank lines are allowed
+                texts.append(_text(where, line, mask, room, count))
     if not texts:
         raise UserError(f"--spy-data {path}: no texts in it")
     if any("reference" in t for t in texts):
         rouge_scorer()  # the references are scored with ROUGE-L: the package must be there before any work
     return texts
+
+
+def _text(where: str, line: bytes, mask: float, room: int | None, count) -> dict:
+    """One line of --spy-data as a text (and its reference), or one line saying what is wrong."""
+    try:
+        item = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+        ) from None
+    except ValueError as e:
+        raise UserError(f"{where}: not JSON ({e})") from None
+    except RecursionError:  # "[[[[..." a hundred thousand deep
+        raise UserError(f"{where}: nested too deeply to be read as JSON") from None
+    if (
+        not isinstance(item, dict)
+        or not isinstance(item.get("text"), str)
+        or not item["text"].strip()
+    ):
+        raise UserError(f'{where}: needs an object with a non-empty "text" string')
+    if not isinstance(item.get("reference", ""), str):
+        raise UserError(f'{where}: "reference" must be a string')
+    for field in ("text", "reference"):
+        if bad := lone_surrogate(item.get(field, "")):
+            raise UserError(
+                f"{where}: the {field} holds a lone surrogate ({bad}), which is not text"
+            )
+    text = item["text"].strip()
+    size = len(
+        text.encode("utf-8")
+    )  # at least its tokens (a byte-level tokenizer's at most a token a byte)
+    if room is not None and size > room and (n := count(text) if count else size) > room:
+        raise UserError(
+            f"{where}: the text takes up to {n} tokens, and a game's prompts leave it room for "
+            f"{room} (the model's context less every player's output: --spy-players, "
+            "--max-new-tokens)"
+        )
+    units = split_units(text)
+    if not 1 <= removed_count(len(units), mask) < len(units):
+        raise UserError(
+            f"{where}: the text is too short to degrade ({len(units)} word(s); --spy-mask {mask} "
+            f"would remove {removed_count(len(units), mask)})"
+        )
+    return {"text": text, **({"reference": item["reference"]} if "reference" in item else {})}
 
 
 # ------------------------------------------------------------------ the degradation g(x)

@@ -55,8 +55,8 @@ def main(prog: str, argv: list[str], parse, train, commands: dict) -> int:
         run_dir = Path(args.out)
         with stop_within(5.0) if in_main_thread else contextlib.nullcontext():  # a stuck collective
             out = train(args)
-        if out is not None:  # a run trained (rank 0): its outputs, and the commands to run next
-            print(watch.closing_line(out, args), flush=True)
+        if out is not None:  # a run trained (rank 0): its outputs (best.json's), the commands next
+            print(visible(watch.closing_line(out, args), lines=False), flush=True)
     except UserError as e:
         print(f"{prog}: error: {visible(str(e), lines=False)}", file=sys.stderr)
         return 2
@@ -73,7 +73,8 @@ def main(prog: str, argv: list[str], parse, train, commands: dict) -> int:
     except KeyboardInterrupt as e:
         name = e.args[0] if isinstance(e, Terminated) else "SIGINT"
         how = "Ctrl-C" if name == "SIGINT" else name
-        print(f"{prog}: stopped by {how}{runfiles.resume_advice(run_dir)}", file=sys.stderr)
+        advice = visible(runfiles.resume_advice(run_dir), lines=False)
+        print(f"{prog}: stopped by {how}{advice}", file=sys.stderr)
         return 128 + signal.Signals[name]  # as the signal's default action would: 130, 143, 129
     finally:
         runfiles.release_runs()

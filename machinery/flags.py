@@ -10,9 +10,11 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import math
 import os
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -134,13 +136,24 @@ def items(spec: str) -> list[str]:
     return [x.strip() for x in spec.split(",") if x.strip()]
 
 
+def holds(ok, value) -> bool:
+    """A bound's test passes, and the number is finite."""
+    return ok(value) and (isinstance(value, int) or math.isfinite(value))
+
+
 def check_bounds(args, bounds: list[tuple]) -> None:
     """Every (fields, test, wording) of `bounds` holds, and every number is finite, else one line."""
     for names, ok, wording in bounds:
         for name in names:
             value = getattr(args, name)
-            if not (ok(value) and (isinstance(value, int) or math.isfinite(value))):
+            if not holds(ok, value):
                 raise UserError(f"--{name.replace('_', '-')} must be {wording}, got {value}")
+
+
+def broken(name: str, value, bounds: list[tuple]) -> str | None:
+    """The wording of the first bound of `bounds` that field `name`'s `value` breaks (None: it keeps
+    them all)."""
+    return next((w for names, ok, w in bounds if name in names and not holds(ok, value)), None)
 
 
 def resolve(cls, explicit: dict, saved: dict | None, resumable: set, presets: dict, check):
@@ -173,9 +186,13 @@ MODE_SCRIPTS = {
 }  # the script that trains each mode; every other mode: stratagem.py
 
 
-def saved_config(explicit: dict, cls, script: str) -> dict | None:
+def saved_config(
+    explicit: dict, cls, script: str, choices: dict | None = None, bounds: list | None = None
+) -> dict | None:
     """With --resume, the run folder's saved config (its fields of `cls`), after the folder's checks:
-    it is a run, holds no link, and is one `script` trains; else None."""
+    it is a run, holds no link, and is one `script` trains; its values pass their flags' checks
+    (`choices`, `bounds`: stratagem.py's by default); a judge URL it records is confirmed on the
+    command line (the API key goes there). Else None."""
     if not explicit.get("resume"):
         return None
     if not explicit.get("out"):
@@ -197,7 +214,58 @@ def saved_config(explicit: dict, cls, script: str) -> dict | None:
     theirs = MODE_SCRIPTS.get(mode, "stratagem.py")
     if theirs != script:
         raise UserError(f"{out} is a --mode {mode} run: continue it with python {theirs} --resume")
-    return runfiles.read_config(out, cls.__dataclass_fields__)
+    config = runfiles.read_config(out, cls.__dataclass_fields__)
+    check_recorded(out / "config.json", config, cls, choices or CHOICES, bounds or BOUNDS)
+    url = config.get("judge_base_url")
+    if url and script == "stratagem.py" and "judge_base_url" not in explicit:  # SpyRL has no judge
+        raise UserError(
+            f"--resume: {out / 'config.json'} sends the judge's requests, with your API key, to "
+            f"{url}: if that is your judge, confirm it with --judge-base-url {shlex.quote(url)} "
+            "(or name another)"
+        )
+    return config
+
+
+KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def flaw(name: str, value, cls, choices: dict, bounds: list[tuple]) -> str | None:
+    """What field `name`'s flag requires that `value` lacks, in words: the flag's type (a whole
+    number is a number too, a bool is none), one of its choices (a mode may be any script's: the
+    script that reads a run checks it is its own), its bounds. None where it passes them all."""
+    kind = type(cls.__dataclass_fields__[name].default)
+    numeric = kind is float and isinstance(value, int) and abs(value) <= 2**53  # a float's exactly
+    if isinstance(value, bool) != (kind is bool) or not (isinstance(value, kind) or numeric):
+        return KINDS[kind]
+    options = (*choices.get(name, ()), *MODE_SCRIPTS) if name == "mode" else choices.get(name)
+    if options and value not in options:
+        return f"one of {', '.join(options)}"
+    return broken(name, value, bounds)
+
+
+def check_recorded(path: Path, config: dict, cls, choices: dict, bounds: list[tuple]) -> None:
+    """Every value of `config` (read from `path`) that is a field of `cls` passes the checks its
+    flag's value would (flaw), else one line naming the file, the key and the value."""
+    for name, value in config.items():
+        if name in cls.__dataclass_fields__ and (
+            wording := flaw(name, value, cls, choices, bounds)
+        ):
+            shown = json.dumps(value)
+            raise UserError(
+                f"{path}: {name} is {shown[:80]}{'...' if len(shown) > 80 else ''}, but "
+                f"--{name.replace('_', '-')} must be {wording}; correct it, or restore the file "
+                "from a copy"
+            )
+
+
+def run_config(run: Path, cls) -> dict:
+    """A run's config.json (none: {}) for a command that reads it, its values checked as a resume
+    checks them (stratagem.py's choices and bounds); a key of no field of `cls` is left as it is."""
+    if not (run / "config.json").exists():
+        return {}
+    config = runfiles.read_config(run)
+    check_recorded(run / "config.json", config, cls, CHOICES, BOUNDS)
+    return config
 
 
 # ---- stratagem.py's flags: their choices, the ones a resume may change, their bounds, the checks
@@ -321,6 +389,8 @@ def validate(args, context: int | None, warm_start: Path) -> None:
         )
     if args.keep_best and not args.eval_every:
         raise UserError("--keep-best keeps the best evaluated policy: give --eval-every N")
+    if args.best_eval_n and not args.keep_best:
+        raise UserError("--best-eval-n sizes the kept best's fresh evaluation: give --keep-best")
     if args.keep_best and args.lora_rank:
         raise UserError(
             "--keep-best keeps whole models; with --lora-rank, merge a checkpoint: stratagem.py merge-lora"

@@ -25,7 +25,14 @@ from pathlib import Path
 
 import judge_prompts
 from machinery import UserError, runfiles, watch
-from machinery.openai_api import JudgeFailure, chat, check_reachable, concurrently, openai_client
+from machinery.openai_api import (
+    JudgeFailure,
+    chat,
+    check_reachable,
+    clipped,
+    concurrently,
+    openai_client,
+)
 
 # Numbers as models write them but JSON forbids: a leading "+" ("d": +1, the rubric's own spelling)
 # and a bare decimal point ("alpha": .5, -.5). Rewritten to JSON before decoding; only a number right
@@ -144,11 +151,15 @@ class HeuristicJudge:
         ]
         return bool(words[-1] - set().union(*words[:-1]))
 
+    @staticmethod
+    def _repeated(texts: list[str]) -> bool:
+        """Some turn reasons as an earlier one did (judge_prompts.same_reasoning), in one pass over the turns:
+        each turn's reasoning_key once, in a set."""
+        return len({judge_prompts.reasoning_key(x) for x in texts}) < len(texts)
+
     def _evolution(self, turns: list[dict]) -> dict[str, float]:
         texts, actions = [t["response"] for t in turns], [t["action"] for t in turns]
-        repeated = any(
-            judge_prompts.same_reasoning(x, y) for k, x in enumerate(texts) for y in texts[:k]
-        )
+        repeated = self._repeated(texts)
         verdict = {
             "d": -1.0 if repeated else (1.0 if len(texts) > 1 and self._new_words(texts) else 0.0),
             "a": -1.0 if repeated else (1.0 if len(set(actions)) > 1 else 0.0),
@@ -201,8 +212,38 @@ def probe_verdict() -> dict[str, float]:
     return dict.fromkeys(judge_prompts.keys(PROBE_RUBRIC), levels[len(levels) // 2])
 
 
-def probe_messages() -> list[dict]:
-    return [{"role": "user", "content": f"{PROBE_TEXT} {json.dumps(probe_verdict())}"}]
+def probe_messages(structured: bool = False) -> list[dict]:
+    """The probe's request. Sent with the schema (`structured`), it asks for one key more, which the schema
+    forbids: a server that honours the schema answers without it, one that ignores the schema (its model
+    obeying the words) with it, so the reply tells the two apart (follows_schema)."""
+    asked = probe_verdict() | ({"unscored": 1} if structured else {})
+    return [{"role": "user", "content": f"{PROBE_TEXT} {json.dumps(asked)}"}]
+
+
+def follows_schema(reply: str, rubric: str) -> bool:
+    """A reply that is the rubric's schema (judge_prompts.verdict_schema) and nothing else: one JSON object with
+    exactly the schema's keys, each a number among its levels, as a server that constrains the reply writes."""
+    schema = judge_prompts.verdict_schema(rubric)
+    try:
+        obj = json.loads(reply)
+    except (ValueError, RecursionError):
+        return False
+    return (
+        isinstance(obj, dict)
+        and set(obj) == set(schema["required"])
+        and all(
+            type(v) in (int, float) and v in schema["properties"][k]["enum"] for k, v in obj.items()
+        )
+    )
+
+
+def is_verdict(reply: str) -> bool:
+    """A reply to the free-text probe that parses as a verdict of PROBE_RUBRIC."""
+    try:
+        parse_scores(reply, PROBE_RUBRIC)
+    except JudgeFailure:
+        return False
+    return True
 
 
 def probe_hint(
@@ -219,12 +260,15 @@ def probe_hint(
         return f"did you mean --judge-base-url {base_url.rstrip('/')}/v1?"
     if status in (405, 501) or kind == "bad_response":
         return "is it an OpenAI-compatible chat endpoint (POST /chat/completions under --judge-base-url)?"
+    if 300 <= status < 400:
+        return "a redirect is never followed (it would take the key elsewhere): pass the URL it leads to, if trusted"
     return {
         "http_404": "check --judge-base-url (the API's base, which /chat/completions follows) and --judge-model",
         "finish_length": f"the reply was cut at --judge-max-tokens {max_tokens}: raise it",
         "timeout": "a slow model needs a larger --judge-timeout; a dead one, a restart",
         "rate_limit": "wait, or ask for a higher rate limit",
         "not_a_verdict": "the judge must answer in JSON: a chat (instruction-following) model, not a base model",
+        "not_structured": "it ignores response_format: pass --judge-structured off (or auto) to ask in free text",
     }.get(kind, "check --judge-base-url, --judge-model and the server's log")
 
 
@@ -265,6 +309,7 @@ class OpenAIJudge:
                     "http_400",
                     "http_422",
                     "not_a_verdict",
+                    "not_structured",
                 ):
                     raise
         if not self.structured:
@@ -275,7 +320,9 @@ class OpenAIJudge:
             else "free text, parsed"
         )
         how += f"; --judge-structured {mode}" + (
-            ": the server refused the schema" if mode == "auto" and not self.structured else ""
+            ": the server refused or ignored the schema"
+            if mode == "auto" and not self.structured
+            else ""
         )
         return (
             f"judge check: {self.url} answered a verdict{tries} in {time.perf_counter() - t0:.1f}s "
@@ -298,7 +345,7 @@ class OpenAIJudge:
                 reply, p_tok, c_tok = chat(
                     self.client,
                     model=self.name,
-                    messages=probe_messages(),
+                    messages=probe_messages(structured),
                     temperature=self.args.judge_temperature,
                     max_tokens=self.args.judge_max_tokens,
                     **fmt,
@@ -329,27 +376,24 @@ class OpenAIJudge:
                     e.kind, f"{where} failed its start-up check: {what}; {hint}"
                 ) from None
             tokens = [tokens[0] + p_tok, tokens[1] + c_tok]
-            try:
-                parse_scores(reply, PROBE_RUBRIC)
+            if follows_schema(reply, PROBE_RUBRIC) if structured else is_verdict(reply):
                 return ("" if attempt == 1 else f" at try {attempt} of {PROBES}"), tokens
-            except JudgeFailure:
-                if attempt < PROBES:
-                    continue
-                text = " ".join(reply.split())
+            if attempt == PROBES:
+                kind = "not_structured" if structured else "not_a_verdict"
                 hint = probe_hint(
-                    "not_a_verdict",
-                    200,
-                    self.base_url,
-                    self.name,
-                    served,
-                    self.args.judge_max_tokens,
+                    kind, 200, self.base_url, self.name, served, self.args.judge_max_tokens
                 )
-                shown = f"{text[:120]!r}{'...' if len(text) > 120 else ''}"
+                what, none = (
+                    ("does not follow the schema sent as response_format", "none in it")
+                    if structured
+                    else ("is not a verdict", "none a verdict")
+                )
+                shown = repr(clipped(" ".join(reply.split()), 120))
                 raise ProbeFailed(
-                    "not_a_verdict",
-                    f"{where} failed its start-up check: its reply is not a verdict ({shown}; {PROBES} replies "
-                    f"tried, none a verdict); {hint}",
-                ) from None
+                    kind,
+                    f"{where} failed its start-up check: its reply {what} ({shown}; {PROBES} replies "
+                    f"tried, {none}); {hint}",
+                )
         raise AssertionError("unreachable")  # the loop returns or raises
 
     def complete(self, rubric: str, messages: list[dict]) -> tuple[str, int, int]:

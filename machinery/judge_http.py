@@ -9,6 +9,11 @@ ReadTimeout, which the client retries and counts as a timeout. A body larger tha
 as it arrives (ReplyTooLarge, not retried): a 50 MB reply is never read into memory; a compressed one is
 refused unread (ReplyEncoded, not retried).
 
+A redirect is never followed (the key and the trajectories go only where the base URL says): a 3xx is an error
+answer like a 4xx. No connection is used twice: a reply a server leaves behind on a kept-alive connection (a
+second answer to one request) cannot be read as the answer to the next. And the client waits at most
+RETRY_WAIT_MAX before a retry, whatever Retry-After asks (CappedRetries).
+
 Imported only when an OpenAI-compatible server is used (it imports httpx, httpcore and openai).
 """
 
@@ -20,6 +25,8 @@ import time
 import httpcore
 import httpx
 import openai
+
+from machinery.openai_api import RETRY_WAIT_MAX
 
 _attempt = (
     threading.local()
@@ -125,19 +132,20 @@ class _CappedBody(httpx.SyncByteStream):
 
 
 class BoundedClient(httpx.Client):
-    """An httpx client (proxies, TLS and pooling as httpx sets them up from the environment) whose every
-    send() is one bounded attempt, see the module's docstring. The body is read inside send(), as openai
-    reads a reply that is not streamed. The server is asked not to compress, and a compressed reply is refused
-    unread (ReplyEncoded), so the cap counts the bytes as they will be parsed. (Decoding it as it streams, with
-    a running count, would need a bounded output from every decoder httpx may use, gzip, deflate, br, zstd; a
-    server that honours Accept-Encoding: identity, as HTTP asks of it, never needs one.)"""
+    """An httpx client (proxies and TLS as httpx sets them up from the environment) whose every send() is one
+    bounded attempt on a connection of its own that follows no redirect, see the module's docstring. The body
+    is read inside send(), as openai reads a reply that is not streamed. The server is asked not to compress,
+    and a compressed reply is refused unread (ReplyEncoded), so the cap counts the bytes as they will be parsed.
+    (Decoding it as it streams, with a running count, would need a bounded output from every decoder httpx may
+    use, gzip, deflate, br, zstd; a server that honours Accept-Encoding: identity, as HTTP asks of it, never
+    needs one.)"""
 
     def __init__(self, max_bytes: int):
         super().__init__(
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
-            follow_redirects=True,
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0),
+            follow_redirects=False,
             headers={"Accept-Encoding": "identity"},
-        )  # openai's own limits
+        )  # openai's own limit on connections; none kept alive: a connection a request of its own
         self.max_bytes = max_bytes
         for transport in [
             self._transport,
@@ -150,6 +158,7 @@ class BoundedClient(httpx.Client):
     def send(self, request: httpx.Request, *, stream: bool = False, **kwargs) -> httpx.Response:
         waits = [t for t in (request.extensions.get("timeout") or {}).values() if t is not None]
         _attempt.deadline = time.monotonic() + max(waits) if waits else None
+        kwargs["follow_redirects"] = False  # whatever a caller's options say
         try:
             response = super().send(request, stream=True, **kwargs)
             try:
@@ -174,3 +183,11 @@ def max_reply_bytes(max_tokens: int) -> int:
     """The cap on a judge reply's body: 4 MiB, or 32 bytes a token of --judge-max-tokens if that is more (a
     token is about 4 characters, at most 6 bytes each as JSON escapes them; the rest is room to spare)."""
     return max(4 << 20, 32 * max_tokens)
+
+
+class CappedRetries(openai.OpenAI):
+    """openai's client, its wait before a retry cut to RETRY_WAIT_MAX: openai honours a Retry-After of up to
+    120 s (60 s in older releases), which would break the bound judge_seconds and --dist-timeout count on."""
+
+    def _calculate_retry_timeout(self, *args, **kwargs) -> float:
+        return min(super()._calculate_retry_timeout(*args, **kwargs), RETRY_WAIT_MAX)

@@ -29,7 +29,17 @@ import torch
 from safetensors import SafetensorError
 
 import judge_prompts
-from machinery import UserError, adaptive_beta, costs, distill, flags, memory, runfiles, watch
+from machinery import (
+    UserError,
+    adaptive_beta,
+    costs,
+    distill,
+    flags,
+    memory,
+    modelfiles,
+    runfiles,
+    watch,
+)
 from machinery.distributed import (
     Dist,
     load_optimizer_state,
@@ -87,6 +97,8 @@ class Run:
         0  # trajectories judged and failures, over this process's steps: the end-of-run alarm
     )
     failures: Counter = field(default_factory=Counter)
+    # optimizer steps this process took (--ppo-epochs of them a step), by which check_update names the step
+    updates: int = 0
 
 
 def start_run(args, load, make_env, seed, shape=None) -> Run | None:
@@ -125,7 +137,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     steps_left = args.steps - done
     reproject = (
         functools.partial(costs.judge_projection, args, games, make_env)
-        if args.asked and dist.main and (args.dry_run or args.judge == "openai")
+        if args.asked and dist.main and steps_left and (args.dry_run or args.judge == "openai")
         else None
     )
     counts = (  # a resumed run projects from what its own policy played (its metrics up to the checkpoint)
@@ -156,8 +168,10 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
         dist.close()
         return None
     rng = seed(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
-    judge = make_judge(args) if args.asked and dist.main else None  # SPIRAL: none, unless shadowed
-    if ckpt is not None and steps_left == 0:  # a re-queued job ends cleanly
+    # SPIRAL: none, unless shadowed; none either for a run with only its end-of-run work left
+    judge = make_judge(args) if args.asked and dist.main and steps_left else None
+    # a re-queued job ends cleanly, once the end of the run is done too (--keep-best's fresh games)
+    if ckpt is not None and steps_left == 0 and not best_unmeasured(args, out):
         if dist.main:
             print(
                 f"{out} is already finished ({args.steps} of {args.steps} steps); nothing to do "
@@ -221,13 +235,14 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     )
     run.beta = adaptive_beta.first(args)
     run.reproject = reproject
+    optimizer.register_step_post_hook(functools.partial(check_update, run))
     run.distiller = (
         distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
     )
     judge_totals = None
     if ckpt is not None:
-        state = runfiles.load_state(ckpt / "trainer_state.pt", runfiles.TRAINER_STATE)
-        own = runfiles.load_state(ckpt / f"rank{dist.rank}.pt", runfiles.RANK_STATE)
+        state = load_finite(ckpt / "trainer_state.pt", runfiles.TRAINER_STATE)
+        own = load_finite(ckpt / f"rank{dist.rank}.pt", runfiles.RANK_STATE)
         run.baselines, run.start, run.elapsed, judge_totals = (
             state["baselines"],
             state["step"],
@@ -288,6 +303,37 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             watch.announce_budget(run.runner.totals["cost"], args.judge_budget, run.start)
             run.announced = True
     return run
+
+
+def load_finite(path: Path, schema: dict) -> dict:
+    """A checkpoint's state file (runfiles.load_state) whose tensors and numbers are all finite, else one line
+    naming the file and the value: a NaN in Adam's state would make every weight NaN at the first update."""
+    state = runfiles.load_state(path, schema)
+    if bad := modelfiles.nonfinite_leaf(state):
+        raise UserError(f"--resume: {path}: {bad} is not finite (NaN or infinity); restore it")
+    return state
+
+
+def check_update(run: Run, optimizer, *_) -> None:
+    """After every optimizer step (a hook): the weights and the optimizer's state are finite on every rank, else the
+    run stops in one line naming the step, before the weights are played, evaluated, kept as best or saved, so
+    that the last checkpoint and best/ stay the good ones."""
+    run.updates += 1
+    names = {id(p): n for n, p in run.model.named_parameters()}
+    tensors = [(f"weight {n}", p) for n, p in run.model.named_parameters()]
+    tensors += [
+        (f"Adam's {k} of {names.get(id(p), 'a weight')}", v)
+        for p, state in optimizer.state.items()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    ]
+    bad = [b for b in run.dist.gather(modelfiles.first_nonfinite(tensors)) if b]
+    if bad:
+        step = run.start + math.ceil(run.updates / run.args.ppo_epochs)
+        raise UserError(
+            f"step {step}: the policy diverged, {bad[0]} is not finite after its update; its last checkpoint "
+            "is kept (a lower --lr, or --lora-alpha, keeps it finite)"
+        )
 
 
 def whole_batch(dist: Dist, mine: list) -> tuple[list, list[list]]:
@@ -529,6 +575,13 @@ def read_best(out: Path) -> dict | None:
             f"{best / 'best.json'} is malformed ({bad[0]!r} is not {BEST[bad[0]][0]}); move {best} away"
         )
     return record
+
+
+def best_unmeasured(args, out: Path) -> bool:
+    """--keep-best: whether the kept policy still awaits its fresh games (stratagem.best_on_fresh_games, the end
+    of a run): a run stopped there has done its steps but not that, so --resume does it."""
+    best = read_best(out) if args.keep_best else None
+    return best is not None and "fresh" not in best
 
 
 def write_best(out: Path, record: dict) -> None:

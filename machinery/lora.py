@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from machinery import UserError, runfiles
+from machinery import UserError, modelfiles, runfiles
 from machinery.distributed import full_weights
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
@@ -99,7 +99,7 @@ def check_adapter_config(checkpoint) -> dict:
 
 def load_adapters(model, checkpoint, trainable: bool):
     """The base `model` with the adapter saved in `checkpoint` (PEFT's format), checked whole: its config, and every
-    adapter tensor the config makes there in the file, none more, each of its shape."""
+    adapter tensor the config makes there in the file, none more, each of its shape, a float, finite."""
     from peft import PeftModel
     from safetensors import safe_open
 
@@ -110,6 +110,7 @@ def load_adapters(model, checkpoint, trainable: bool):
         runfiles.refuse_special(weights)
         with safe_open(str(weights), "pt") as f:
             saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peft_model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=trainable)
@@ -118,6 +119,7 @@ def load_adapters(model, checkpoint, trainable: bool):
         raise UserError(
             f"{checkpoint}: its LoRA adapter cannot be loaded ({type(e).__name__}: {first})"
         ) from None
+    modelfiles.refuse_integers(weights, dtypes)
     wanted = {
         k.replace(f".{ADAPTER}.", "."): tuple(v.shape)
         for k, v in peft_model.state_dict().items()
@@ -135,6 +137,9 @@ def load_adapters(model, checkpoint, trainable: bool):
         raise UserError(
             f"{weights} does not fit its adapter_config.json: tensor {problems[0]}{more}"
         )
+    lora = [(k, v) for k, v in peft_model.named_parameters() if ".lora_" in k]
+    if name := modelfiles.first_nonfinite(lora):
+        raise UserError(f"{weights}: tensor {name} is not finite (NaN or infinity); restore it")
     return peft_model
 
 

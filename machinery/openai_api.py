@@ -3,7 +3,8 @@
 failure is a JudgeFailure of a named kind, never an exception that ends a run.
 
 The key comes from OPENAI_API_KEY only; it is never logged or saved, and a base URL that carries a user name or
-password is refused (check_base_url).
+password is refused (check_base_url). A server's own text (an error's message, a reply that is no verdict) is shown
+only through scrub(), which takes out the key and any Authorization value a server may echo.
 """
 
 from __future__ import annotations
@@ -18,12 +19,37 @@ from urllib.parse import urlsplit
 
 from machinery import UserError
 
+SECRETS = ("OPENAI_API_KEY", "WANDB_API_KEY")  # the keys this project reads from the environment
+# An Authorization header's value (its scheme kept) or a bearer token, as a server echoes one: in a header line,
+# a JSON string or a Python repr.
+_AUTHORIZATION = re.compile(
+    r"(?i)(\bauthorization\b[\"']?\s*[:=]\s*[\"']?(?:(?:bearer|basic|token)\s+)?|\bbearer\s+)[^\s\"',;}\]]+"
+)
+
+
+def scrub(text: str) -> str:
+    """A server's text made safe to print or write: the value of each key in SECRETS that is set, and whatever
+    follows `Authorization:` or `Bearer`, written as ***. A server (or a proxy) that echoes a request's headers
+    in its error message shows no key."""
+    for name in SECRETS:
+        if key := os.environ.get(name):
+            text = text.replace(key, "***")
+    return _AUTHORIZATION.sub(lambda m: m.group(1) + "***", text)
+
+
+def clipped(text: str, limit: int) -> str:
+    """A server's text, scrubbed first (a key cut in half is still half a key), then cut to `limit` characters."""
+    text = scrub(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 class JudgeFailure(Exception):
     """A request that did not produce valid scores; `kind` is counted in metrics, `tokens` (prompt,
-    completion) are what the failed request was billed, so its cost is still counted."""
+    completion) are what the failed request was billed, so its cost is still counted. The detail, which
+    may quote the server, is scrubbed."""
 
     def __init__(self, kind: str, detail: str = "", tokens: tuple[int, int] = (0, 0)):
+        detail = scrub(detail)
         super().__init__(f"{kind}: {detail}" if detail else kind)
         self.kind, self.detail, self.tokens = kind, detail, tokens
 
@@ -42,12 +68,11 @@ def check_base_url(url: str, what: str) -> None:
 
 def openai_client(base_url: str, timeout: float, retries: int, what: str, max_tokens: int):
     """An `openai` client, whose built-in retries back off exponentially on timeouts, connection errors,
-    429 (honouring Retry-After) and 5xx. Each attempt takes at most `timeout` seconds as a whole, and a
-    reply may not be larger than judge_http.max_reply_bytes(max_tokens) (machinery/judge_http.py). Local
-    servers usually take any key; the client insists on one."""
-    import openai
-
-    from machinery.judge_http import BoundedClient, max_reply_bytes
+    429 (honouring Retry-After up to RETRY_WAIT_MAX) and 5xx. Each attempt takes at most `timeout` seconds as a
+    whole, on a connection of its own, follows no redirect, and a reply may not be larger than
+    judge_http.max_reply_bytes(max_tokens) (machinery/judge_http.py). Local servers usually take any key; the
+    client insists on one."""
+    from machinery.judge_http import BoundedClient, CappedRetries, max_reply_bytes
 
     check_base_url(base_url, f"{what}: the base URL")
     key = os.environ.get("OPENAI_API_KEY")
@@ -55,7 +80,7 @@ def openai_client(base_url: str, timeout: float, retries: int, what: str, max_to
         raise UserError(
             f"{what} needs OPENAI_API_KEY in the environment or a base URL of a local server"
         )
-    return openai.OpenAI(
+    return CappedRetries(
         api_key=key or "EMPTY",
         base_url=base_url or None,
         timeout=timeout,
@@ -64,9 +89,10 @@ def openai_client(base_url: str, timeout: float, retries: int, what: str, max_to
     )
 
 
-RETRY_WAIT_MAX = (
-    60.0  # the longest the openai client waits before a retry (it honours Retry-After up to 60 s)
-)
+# The longest the client waits before a retry: a server's Retry-After is honoured up to this (openai's own cap is
+# 60 s in older releases, 120 s in newer ones; judge_http.CappedRetries holds it here), and openai's backoff
+# without one is at most 8 s. judge_seconds, and so --dist-timeout's default, count it.
+RETRY_WAIT_MAX = 60.0
 
 
 def judge_seconds(requests: int, concurrency: int, timeout: float, retries: int) -> float:
@@ -88,7 +114,8 @@ def check_reachable(client, base_url: str, timeout: float, what: str) -> list[st
         return [m.id for m in listed.data if isinstance(getattr(m, "id", None), str)] or None
     except ReplyEncoded as e:
         raise UserError(
-            f"the {what} at {base_url or 'api.openai.com'} compressed its reply (Content-Encoding: {e.encoding}) "
+            f"the {what} at {base_url or 'api.openai.com'} compressed its reply (Content-Encoding: "
+            f"{clipped(e.encoding, 40)}) "
             "although asked not to (Accept-Encoding: identity); a compressed reply is never read (its size is not "
             "known before it is decoded): turn compression off on that server or its proxy"
         ) from None
@@ -100,18 +127,28 @@ def check_reachable(client, base_url: str, timeout: float, what: str) -> list[st
         raise UserError(
             f"the {what} at {base_url or 'api.openai.com'} is unreachable; start the server or fix its base URL"
         ) from None
-    except (
-        openai.APIStatusError,
-        AttributeError,
-        TypeError,
-        ValueError,
-    ):  # a 404, or a 200 that is not a list
-        return None  # reachable; what it is, the chat request that follows finds out
+    except openai.APIStatusError as e:
+        if 300 <= e.status_code < 400:
+            raise UserError(redirected(e, base_url, what)) from None
+        return None  # a 404: reachable; what it is, the chat request that follows finds out
+    except (AttributeError, TypeError, ValueError):  # a 200 that is not a list
+        return None
+
+
+def redirected(e, base_url: str, what: str) -> str:
+    """The line that refuses a server answering with a redirect, which is never followed: it would take the key
+    and the trajectories wherever the server says."""
+    where = clipped(e.response.headers.get("Location", ""), 120)
+    return (
+        f"the {what} at {base_url or 'api.openai.com'} answered with a redirect (HTTP {e.status_code}"
+        f"{f' to {where}' if where else ''}); a redirect is never followed, since it would take the API key "
+        "and the trajectories elsewhere: if you trust where it leads, pass that URL as the base URL"
+    )
 
 
 def came_back(e) -> str:
     """An HTTP error answer in a few words: its status and the server's own message (a JSON error's `message` or
-    `detail`, else the body's text without markup), cut to 160 characters."""
+    `detail`, else the body's text without markup), scrubbed and cut to 160 characters."""
     text = getattr(getattr(e, "response", None), "text", "") or ""
     try:
         body = json.loads(text)
@@ -124,8 +161,7 @@ def came_back(e) -> str:
             or body.get("detail")
             or text
         )
-    text = " ".join(re.sub(r"<[^>]*>", " ", text).split()).rstrip(".")
-    text = text if len(text) <= 160 else text[:157] + "..."
+    text = clipped(" ".join(re.sub(r"<[^>]*>", " ", text).split()).rstrip("."), 160)
     return f"HTTP {e.status_code}" + (f": {text}" if text else "")
 
 
@@ -175,11 +211,15 @@ def chat_reply(resp) -> tuple[str, int, int]:
     usage = getattr(resp, "usage", None)
     counts = [getattr(usage, k, None) or 0 for k in ("prompt_tokens", "completion_tokens")]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
-        raise JudgeFailure("bad_response", f"usage is not a token count: {usage!r:.80}")
+        raise JudgeFailure(
+            "bad_response", f"usage is not a token count: {clipped(repr(usage), 80)}"
+        )
     tokens = (counts[0], counts[1])
     choices = getattr(resp, "choices", None)
     if not isinstance(choices, list):
-        raise JudgeFailure("bad_response", f"not a chat completion: {resp!r:.80}", tokens)
+        raise JudgeFailure(
+            "bad_response", f"not a chat completion: {clipped(repr(resp), 80)}", tokens
+        )
     if not choices:
         raise JudgeFailure("empty", tokens=tokens)
     finish = getattr(choices[0], "finish_reason", None)
@@ -188,12 +228,14 @@ def chat_reply(resp) -> tuple[str, int, int]:
     ):  # cut off (length) or filtered: whatever JSON it holds may be quoted, not the verdict
         raise JudgeFailure(
             f"finish_{finish}" if finish in FINISH_KINDS else "finish_other",
-            f"finish_reason {finish!r:.40}",
+            f"finish_reason {clipped(repr(finish), 40)}",
             tokens,
         )
     content = getattr(getattr(choices[0], "message", None), "content", None)
     if content is not None and not isinstance(content, str):
-        raise JudgeFailure("bad_response", f"content is not a string: {content!r:.80}", tokens)
+        raise JudgeFailure(
+            "bad_response", f"content is not a string: {clipped(repr(content), 80)}", tokens
+        )
     if not content:
         raise JudgeFailure("empty", tokens=tokens)
     return content, *tokens

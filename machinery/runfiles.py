@@ -234,7 +234,7 @@ def read_config(run: Path, fields=None) -> dict:
     path = run / "config.json"
     try:
         config = json.loads(read_small(path).decode("utf-8"))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: brackets nested past Python's limit
         raise UserError(f"{path} is damaged ({e}); restore it from a copy") from None
     unknown = (
         (set(config) - set(fields or config)) if isinstance(config, dict) else {"(not an object)"}
@@ -336,6 +336,17 @@ def _numbers(v) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and _number(x) for k, x in v.items())
 
 
+def _beta(v) -> bool:
+    """--beta-share's beta as a checkpoint keeps it: null (beta fixed), or a number --beta takes."""
+    from machinery import flags  # not at the top: flags imports this module
+
+    return v is None or (_number(v) and flags.broken("beta", v, flags.BOUNDS) is None)
+
+
+def _pair(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(map(_number, v))
+
+
 TRAINER_STATE = {
     "step": ("a step number", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "optimizer": (
@@ -345,11 +356,22 @@ TRAINER_STATE = {
     "baselines": ("RAE's baselines, {key: number}", _numbers),
     "elapsed": ("seconds, a number", _number),
     "judge_totals": ("the judge's totals or null", lambda v: v is None or _numbers(v)),
+    "beta": ("--beta-share's beta (null, or a number --beta takes)", _beta),
+    "recent": (  # before the scores were named: [phi, psi] pairs
+        "the recent judged steps' means, [{score: number}]",
+        lambda v: isinstance(v, list) and all(_numbers(r) or _pair(r) for r in v),
+    ),
 }
+# Keys kept since a later version: a checkpoint written before lacks them.
+LATER = {"beta", "recent"}
 RANK_STATE = {
     "rng": (
         "the RNG states",
-        lambda v: isinstance(v, dict) and {"rng", "python", "numpy", "torch", "cuda"} <= set(v),
+        lambda v: (
+            isinstance(v, dict)
+            and {"rng", "python", "numpy", "torch", "cuda"} <= set(v)
+            and _settable(v)
+        ),
     ),
     "lengths": ("game lengths, {game: number}", _numbers),
 }
@@ -358,7 +380,8 @@ RANK_STATE = {
 def load_state(path: Path, schema: dict, what: str = "--resume") -> dict:
     """A trainer_state.pt / rank<r>.pt, read with weights_only=True: tensors and plain containers only, so a planted
     pickle cannot run code (torch's own default since 2.6). A damaged file, or one without a key of `schema` (or
-    with the wrong kind of value there), ends in one line naming the file and the key."""
+    with the wrong kind of value there), ends in one line naming the file and the key; so does a
+    checkpoint's state whose step is not its folder's (a copy's step-000002 holding step 10**15)."""
     try:
         refuse_special(path)
         state = torch.load(path, weights_only=True)
@@ -376,10 +399,22 @@ def load_state(path: Path, schema: dict, what: str = "--resume") -> dict:
         ) from None
     bad = "it is not a dictionary" if not isinstance(state, dict) else None
     for key, (kind, ok) in schema.items():
-        if bad is None and (key not in state or not ok(state[key])):
-            bad = f"{key!r} is {'missing' if key not in state else 'not ' + kind}"
+        if bad is None and key not in state and key not in LATER:
+            bad = f"{key!r} is missing"
+        elif bad is None and key in state and not ok(state[key]):
+            bad = f"{key!r} is not {kind}"
     if bad:
         raise UserError(f"{what}: {path} is not a checkpoint of this project: {bad}; restore it")
+    folder = path.parent
+    if (
+        "step" in schema
+        and CHECKPOINT.fullmatch(folder.name)
+        and state["step"] != checkpoint_step(folder)
+    ):
+        raise UserError(
+            f"{what}: {path} records step {state['step']}, but its folder is {folder.name}: a "
+            "checkpoint's step is its folder's name; restore it"
+        )
     return state
 
 
@@ -395,17 +430,33 @@ def rng_states(rng: random.Random) -> dict:
     }
 
 
-def set_rng_states(rng: random.Random, s: dict) -> None:
+def _set(s: dict, rng: random.Random, python, numpy, generator: torch.Generator) -> None:
+    """The states `s` (rng_states') set in `rng`, Python's `python`, NumPy's `numpy` and torch's
+    `generator`."""
+    rng.setstate(s["rng"])
+    python.setstate(s["python"])
+    name, keys, pos, has_gauss, cached = s["numpy"]
+    numpy.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    generator.set_state(s["torch"])
+
+
+def _settable(s: dict) -> bool:
+    """The RNG states of a rank file can be set: tried on generators of their own, where a hand-made
+    state raises (a key out of range, the wrong length or kind); CUDA's: null or byte tensors."""
+    cuda = s["cuda"] is None or (
+        isinstance(s["cuda"], list)
+        and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in s["cuda"])
+    )
     try:
-        rng.setstate(s["rng"])
-        random.setstate(s["python"])
-        name, keys, pos, has_gauss, cached = s["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-        torch.set_rng_state(s["torch"])
-    except (TypeError, ValueError, RuntimeError) as e:  # a hand-made state: not what setstate takes
-        raise UserError(
-            f"--resume: a rank file's RNG states cannot be set ({type(e).__name__}); restore it"
-        ) from None
+        _set(s, random.Random(), random.Random(), np.random.RandomState(), torch.Generator())
+    except (TypeError, ValueError, KeyError, RuntimeError, OverflowError, IndexError):
+        return False
+    return cuda
+
+
+def set_rng_states(rng: random.Random, s: dict) -> None:
+    """Every RNG set from a rank file's states (load_state checked that they can be)."""
+    _set(s, rng, random, np.random, torch.default_generator)
     if s["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
 
@@ -492,11 +543,15 @@ def remove(path: Path) -> None:
 
 def resume_advice(run_dir: Path | None) -> str:
     """What a stopped run says about continuing: the checkpoint it resumes from, or a fresh start, with the command
-    that does it as it is to be typed (a SpyRL run is resumed by spyrl.py; a path with a space is quoted)."""
+    that does it as it is to be typed (a SpyRL run is resumed by spyrl.py; a path with a space is quoted;
+    a judge URL is named again, since a resume sends the key only where the command line confirms)."""
     if run_dir is None or not (run_dir / "config.json").exists():
         return ""
-    script = "spyrl.py" if read_config(run_dir).get("mode") == "spyrl" else "stratagem.py"
+    config = read_config(run_dir)
+    script = "spyrl.py" if config.get("mode") == "spyrl" else "stratagem.py"
     command = f"python {script} --resume --out {shlex.quote(str(run_dir))}"
+    if script == "stratagem.py" and config.get("judge_base_url"):
+        command += f" --judge-base-url {shlex.quote(str(config['judge_base_url']))}"
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return f" (no checkpoint yet: {command} starts it again from step 0)"

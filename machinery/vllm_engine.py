@@ -101,11 +101,13 @@ class VLLMPolicy:
         if current_platform.is_cpu():
             from transformers import AutoConfig
 
-            longest = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+            longest = config.max_position_embeddings
             whole = {"enable_chunked_prefill": False, "max_num_batched_tokens": longest}
         self.llm = vllm.LLM(
             model=model_dir,
             dtype="bfloat16",
+            trust_remote_code=False,
             enable_prefix_caching=True,
             seed=args.seed,
             **whole,

@@ -19,7 +19,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import judge_prompts
-from machinery import UserError
+from machinery import UserError, visible
+from machinery.openai_api import scrub
 from machinery.runfiles import warn as runfiles_warn
 from machinery.runfiles import write_atomic
 
@@ -105,11 +106,12 @@ def start_line(
     where += f", torch threads {threads[0]} ({threads[1]})" if threads else ""
     where += f", {world} ranks (torchrun), each playing 1/{world} of the games" if world > 1 else ""
     script = "spyrl" if args.mode == "spyrl" else "stratagem"
-    return (
+    return visible(  # the model, the out folder and the judge URL may come from a run's config.json
         f"{script}: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
         f"{where} | judge {judge} | steps {args.steps}, "
         f"batch {args.batch_size} transitions | "
-        f"logs metrics.jsonl{report}"
+        f"logs metrics.jsonl{report}",
+        lines=False,
     )
 
 
@@ -327,7 +329,7 @@ class Reporter:
                 settings=self.lib.Settings(save_code=False, disable_git=True),
             )
         except self.lib.errors.Error as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = scrub(str(e)).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(
                 f"--report-to wandb: {first} (or run offline: WANDB_MODE=offline)"
             ) from None

@@ -5,8 +5,10 @@ formulas from the files. Each test module imports what it uses from here, the tw
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
+import io
 import json
 import os
 import re
@@ -299,6 +301,18 @@ def judge_server_fixture():
     server = JudgeServer()
     yield server
     server.close()
+
+
+def fast_first(cases: list) -> list:
+    """A matrix of whole training runs, one case a class of reply: the first case in the fast tier, the rest
+    in the slow one (`pytest -m slow`), so the fast tier still runs each test's code path once."""
+    slow = pytest.mark.slow
+    return [cases[0]] + [
+        pytest.param(*c.values, marks=[*c.marks, slow], id=c.id)
+        if isinstance(c, type(pytest.param()))
+        else pytest.param(*c, marks=slow)
+        for c in cases[1:]
+    ]
 
 
 def free_port() -> int:
@@ -645,13 +659,12 @@ def python(args: list[str], cwd: Path, timeout: float = 900, **kw) -> subprocess
 
 
 def dry_run(*flags) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(HERE / "stratagem.py"), "--dry-run", *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    """`stratagem.py --dry-run FLAGS`, in this process (the fresh interpreter's is
+    test_dry_run_prints_the_plan_and_the_money_and_writes_nothing's)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = S.main(["--dry-run", *flags])
+    return subprocess.CompletedProcess(["--dry-run", *flags], code, out.getvalue(), err.getvalue())
 
 
 def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

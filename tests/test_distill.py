@@ -444,7 +444,8 @@ def distilled_runs(tmp_path_factory):
     try:
         assert run(flags + ["--steps", "8", "--out", str(root / "whole")]) == 0
         assert run(flags + ["--steps", "4", "--out", str(root / "part")]) == 0
-        assert run(["--resume", "--out", str(root / "part"), "--steps", "8"]) == 0
+        resume = ["--resume", "--out", str(root / "part"), "--steps", "8"]
+        assert run(resume + ["--judge-base-url", server.url]) == 0
     finally:
         server.close()
     return root / "whole", root / "part"

@@ -31,6 +31,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     completion,
     endless_body,
     error_of,
+    fast_first,
     files_contain,
     free_port,
     good_judge,
@@ -188,35 +189,37 @@ MB_OF_PROSE = "the reasoning is {fine} " * 45_000
 
 @pytest.mark.parametrize(
     "name, behaviour, kind",
-    [
-        ("500", only_role1(500, {"error": {"message": "boom"}}), "server_error"),
-        (
-            "429 with Retry-After",
-            only_role1(429, {"error": {"message": "slow down"}}, {"Retry-After": "0"}),
-            "rate_limit",
-        ),
-        ("timeout", sleepy(8.0), "timeout"),
-        ("empty choices", only_role1(200, {**completion("x"), "choices": []}), "empty"),
-        (
-            "prose only",
-            only_role1(200, completion("The player reasons well; I would give high marks.")),
-            "no_json",
-        ),
-        (
-            "fence with broken JSON",
-            only_role1(200, completion('```json\n{"alpha": 1, "sigma": 0.5, "rho": \n```')),
-            "no_json",
-        ),
-        (
-            "values out of range",
-            only_role1(
-                200, completion('{"alpha": 2, "sigma": 0.5, "rho": 0, "d": 5, "a": 0, "c": 0}')
+    fast_first(
+        [
+            ("500", only_role1(500, {"error": {"message": "boom"}}), "server_error"),
+            (
+                "429 with Retry-After",
+                only_role1(429, {"error": {"message": "slow down"}}, {"Retry-After": "0"}),
+                "rate_limit",
             ),
-            "bad_value",
-        ),
-        ("missing keys", only_role1(200, completion('{"alpha": 1, "d": 1}')), "missing_keys"),
-        ("1 MB reply", only_role1(200, completion(MB_OF_PROSE)), "no_json"),
-    ],
+            ("timeout", sleepy(8.0), "timeout"),
+            ("empty choices", only_role1(200, {**completion("x"), "choices": []}), "empty"),
+            (
+                "prose only",
+                only_role1(200, completion("The player reasons well; I would give high marks.")),
+                "no_json",
+            ),
+            (
+                "fence with broken JSON",
+                only_role1(200, completion('```json\n{"alpha": 1, "sigma": 0.5, "rho": \n```')),
+                "no_json",
+            ),
+            (
+                "values out of range",
+                only_role1(
+                    200, completion('{"alpha": 2, "sigma": 0.5, "rho": 0, "d": 5, "a": 0, "c": 0}')
+                ),
+                "bad_value",
+            ),
+            ("missing keys", only_role1(200, completion('{"alpha": 1, "d": 1}')), "missing_keys"),
+            ("1 MB reply", only_role1(200, completion(MB_OF_PROSE)), "no_json"),
+        ]
+    ),
 )
 def test_train_with_a_misbehaving_judge_completes_and_imputes_the_right_trajectories(
     tmp_path, secret_key, name, behaviour, kind, talkers
@@ -324,79 +327,84 @@ def test_JudgeRunner_puts_paid_requests_on_record_before_their_reply_is_read(
 
 @pytest.mark.parametrize(
     "name, behaviour, kind",
-    [
-        (
-            "very long integer",
-            only_role1(
-                200,
-                completion(
-                    '{"alpha": 1' + "0" * 400 + ', "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}'
-                ),
-            ),
-            "bad_value",
-        ),
-        ("{ and a thousand [", only_role1(200, completion('{"d": ' + "[" * 1000)), "no_json"),
-        (
-            "cut off by the token limit",
-            only_role1(
-                200,
-                {
-                    **completion(
-                        'The player wrote {"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}. My own verdict'
+    fast_first(
+        [
+            (
+                "very long integer",
+                only_role1(
+                    200,
+                    completion(
+                        '{"alpha": 1'
+                        + "0" * 400
+                        + ', "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}'
                     ),
-                    "choices": [
-                        {
-                            "index": 0,
-                            "finish_reason": "length",
-                            "message": {
-                                "role": "assistant",
-                                "content": 'The player wrote {"alpha": 1, "sigma": 1, "rho": 1, '
-                                '"d": 1, "a": 1, "c": 1}. My own',
-                            },
-                        }
-                    ],
-                },
-            ),
-            "finish_length",
-        ),
-        (
-            "content filter",
-            only_role1(
-                200,
-                _completion_with(
-                    choices=[
-                        {
-                            "index": 0,
-                            "finish_reason": "content_filter",
-                            "message": {
-                                "role": "assistant",
-                                "content": '{"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}',
-                            },
-                        }
-                    ]
                 ),
+                "bad_value",
             ),
-            "finish_content_filter",
-        ),
-        (
-            "no finish reason",
-            only_role1(
-                200,
-                _completion_with(
-                    choices=[
-                        {
-                            "index": 0,
-                            "message": {
-                                "role": "assistant",
-                                "content": '{"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}',
-                            },
-                        }
-                    ]
+            ("{ and a thousand [", only_role1(200, completion('{"d": ' + "[" * 1000)), "no_json"),
+            (
+                "cut off by the token limit",
+                only_role1(
+                    200,
+                    {
+                        **completion(
+                            'The player wrote {"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}.'
+                            " My own verdict"
+                        ),
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "length",
+                                "message": {
+                                    "role": "assistant",
+                                    "content": 'The player wrote {"alpha": 1, "sigma": 1, "rho": 1, '
+                                    '"d": 1, "a": 1, "c": 1}. My own',
+                                },
+                            }
+                        ],
+                    },
                 ),
+                "finish_length",
             ),
-            "finish_other",
-        ),
-    ],
+            (
+                "content filter",
+                only_role1(
+                    200,
+                    _completion_with(
+                        choices=[
+                            {
+                                "index": 0,
+                                "finish_reason": "content_filter",
+                                "message": {
+                                    "role": "assistant",
+                                    "content": '{"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}',
+                                },
+                            }
+                        ]
+                    ),
+                ),
+                "finish_content_filter",
+            ),
+            (
+                "no finish reason",
+                only_role1(
+                    200,
+                    _completion_with(
+                        choices=[
+                            {
+                                "index": 0,
+                                "message": {
+                                    "role": "assistant",
+                                    "content": '{"alpha": 1, "sigma": 1, "rho": 1, "d": 1, "a": 1, "c": 1}',
+                                },
+                            }
+                        ]
+                    ),
+                ),
+                "finish_other",
+            ),
+        ]
+    ),
 )
 def test_JudgeRunner_counts_odd_verdicts_never_caches_them_and_records_them_paid(
     tmp_path, secret_key, name, behaviour, kind, talkers

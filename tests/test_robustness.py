@@ -25,6 +25,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     ScriptedPolicy,
     _completion_with,
     error_of,
+    fast_first,
     fresh,
     judge_server_fixture,
     no_process_left_behind,
@@ -329,43 +330,52 @@ def test_parse_scores_takes_an_oversized_number_in_a_verdict_as_a_failure_of_a_k
 
 @pytest.mark.parametrize(
     "name, behaviour",
-    [
-        ("not JSON", only_role1(200, b"this is not json {", {"Content-Type": "application/json"})),
-        (
-            "HTML error page",
-            only_role1(
-                200,
-                b"<html><body><h1>502 Bad Gateway</h1></body></html>",
-                {"Content-Type": "text/html"},
+    fast_first(
+        [
+            (
+                "not JSON",
+                only_role1(200, b"this is not json {", {"Content-Type": "application/json"}),
             ),
-        ),
-        ("JSON but a list", only_role1(200, b"[1, 2, 3]", {"Content-Type": "application/json"})),
-        ("choices not a list", only_role1(200, _completion_with(choices={"0": "x"}))),
-        (
-            "content a list of parts",
-            only_role1(
-                200,
-                _completion_with(
-                    choices=[
-                        {
-                            "index": 0,
-                            "finish_reason": "stop",
-                            "message": {
-                                "role": "assistant",
-                                "content": [{"type": "text", "text": '{"alpha": 1}'}],
-                            },
-                        }
-                    ]
+            (
+                "HTML error page",
+                only_role1(
+                    200,
+                    b"<html><body><h1>502 Bad Gateway</h1></body></html>",
+                    {"Content-Type": "text/html"},
                 ),
             ),
-        ),
-        (
-            "non-numeric usage",
-            only_role1(
-                200, _completion_with(usage={"prompt_tokens": "lots", "completion_tokens": None})
+            (
+                "JSON but a list",
+                only_role1(200, b"[1, 2, 3]", {"Content-Type": "application/json"}),
             ),
-        ),
-    ],
+            ("choices not a list", only_role1(200, _completion_with(choices={"0": "x"}))),
+            (
+                "content a list of parts",
+                only_role1(
+                    200,
+                    _completion_with(
+                        choices=[
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "message": {
+                                    "role": "assistant",
+                                    "content": [{"type": "text", "text": '{"alpha": 1}'}],
+                                },
+                            }
+                        ]
+                    ),
+                ),
+            ),
+            (
+                "non-numeric usage",
+                only_role1(
+                    200,
+                    _completion_with(usage={"prompt_tokens": "lots", "completion_tokens": None}),
+                ),
+            ),
+        ]
+    ),
 )
 def test_chat_reply_of_200_with_a_broken_body_is_a_counted_failure_never_a_crash(
     tmp_path, secret_key, name, behaviour, talkers

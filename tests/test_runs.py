@@ -407,6 +407,13 @@ def test_resume_advice_of_a_stopped_run_is_a_command_that_works_as_printed(tmp_p
         assert runfiles.resume_advice(run_dir) == (
             f" (continue from step-000002 with: python {script} --resume --out {shlex.quote(str(run_dir))})"
         )
+    url = "http://127.0.0.1:9/v1?a b"  # a resume sends the key only where its command line says
+    (run_dir := tmp_path / "judged").mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"mode": "stratagem", "judge_base_url": url}))
+    assert runfiles.resume_advice(run_dir) == (
+        f" (no checkpoint yet: python stratagem.py --resume --out {run_dir} --judge-base-url "
+        f"'{url}' starts it again from step 0)"
+    )
 
 
 def test_stop_handler_stops_a_run_on_sigterm_like_ctrl_c_and_it_resumes(tmp_path):
@@ -578,7 +585,7 @@ def test_save_checkpoint_stopped_midway_then_resume_is_the_uninterrupted_run(tmp
         if stop == "SIGTERM":
             assert proc.returncode == 143 and err == (
                 f"stratagem: stopped by SIGTERM (continue from step-000001 with: python stratagem.py --resume "
-                f"--out {part})\n"
+                f"--out {part} --judge-base-url {server.url})\n"
             ), err
         else:
             assert proc.returncode == -9
@@ -586,7 +593,10 @@ def test_save_checkpoint_stopped_midway_then_resume_is_the_uninterrupted_run(tmp
             [".tmp-step-000002"] if stop == "SIGKILL" else []
         )  # a kill -9 leaves the half-written one
         assert sorted(p.name for p in (part / "checkpoints").iterdir()) == [*left, "step-000001"]
-        assert run(["--resume", "--out", str(part), "--steps", "3"]) == 0
+        assert (
+            run(["--resume", "--out", str(part), "--steps", "3", "--judge-base-url", server.url])
+            == 0
+        )
     finally:
         server.close()
     paid = ("judge_requests", "judge_cache_hits", "judge_prompt_tokens", "judge_completion_tokens")

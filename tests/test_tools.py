@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+import spyrl
 import stratagem as S
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     HERE,
@@ -148,6 +149,20 @@ def finished_runs(tmp_path_factory):
     return runs
 
 
+@pytest.fixture(scope="module")
+def trained_runs(tmp_path_factory):
+    """A finished tiny run of each script, trained in this process (the fast tier's; finished_runs starts them as a
+    user does, for the tests of what they print)."""
+    not_for_the_vllm_tests()
+    tmp = tmp_path_factory.mktemp("trained")
+    runs = {}
+    for script, main in (("stratagem.py", S.main), ("spyrl.py", spyrl.main)):
+        out = tmp / script.removesuffix(".py")
+        assert main(SMALL + ["--steps", "1", "--out", str(out)]) == 0
+        runs[script] = out
+    return runs
+
+
 def suggested(lines: list[str]) -> list[list[str]]:
     """The commands a closing line suggests, as argv lists."""
     assert lines[-1].startswith("done: 1 step in ")  # one step, not "1 steps"
@@ -190,10 +205,9 @@ def test_closing_line_commands_work_as_printed_from_the_repository_root_twice(
     assert set(os.listdir(HERE)) == before  # every output went into the run's own folder
 
 
-def test_eval_takes_the_runs_settings_says_so_and_a_given_flag_wins(
-    finished_runs, tmp_path, capsys
-):
-    out, _ = finished_runs["stratagem.py"]
+def test_eval_takes_the_runs_settings_says_so_and_a_given_flag_wins(trained_runs, tmp_path, capsys):
+    out = trained_runs["stratagem.py"]
+    capsys.readouterr()
     argv = ["eval", str(out / "checkpoints" / "step-000001"), "--n", "1", "--games", "TicTacToe-v0"]
     assert run(argv + ["--max-new-tokens", "4", "--json", str(tmp_path / "e.json")]) == 0
     said = capsys.readouterr().out.splitlines()[0]
@@ -360,7 +374,7 @@ def test_draw_plot_draws_the_levels_as_one_panel_per_dimension_with_a_line_per_r
 
 
 def test_draw_plot_keeps_its_title_in_the_figure_and_draws_judge_figures_for_judged_runs_only(
-    finished_runs, tmp_path
+    trained_runs, tmp_path
 ):
     import matplotlib
 
@@ -368,8 +382,8 @@ def test_draw_plot_keeps_its_title_in_the_figure_and_draws_judge_figures_for_jud
     import matplotlib.pyplot as plt
 
     long = tmp_path / ("stratagem-distill-tiny-s1-20261201-072413-" + "x" * 40)
-    shutil.copytree(finished_runs["stratagem.py"][0], long)
-    spy = finished_runs["spyrl.py"][0]
+    shutil.copytree(trained_runs["stratagem.py"], long)
+    spy = trained_runs["spyrl.py"]
     runs = [(r, tools_runs.read_metrics(r)) for r in (long, spy)]
     fig = plot.draw_plot(plt, "judge_requests", runs)
     fig.canvas.draw()
@@ -527,9 +541,10 @@ def test_show_prints_each_turns_prompt_as_format_prompt_wrote_it_and_the_run_sav
 
 
 def test_show_spy_game_shows_each_vote_with_its_own_label_and_no_negative_zero(
-    finished_runs, capsys
+    trained_runs, capsys
 ):
-    assert run(["show", str(finished_runs["spyrl.py"][0]), "--index", "0"]) == 0
+    capsys.readouterr()
+    assert run(["show", str(trained_runs["spyrl.py"]), "--index", "0"]) == 0
     printed = capsys.readouterr().out
     assert "-0.0000" not in printed and show.signed(-0.0) == show.signed(-4e-9) == "+0.0000"
     lines = printed.splitlines()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -182,9 +180,17 @@ KEEP = [
 ]
 
 
-def test_keep_best_refuses_a_planted_link_and_writes_nothing_through_it(tmp_path, capsys):
-    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+@pytest.fixture(scope="module", name="kept_run")
+def kept_run_fixture(tmp_path_factory):
+    """A finished one-step --keep-best run, copied by the tests that plant something in its best/."""
+    not_for_the_vllm_tests()
+    out = tmp_path_factory.mktemp("kept") / "run"
     assert run(SMALL + KEEP + ["--steps", "1", "--out", str(out)]) == 0
+    return out
+
+
+def test_keep_best_refuses_a_planted_link_and_writes_nothing_through_it(kept_run, tmp_path, capsys):
+    out, elsewhere = copy_run(kept_run, tmp_path), tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "config.json").write_text("mine")
     (out / ".best-tmp").symlink_to(elsewhere)
@@ -213,9 +219,10 @@ def test_keep_best_refuses_a_planted_link_and_writes_nothing_through_it(tmp_path
         ),
     ],
 )
-def test_read_best_ends_in_one_line_on_a_best_of_the_wrong_kind(tmp_path, capsys, plant, message):
-    out = tmp_path / "run"
-    assert run(SMALL + KEEP + ["--steps", "1", "--out", str(out)]) == 0
+def test_read_best_ends_in_one_line_on_a_best_of_the_wrong_kind(
+    kept_run, tmp_path, capsys, plant, message
+):
+    out = copy_run(kept_run, tmp_path)
     plant(out / "best")
     err = error_of(
         capsys, ["--resume", "--out", str(out), "--steps", "2"]
@@ -319,21 +326,9 @@ def test_check_folder_refuses_config_sizes_before_anything_is_allocated(
         ["eval", str(model), "--n", "1", "--games", "KuhnPoker-v1", "--json", str(tmp_path / "j")],
     )
     assert message in err and err.count("\n") == 1
-    dry = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "stratagem.py"),
-            "--dry-run",
-            "--model",
-            str(model),
-            "--out",
-            str(tmp_path / "n"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert dry.returncode == 2 and message in dry.stderr and "fits" not in dry.stdout
+    assert run(["--dry-run", "--model", str(model), "--out", str(tmp_path / "n")]) == 2
+    dry = capsys.readouterr()
+    assert message in dry.err and "fits" not in dry.out
 
 
 def test_plan_lines_read_a_gpt2_config_and_say_which_key_a_shapeless_one_lacks():

@@ -16,7 +16,7 @@ from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser, field_docs, number_pair
 from machinery.matches import RandomPlayer, summarize_matches, wilson
 from machinery.openai_api import check_base_url, check_reachable, concurrently, openai_client
-from machinery.runfiles import check_writable_file, latest_checkpoint, read_config
+from machinery.runfiles import check_writable_file, latest_checkpoint
 from machinery.vllm_engine import VLLMPolicy
 from machinery.watch import quiet_transformers
 from stratagem import (
@@ -161,7 +161,7 @@ def settings(ns, run: Path | None) -> list[str]:
     """Fill each of FROM_RUN's flags not given on the command line: from the run's config.json where the model is
     a run (its generation settings, how it reads and pays moves, its --eval-* games), else the trainer's
     defaults. Returns the flags taken from the run, as `--flag value`, to be said."""
-    config = read_config(run) if run is not None else {}
+    config = flags.run_config(run, Args) if run is not None else {}
     taken = []
     for flag, key in FROM_RUN.items():
         if getattr(ns, flag) is None:
@@ -308,7 +308,7 @@ def main(argv: list[str]) -> int:
     )
     path = resolve_model_path(ns.model)
     trained = flags.items(
-        read_config(run).get("games", Args.games) if run is not None else Args.games
+        flags.run_config(run, Args).get("games", Args.games) if run is not None else Args.games
     )
     unseen = [g for g in games if g not in trained]
     said = f"{', '.join(taken)}; " if taken else ""

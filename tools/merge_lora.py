@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from machinery import UserError, lora
+from machinery import UserError, flags, lora, modelfiles
 from machinery.flags import FriendlyParser
-from machinery.runfiles import check_writable_dir, latest_checkpoint, read_config
+from machinery.runfiles import check_writable_dir, latest_checkpoint
 from machinery.watch import quiet_transformers
-from stratagem import WARM_START, build_random_model, load_policy
+from stratagem import WARM_START, Args, build_random_model, load_policy
 
 
 def adapter_and_run(path: Path) -> tuple[Path, Path | None]:
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     if os.path.exists(ns.out):
         raise UserError(f"{ns.out} already exists")
     check_writable_dir(Path(ns.out), "out")
-    config = read_config(run) if run is not None else {}
+    config = flags.run_config(run, Args) if run is not None else {}
     if not ns.base and not config:
         raise UserError(f"{ckpt} is not inside a run directory: name its base model with --base")
     quiet_transformers()
@@ -71,9 +71,11 @@ def main(argv: list[str]) -> int:
         merged = lora.load_adapters(
             model, ckpt, trainable=False
         ).merge_and_unload()  # fp32: nothing rounds
+    if name := modelfiles.first_nonfinite(merged.named_parameters()):
+        raise UserError(f"the merged weights are not finite (tensor {name}): nothing written")
+    modelfiles.refuse_code(ckpt)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=False)  # the run's own
     merged.save_pretrained(ns.out)
-    AutoTokenizer.from_pretrained(ckpt).save_pretrained(
-        ns.out
-    )  # the run's own, saved beside the adapter
+    tokenizer.save_pretrained(ns.out)
     print(f"merged the adapter of {ckpt} into {base}: a whole model in {ns.out}")
     return 0

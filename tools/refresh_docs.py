@@ -7,6 +7,7 @@ a PNG of docs/. The learning figures need the ablation's nine runs (an hour on 2
 from __future__ import annotations
 
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -83,22 +84,39 @@ def train_group(group: str, folder: Path, ablation: Path | None) -> Path:
     return folder
 
 
+def start_judge(flags: list[str], wait: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """A `serve-judge FLAGS` of the demo's own and its URL: the server binds a free port (--port 0) and names
+    it in its ready line, so the demo talks to the server it started, never to whatever listens on a fixed port
+    (which would get the API key and the trajectories). One line if it does not start within `wait` seconds."""
+    server = subprocess.Popen(
+        [sys.executable, str(HERE / "stratagem.py"), "serve-judge", "--port", "0", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ready = select.select([server.stdout], [], [], wait)[0]
+    port = re.search(r"http://127\.0\.0\.1:(\d+)/v1 ", server.stdout.readline() if ready else "")
+    if port is None:
+        said = stop_judge(server).strip().splitlines()[-1:] or [f"not ready in {wait:g} s"]
+        raise UserError(f"serve-judge {' '.join(flags)} did not start: {said[0]}")
+    return server, f"http://127.0.0.1:{port.group(1)}/v1"
+
+
+def stop_judge(server: subprocess.Popen) -> str:
+    """Stop a demo judge (it keeps nothing worth a clean exit); what it wrote to stderr."""
+    server.kill()
+    return server.communicate()[1] or ""
+
+
 def distill_demo(folder: Path) -> None:
     """docs/distill.md's demonstration: two teacher servers, 40 steps, then 20 more against the noisy one."""
-    servers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "stratagem.py"),
-                "serve-judge",
-                "--teacher",
-                "tokens",
-                *extra,
-            ]
-        )
-        for extra in (["--port", "8741"], ["--noise", "1", "--port", "8742"])
-    ]
+    servers: list[subprocess.Popen] = []
     try:
+        urls = []
+        for extra in ([], ["--noise", "1"]):
+            server, url = start_judge(["--teacher", "tokens", *extra])
+            servers.append(server)
+            urls.append(url)
         run = str(folder / "distill-demo")
         judge = ["--judge", "openai", "--judge-model", "tokens-teacher", "--judge-price-in", "2.5"]
         flags = [
@@ -121,17 +139,7 @@ def distill_demo(folder: Path) -> None:
             "--distill-audit-rate",
             "0.125",
         ]
-        python(
-            [
-                str(HERE / "stratagem.py"),
-                *flags,
-                "--judge-base-url",
-                "http://127.0.0.1:8741/v1",
-                "--out",
-                run,
-            ]
-        )
-        url = "http://127.0.0.1:8742/v1"
+        python([str(HERE / "stratagem.py"), *flags, "--judge-base-url", urls[0], "--out", run])
         python(
             [
                 str(HERE / "stratagem.py"),
@@ -141,12 +149,12 @@ def distill_demo(folder: Path) -> None:
                 "--steps",
                 "60",
                 "--judge-base-url",
-                url,
+                urls[1],
             ]
         )
     finally:
         for server in servers:
-            server.terminate()
+            stop_judge(server)
 
 
 def draw(name: str, runs: list[Path], out: Path) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from machinery import UserError
-from machinery.runfiles import read_config, read_jsonl, warn
-from stratagem import Trajectory, Turn
+from machinery import UserError, flags
+from machinery.runfiles import read_jsonl, warn
+from stratagem import Args, Trajectory, Turn
 
 
 def run_file(run: Path, name: str) -> Path:
@@ -70,7 +70,8 @@ def read_trajectories(run: Path) -> list[Trajectory]:
 
 
 def run_config(run: Path) -> dict:
-    return read_config(run) if (run / "config.json").exists() else {}
+    """The run's config.json ({} where it has none), each value checked as a resume checks it."""
+    return flags.run_config(run, Args)
 
 
 def run_mode(run: Path) -> str:

@@ -4,6 +4,7 @@ for offline dry runs of the --judge openai path; or, with --teacher tokens, a sy
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import http.server
@@ -11,6 +12,7 @@ import json
 import math
 import random
 import re
+import socket
 import sys
 import tempfile
 import threading
@@ -111,10 +113,75 @@ class TokenTeacher:
         return {k: levels.get(k, 0.5) for k in keys}
 
 
+# The largest request body read, in bytes. A trainer's biggest request (a 50-turn game of 4096-token
+# responses, ~1 MB rendered, its non-ASCII characters escaped in JSON) fits several times over; a
+# longer Content-Length is answered 413 before a byte of the body is read, so that no client can
+# make the server hold a body of its choosing in memory.
+MAX_BODY = 8 << 20
+
+
 class JudgeHTTPServer(http.server.ThreadingHTTPServer):
+    """A threading server no client can hold: at most `threads` connections are served at once (more
+    wait in the backlog for a free thread), no read or write waits more than `read_seconds` for the
+    peer, and a connection whose handler started its clock (`start_clock`) must deliver its request
+    within `read_seconds`, or is cut: an idle or trickling client cannot keep a thread."""
+
     request_queue_size = (
         256  # the default backlog of 5 drops bursts of concurrent judge connections
     )
+    threads = 64  # --judge-concurrency's default: a run's burst is served at once (docs/speed.md)
+    # A trainer sends its request in milliseconds; MAX_BODY takes 30 s at 2 Mbit/s.
+    read_seconds = 30.0
+
+    def __init__(self, address, handler):
+        self.slots = threading.BoundedSemaphore(self.threads)
+        self.deadlines: dict[socket.socket, float] = {}
+        self.closed = threading.Event()
+        super().__init__(address, handler)
+        threading.Thread(target=self._cut_late_requests, daemon=True).start()
+
+    def get_request(self):
+        conn, address = super().get_request()
+        conn.settimeout(self.read_seconds)
+        return conn, address
+
+    def process_request(self, request, client_address):
+        self.slots.acquire()  # beyond `threads`, the next connection waits for a thread to end
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.stop_clock(request)
+            self.slots.release()
+
+    def start_clock(self, conn: socket.socket) -> None:
+        self.deadlines[conn] = time.monotonic() + self.read_seconds
+
+    def stop_clock(self, conn: socket.socket) -> None:
+        self.deadlines.pop(conn, None)
+
+    def _cut_late_requests(self) -> None:
+        """Shuts every connection still reading its request past its deadline: its handler reads
+        the end of the input."""
+        while not self.closed.wait(min(1.0, self.read_seconds / 4)):
+            now = time.monotonic()
+            for conn, until in list(self.deadlines.items()):
+                if until < now:
+                    self.stop_clock(conn)
+                    with contextlib.suppress(OSError):  # closed meanwhile
+                        conn.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request, client_address):
+        """A client that went away, was too slow or was cut is no error of the server's: nothing on
+        stderr."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+    def server_close(self):
+        self.closed.set()
+        super().server_close()
 
 
 def make_judge_server(
@@ -130,7 +197,8 @@ def make_judge_server(
     and the trainer's start-up probe (machinery/judge.py) as a real judge would.
     With `noise`, each level is replaced by a random one with that probability (seeded by the request),
     so it can play a second, disagreeing judge; `delay` seconds before each answer imitate a slow
-    model. Usage counts ~4 characters per token."""
+    model. Usage counts ~4 characters per token. A body longer than MAX_BODY is answered 413
+    unread, and the request must arrive within JudgeHTTPServer.read_seconds."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *a):  # quiet
@@ -153,7 +221,12 @@ def make_judge_server(
             )
             return True
 
+        def setup(self):
+            super().setup()
+            self.server.start_clock(self.connection)  # the request must arrive within read_seconds
+
         def do_GET(self):
+            self.server.stop_clock(self.connection)
             if self._no_route():
                 return
             self._send(
@@ -164,14 +237,26 @@ def make_judge_server(
                 },
             )
 
-        def _chat_request(self) -> tuple[dict, str] | None:
-            """The request's JSON body and its last message's text; None for anything else (not JSON, not a
-            chat request, a bad Content-Length), which is answered 400."""
+        def _body(self) -> bytes | None:
+            """The request's body, read once its Content-Length is known to be at most MAX_BODY;
+            None, with the refusal sent (400: no number; 413: too long, left unread), for others."""
             length = self.headers.get("Content-Length", "0")
             if not length.isascii() or not length.isdigit():
+                self._send(400, {"error": {"message": "Content-Length is not a number of bytes"}})
                 return None
+            digits = length.lstrip("0") or "0"  # its length first: int() of 5,000 digits raises
+            if len(digits) > len(str(MAX_BODY)) or int(digits) > MAX_BODY:
+                self._send(413, {"error": {"message": f"the body is longer than {MAX_BODY} bytes"}})
+                return None
+            body = self.rfile.read(int(digits))
+            self.server.stop_clock(self.connection)
+            return body
+
+        def _chat_request(self, raw: bytes) -> tuple[dict, str] | None:
+            """The request's JSON body and its last message's text; None for anything else (not
+            JSON, not a chat request), which is answered 400."""
             try:
-                body = json.loads(self.rfile.read(int(length)) or b"{}")
+                body = json.loads(raw or b"{}")
                 content = body["messages"][-1]["content"]
             except (ValueError, RecursionError, KeyError, IndexError, TypeError):
                 return None
@@ -180,7 +265,10 @@ def make_judge_server(
         def do_POST(self):
             if self._no_route():
                 return
-            request = self._chat_request()
+            raw = self._body()
+            if raw is None:
+                return
+            request = self._chat_request(raw)
             body, content = request or ({}, "")
             if content.startswith(
                 PROBE_TEXT

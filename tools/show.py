@@ -10,9 +10,9 @@ import judge_prompts
 from games import spy
 from machinery import UserError, visible
 from machinery.flags import FriendlyParser
-from machinery.runfiles import read_config, read_jsonl
+from machinery.runfiles import read_jsonl
 from stratagem import asked
-from tools.runs import keep, run_file
+from tools.runs import keep, run_config, run_file
 
 
 def say(text: str) -> None:
@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
     )
     ns = p.parse_args(argv)
     path = run_file(Path(ns.run), "trajectories.jsonl")
-    if read_config(Path(ns.run)).get("mode") == "spyrl":
+    config = run_config(Path(ns.run))
+    if config.get("mode") == "spyrl":
         rows = keep(read_jsonl(path), path, spy_line_ok, "whole SpyRL trajectory")
         return show_spy_game(ns, [r for r in rows if not ns.step or r.get("step") == ns.step])
     rows = [
@@ -64,7 +65,6 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--index must be in [0, {len(rows) - 1}]")
     i = ns.index if ns.index >= 0 else random.Random(ns.seed).randrange(len(rows))
     r = rows[i]
-    config = read_config(Path(ns.run))
     beta = config.get("beta", 0.0)
     turns = r.get("turns") if isinstance(r.get("turns"), list) else []
     say(

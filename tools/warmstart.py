@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -559,19 +560,30 @@ def main(argv: list[str]) -> int:
         1
     )  # one thread: the same sums in the same order on one machine (the same bytes), and the
     # fastest for a model this small (two threads were 1.9x slower on 2 cores: docs/learning.md)
+    final = Path(out)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    try:  # built beside DIR and renamed last: a failed or stopped build leaves no model folder
+        build_and_measure(folder, recipe, eval_n)
+        follow_umask(folder)  # some writers create 0600 files; a shipped model follows the umask
+        folder.rename(final)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+def build_and_measure(folder: Path, recipe: Recipe, eval_n: int) -> None:
+    """The warm start built in `folder`, measured on eval_n held-out games per id (0: not measured), and
+    its warmstart.json (the recipe, the machine, the time taken and the measures) written last."""
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    try:
-        model, tokenizer, losses = build(
-            out,
-            recipe,
-            lambda step, loss: print(
-                f"step {step}/{recipe.steps} loss {loss:.4f} {time.perf_counter() - t0:.0f}s",
-                flush=True,
-            ),
-        )
-    except BaseException:  # a failed or interrupted build leaves no half-taught model in DIR
-        shutil.rmtree(out, ignore_errors=True)
-        raise
+    model, tokenizer, losses = build(
+        str(folder),
+        recipe,
+        lambda step, loss: print(
+            f"step {step}/{recipe.steps} loss {loss:.4f} {time.perf_counter() - t0:.0f}s",
+            flush=True,
+        ),
+    )
     seconds, cpu = time.perf_counter() - t0, time.process_time()
     report = {
         "recipe": dataclasses.asdict(recipe),
@@ -591,32 +603,35 @@ def main(argv: list[str]) -> int:
         f"final loss {losses[-1]:.4f}"
     )
     if eval_n:
-        policy = HFPolicy(
-            model, tokenizer, Args(max_new_tokens=48, temperature=1.0), torch.device("cpu")
+        report["measure"] = measure_all(model, tokenizer, recipe, eval_n)
+        print_measures(report["measure"])
+    Path(folder, "warmstart.json").write_text(json.dumps(report, indent=1))
+
+
+def measure_all(model, tokenizer, recipe: Recipe, eval_n: int) -> dict:
+    """`measure` of every two-player game of the recipe, and `measure_spy` where it has SpyRL's game."""
+    policy = HFPolicy(
+        model, tokenizer, Args(max_new_tokens=48, temperature=1.0), torch.device("cpu")
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(recipe.seed)
+        games = [g for g in recipe.moves_per_game() if g != spy.GAME]
+        opponent = RandomPlayer(random.Random(recipe.seed))
+        out = measure(policy, tokenizer, opponent, games, eval_n, recipe.seed + 10**6)
+        if spy.GAME in recipe.moves_per_game():
+            out |= measure_spy(policy, tokenizer, eval_n, recipe.seed + 10**6)
+    return out
+
+
+def print_measures(measures: dict) -> None:
+    """A line per game id (the legal-move rate, the length and the win rate), and the styles said."""
+    for game, r in measures.items():
+        if game == spy.GAME:
+            print(f"{game:22} " + "  ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "games"))
+            continue
+        print(
+            f"{game:22} legal {r['legal_rate']:.3f} ({r['moves']} moves)  length {r['length']:.2f}  "
+            f"win {r['win_rate']:.3f} [{r['win_ci95'][0]:.3f}, {r['win_ci95'][1]:.3f}]  draw {r['draw_rate']:.3f}"
         )
-        with torch.random.fork_rng():
-            torch.manual_seed(recipe.seed)
-            games = [g for g in recipe.moves_per_game() if g != spy.GAME]
-            opponent = RandomPlayer(random.Random(recipe.seed))
-            report["measure"] = measure(
-                policy, tokenizer, opponent, games, eval_n, recipe.seed + 10**6
-            )
-            if spy.GAME in recipe.moves_per_game():
-                report["measure"] |= measure_spy(policy, tokenizer, eval_n, recipe.seed + 10**6)
-        for game, r in report["measure"].items():
-            if game == spy.GAME:
-                print(
-                    f"{game:22} " + "  ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "games")
-                )
-                continue
-            print(
-                f"{game:22} legal {r['legal_rate']:.3f} ({r['moves']} moves)  length {r['length']:.2f}  "
-                f"win {r['win_rate']:.3f} [{r['win_ci95'][0]:.3f}, {r['win_ci95'][1]:.3f}]  draw {r['draw_rate']:.3f}"
-            )
-            shares = "  ".join(f"{k} {v:.2f}" for k, v in r["styles"].items())
-            print(f"{'':22} styles: {shares}  state right {fmt(r['state_right'])}")
-    Path(out, "warmstart.json").write_text(json.dumps(report, indent=1))
-    follow_umask(
-        Path(out)
-    )  # some writers create 0600 files; a shipped model follows the umask like the rest
-    return 0
+        shares = "  ".join(f"{k} {v:.2f}" for k, v in r["styles"].items())
+        print(f"{'':22} styles: {shares}  state right {fmt(r['state_right'])}")
