@@ -667,16 +667,16 @@ def dry_run(*flags) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["--dry-run", *flags], code, out.getvalue(), err.getvalue())
 
 
-def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
+def torchrun_argv() -> list[str]:
+    """torchrun with two ranks on a free port, as a command line to extend."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"] + [
         "--master-port",
         str(free_port()),
     ]
+
+
+def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = torchrun_argv()
     proc = subprocess.run(
         cmd + args,
         capture_output=True,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     run,
     tiny_fixture,
     torchrun,
+    torchrun_argv,
     wait_for,
 )
 
@@ -203,17 +203,7 @@ def rank_pids(agent: int) -> dict[int, int]:
 
 
 def torchrun_spawn(args: list[str], cwd: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        str(HERE / "stratagem.py"),
-        *args,
-    ]
+    cmd = [*torchrun_argv(), str(HERE / "stratagem.py"), *args]
     return subprocess.Popen(
         cmd,
         cwd=cwd,

@@ -527,7 +527,7 @@ def test_stop_handler_ends_a_run_at_once_on_sigterm_while_the_judge_never_finish
     assert proc.returncode == 143 and took < 300 / 10, (took, err[-2000:])
     assert err == (
         f"stratagem: stopped by SIGTERM (no checkpoint yet: python stratagem.py --resume --out {out} "
-        "starts it again from step 0)\n"
+        f"--judge-base-url {server.url} starts it again from step 0)\n"
     )
 
 

@@ -25,6 +25,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     only_the_vllm_tests,
     read_jsonl,
     tiny_fixture,
+    torchrun_argv,
     vllm_cpu_missing,
 )
 
@@ -162,15 +163,7 @@ dist.close()
 def test_sync_vllm_weights_under_torchrun_give_each_ranks_engine_the_full_weights(tiny, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(VLLM_RANK_WORKER.format(here=str(HERE), model=str(tiny)))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-    ]
+    cmd = torchrun_argv()
     proc = subprocess.run(
         cmd + [str(script)], capture_output=True, text=True, cwd=tmp_path, env=VLLM_ENV
     )

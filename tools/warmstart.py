@@ -507,7 +507,11 @@ def build(out_dir: str, recipe: Recipe, log=None):
     build_random_model(
         out_dir, recipe.seed, recipe.arch, tokenizer_texts(list(games))
     )  # the lines: a few tokens each
+    from transformers import GenerationConfig
+
     model, tokenizer = load_policy(out_dir, torch.device("cpu"))
+    # load_policy keeps a folder's EOS alone; this folder is ours, just built: saved as it was built
+    model.generation_config = GenerationConfig.from_pretrained(out_dir)
     spy_count = games.pop(spy.GAME, 0)  # SpyRL's game: its count is of moves too, ten a game
     moves = random_games(games, recipe.seed) + spy_games(spy_count // 10, recipe.seed)
     items, soft = tokenize(moves, tokenizer), soft_targets(moves, tokenizer)
