@@ -118,7 +118,7 @@ def first_nonfinite(tensors) -> str | None:
     named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
     if not named:
         return None
-    finite = torch.stack([torch.isfinite(t).all().cpu() for _, t in named]).tolist()
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()  # one device sync
     return next((n for (n, _), ok in zip(named, finite) if not ok), None)
 
 
