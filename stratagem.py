@@ -147,6 +147,10 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (saves memory for long
     responses)"""
+    device_memory: float = 0.0
+    """the device's memory, GB as on the card (141: an
+    H200), for --dry-run and auto; 0: this GPU's, on a
+    CPU its free RAM"""
     # --- LoRA ---
     lora_rank: int = 0
     """rank R of LoRA adapters trained through PEFT, the base frozen; 0:
@@ -305,9 +309,10 @@ class Args:
     batch_size: int = 128
     """transitions (turns) per policy update; games still running finish
     first (paper: 128)"""
-    micro_batch_size: int = 4
-    """transitions per forward/backward pass; gradients are accumulated over
-    the batch"""
+    micro_batch_size: int | str = "auto"
+    """transitions per forward/backward pass, gradients
+    accumulated over the batch; auto: the most that fits
+    the device, checkpointing on if needed"""
     lr: float = 1e-6
     """Adam learning rate, constant (paper: 1e-6)"""
     max_grad_norm: float = 1.0
@@ -976,7 +981,8 @@ def reinforce(run: lifecycle.Run, mine: list, transitions: int, timer, progress)
     with timer("learn"):
         divisor = normaliser(transitions, run.args.max_new_tokens) / run.dist.world
         try:
-            update = policy_update(run, mine, divisor)
+            oom = lifecycle.halve_on_oom  # OOM: retried
+            update = oom(policy_update, run, mine, divisor, progress.step)
         except Diverged as e:  # a NaN is no state to train on, nor to save
             raise UserError(
                 f"step {progress.step}: the policy diverged, {e}; its last checkpoint is kept "

@@ -89,6 +89,32 @@ class FriendlyParser(argparse.ArgumentParser):
         )
 
 
+class NotAutoOrInt(argparse.ArgumentTypeError, ValueError):
+    """A value that is neither auto nor a whole number: argparse's one line says it (a ValueError
+    too, for FriendlyParser.nearest's test of whether a flag takes a value)."""
+
+
+def int_or_auto(text: str) -> int | str:
+    """An `int | str` field's value (--micro-batch-size): auto, or a whole number (its bounds are
+    checked with the other numbers')."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise NotAutoOrInt(f"a whole number or auto, got {text!r}") from None
+
+
+def kind_of(cls, name: str):
+    """How field `name` of `cls` reads a flag's value: int_or_auto for a field typed `int | str`
+    (auto or a number), else the type of its default."""
+    field = cls.__dataclass_fields__[name]
+    return int_or_auto if str(field.type).replace(" ", "") == "int|str" else type(field.default)
+
+
+METAVARS = {int_or_auto: "{auto,N}"}  # --help's name for a kind's value, where not its type's
+
+
 def dataclass_parser(
     cls, choices: dict, presets: dict[str, dict], hidden=(), **kwargs
 ) -> argparse.ArgumentParser:
@@ -102,7 +128,7 @@ def dataclass_parser(
             continue
         section = sections.setdefault(group, p.add_argument_group(group))
         flag, default = "--" + name.replace("_", "-"), cls.__dataclass_fields__[name].default
-        kind = type(default)
+        kind = kind_of(cls, name)
         if kind is bool:
             section.add_argument(flag, action="store_true", help=doc)
             continue
@@ -113,7 +139,7 @@ def dataclass_parser(
             flag,
             type=kind,
             choices=choices.get(name),
-            metavar=None if name in choices else kind.__name__.upper(),
+            metavar=None if name in choices else METAVARS.get(kind, kind.__name__.upper()),
             help=f"{doc} (default: {default!r}{preset})",
         )
     return p
@@ -137,7 +163,9 @@ def items(spec: str) -> list[str]:
 
 
 def holds(ok, value) -> bool:
-    """A bound's test passes, and the number is finite."""
+    """A bound's test passes, and the number is finite; auto (an `int | str` field's) keeps them."""
+    if isinstance(value, str):
+        return value == "auto"
     return ok(value) and (isinstance(value, int) or math.isfinite(value))
 
 
@@ -226,16 +254,25 @@ def saved_config(
     return config
 
 
-KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+KINDS = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    int_or_auto: "an integer or auto",
+}
 
 
 def flaw(name: str, value, cls, choices: dict, bounds: list[tuple]) -> str | None:
     """What field `name`'s flag requires that `value` lacks, in words: the flag's type (a whole
     number is a number too, a bool is none), one of its choices (a mode may be any script's: the
     script that reads a run checks it is its own), its bounds. None where it passes them all."""
-    kind = type(cls.__dataclass_fields__[name].default)
+    kind = kind_of(cls, name)
     numeric = kind is float and isinstance(value, int) and abs(value) <= 2**53  # a float's exactly
-    if isinstance(value, bool) != (kind is bool) or not (isinstance(value, kind) or numeric):
+    auto = kind is int_or_auto and (value == "auto" or isinstance(value, int))
+    if isinstance(value, bool) != (kind is bool) or not (
+        auto or (kind is not int_or_auto and isinstance(value, kind)) or numeric
+    ):
         return KINDS[kind]
     options = (*choices.get(name, ()), *MODE_SCRIPTS) if name == "mode" else choices.get(name)
     if options and value not in options:
@@ -279,10 +316,13 @@ CHOICES = {
     "judge_structured": ("auto", "on", "off"),
     "report_to": ("none", "tensorboard", "wandb"),
 }
-# The flags a resumed run may change; everything else is read back from its config.json.
+# The flags a resumed run may change; everything else is read back from its config.json. The memory
+# flags change how a step is computed, not what it computes: a resume on another device may retune
+# them (--micro-batch-size auto chooses again; config.json records the number a run used).
 RESUMABLE = set(
     "out resume steps save_every judge_base_url judge_concurrency judge_budget judge_timeout judge_retries "
-    "device backend vllm_gpu_memory_utilization report_to vllm_enforce_eager dry_run dist_timeout".split()
+    "device backend vllm_gpu_memory_utilization report_to vllm_enforce_eager dry_run dist_timeout "
+    "micro_batch_size gradient_checkpointing device_memory".split()
 )
 # (fields, test, wording) of every number flag. Upper bounds: past them a value is a slip of the
 # keyboard that would overflow a timer, a tensor or the memory hours into a run.
@@ -333,6 +373,7 @@ BOUNDS = [
         "<= 1000000",
     ),
     (("batch_size",), lambda v: v <= 10**7, "<= 10000000"),
+    (("device_memory",), lambda v: 0 <= v <= 10**5, "in [0, 100000] (GB; 0: the device's own)"),
     (
         ("steps", "save_every", "eval_every", "micro_batch_size"),
         lambda v: v <= 10**9,

@@ -2,6 +2,8 @@
 
     start_run       every check that can fail, before --out is claimed; the policy, the judge, the run's files;
                     a resumed run's state read back from its checkpoint
+    halve_on_oom    step 4's update where the memory projection was wrong: out of memory, the micro-batch
+                    halved and the step tried once more
     whole_batch     every rank's trajectories in one batch (rank 0 computes A_game and A_mod over it), and
     share_advantages    A_mod handed back to the rank that played each trajectory
     first_eval      --eval-every's point before the first update (step 0), the start of the learning curve
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import math
 import random
@@ -108,7 +111,8 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     plan printed) and for a resumed run that has already done --steps. From the trainer: `load(args, checkpoint,
     dist, device)` -> (model, tokenizer, generation engine, KL reference or None, optimizer), `make_env` (the
     judge's cost projection plays a few games), `seed(seed)` -> the run's own Random (its seeding block) and
-    `shape(args)` -> the model's config fields or None (--dry-run's memory projection)."""
+    `shape(args)` -> the model's config fields or None (--dry-run's memory projection, and
+    --micro-batch-size auto's: chosen here, said on the start line)."""
     watch.quiet_transformers()
     dist, out = Dist(args), Path(args.out)
     if args.keep_best and dist.world > 1:
@@ -154,13 +158,9 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     projection = (
         reproject(steps_left, counts) if reproject is not None else None
     )  # before any money is spent
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     if args.dry_run:
         if dist.main:
-            total = (
-                torch.cuda.get_device_properties(device).total_memory
-                if device.type == "cuda"
-                else None
-            )
             fit = memory.plan_lines(
                 args, shape(args) if shape else None, device, dist.world, total, requested
             )
@@ -179,6 +179,13 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             )
         dist.close()
         return None
+    # --micro-batch-size auto: chosen for this device before the policy loads (its checkpointing
+    # with it); rank 0's choice on every rank (a CPU's free memory differs between them)
+    known = shape(args) if shape and args.micro_batch_size == "auto" else None
+    chose = memory.fit(args, known, device, dist.world, total, requested)
+    args.micro_batch_size, args.gradient_checkpointing = dist.broadcast(
+        (args.micro_batch_size, args.gradient_checkpointing)
+    )
     if dist.main:
         runfiles.check_writable_dir(
             out, "--out"
@@ -201,9 +208,8 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             out, fresh=not args.resume
         )  # one job per run folder; released by main() or finish_run()
         structured = judge.structured if isinstance(judge, OpenAIJudge) else None
-        print(
-            watch.start_line(args, out, device, engine, threads, dist.world, structured), flush=True
-        )
+        start = watch.start_line(args, out, device, engine, threads, dist.world, structured)
+        print(start + (f" | {chose}" if chose else ""), flush=True)  # auto: which and why
         if projection is not None:
             print("\n".join(costs.projection_lines(args, projection)), flush=True)
         if checked:
@@ -303,6 +309,70 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             watch.announce_budget(run.runner.totals["cost"], args.judge_budget, run.start)
             run.announced = True
     return run
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: torch.OutOfMemoryError (CUDA's, or another device's), Python's MemoryError,
+    or the RuntimeError of torch's CPU allocator ("can't allocate memory")."""
+    return isinstance(e, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )
+
+
+def freed(run: Run) -> None:
+    """After a failed try at the update: its gradients zeroed (set to None), its memory given back."""
+    run.optimizer.zero_grad(set_to_none=True)
+    run.model.zero_grad(set_to_none=True)
+    gc.collect()  # the failed try's frames, and the activations they hold
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def halve_on_oom(update, run: Run, trajs: list, normaliser: float, step: int) -> dict:
+    """Step 4's `update(run, trajs, normaliser)` (stratagem.py's policy_update) where the memory projection
+    (--micro-batch-size auto's) was wrong: an out-of-memory error halves --micro-batch-size and tries the step
+    once more, as accelerate's find_executable_batch_size does, after zeroing the failed try's gradients and
+    freeing its memory. The halved micro-batch is kept for the steps after and written to config.json
+    (config_history.jsonl says at which step), so that a resume uses it; a later step may halve it again. Out of
+    memory at micro-batch 1, again in the retry, after an Adam step of the update (--ppo-epochs: the weights have
+    moved) or under torchrun (its ranks would all have to agree to retry) ends the run in one line (UserError)
+    that says what lowers the memory a step takes."""
+    size, updates = run.args.micro_batch_size, run.updates
+    for attempt in (1, 2):
+        try:
+            return update(run, trajs, normaliser)
+        except (RuntimeError, MemoryError) as e:
+            if not out_of_memory(e):
+                raise
+        freed(run)  # out of the except: the error's traceback (and its tensors) is gone
+        now = run.args.micro_batch_size
+        if attempt == 2 or now == 1 or run.dist.world > 1 or run.updates != updates:
+            break
+        run.args.micro_batch_size = now // 2
+        if run.dist.main:
+            print(
+                f"step {step}: out of memory at micro-batch {now}: trying the step again at micro-batch "
+                f"{now // 2}, kept for the steps after (config.json)",
+                flush=True,
+            )
+            runfiles.write_config(run.out, dataclasses.asdict(run.args), step)
+    if now != size:
+        why = f"again at micro-batch {now} (after {size})"
+    elif run.dist.world > 1:
+        why = f"at micro-batch {now} under torchrun, which does not halve it (every rank would have to agree)"
+    elif run.updates != updates:
+        why = (
+            f"at micro-batch {now} after an Adam step of the update (--ppo-epochs): not tried again"
+        )
+    else:
+        why = f"at micro-batch {now}"
+    lower = [f"--micro-batch-size {now // 2}"] if now > 1 else []
+    lower += [] if run.args.gradient_checkpointing else ["--gradient-checkpointing"]
+    resume = f"resume with {' or '.join(lower)} (--resume --out {run.out}), or " if lower else ""
+    raise UserError(
+        f"step {step}: out of memory in the update {why}; its last checkpoint is kept: {resume}start again "
+        "with --lora-rank R or a smaller --max-new-tokens (docs/speed.md#will-it-fit-before-the-run)"
+    )
 
 
 def load_finite(path: Path, schema: dict) -> dict:

@@ -17,9 +17,20 @@ vLLM (--backend vllm, colocated): --vllm-gpu-memory-utilization of the device wh
 A step's peak is the largest of three phases: generating (learner weights and Adam + vLLM's share), learning
 (everything the learner holds, vLLM asleep) and syncing (learner weights and Adam, vLLM's weights awake again, and
 the bf16 copy of the (merged) weights being loaded into it, machinery/vllm_engine.py).
+
+--micro-batch-size auto (the default off --tiny) is chosen here too (choose): the largest power of two, at most the
+batch per rank, whose learning phase the projection fits on the device (--device-memory's card, else this GPU's total,
+else, on a CPU, the RAM free at the start, and then at most CPU_MOST); where even 1 does not fit without
+--gradient-checkpointing, checkpointing is switched on and the micro-batch chosen again under it. A run records the
+number chosen in its config.json, so a resume uses it; where the projection was wrong, an out-of-memory error halves
+it (machinery/lifecycle.py's halve_on_oom).
 """
 
 from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
 
 from machinery import UserError
 
@@ -34,6 +45,9 @@ DEVICES = {
     "80 GB (H100, A100)": 81559,
     "141 GB (H200)": 143771,
 }
+# auto's most on a CPU: past a few sequences a CPU gains no speed from a larger micro-batch, and the projection
+# of free RAM is rougher than a GPU's (swap, other processes): no micro-batch that thrashes.
+CPU_MOST = 8
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -209,71 +223,211 @@ def gb(x: float) -> str:
     return f"{x / GiB:,.1f}"
 
 
-def plan_lines(
-    args, shape: dict | None, device, world: int, device_total: float | None, requested: str
-) -> list[str]:
-    """--dry-run's memory lines: the learner by part, vLLM's share, and the verdict for this device (a GPU) or for
-    24 / 48 / 80 / 141 GB cards (none here: vLLM is their engine unless --backend hf was `requested`)."""
+def checked(args, shape: dict | None) -> tuple[dict | None, str]:
+    """The model's shape (shape_of, KV heads completed) for the projection, or None and why there is none."""
     if shape is None:
-        return [
-            f"memory: {args.model}'s shape is not known offline (no config.json here): no projection"
-        ]
+        return None, f"{args.model}'s shape is not known offline (no config.json here)"
     shape = shape_of(shape, f"{args.model}'s config.json")
     if missing := [k for k in NEEDED if shape.get(k) is None]:
-        return [
-            f"memory: {args.model}'s config.json gives no {missing[0]} (nor a known alias): no projection"
-        ]
+        return None, f"{args.model}'s config.json gives no {missing[0]} (nor a known alias)"
     shape.setdefault(
         "num_key_value_heads", shape["num_attention_heads"]
     )  # no grouped-query attention
-    gpu = device.type == "cuda" or device_total is None  # no GPU here: the cards' figures
-    m = project(
-        shape,
-        args.lora_rank,
-        args.lora_targets.split(","),
-        args.micro_batch_size,
-        args.max_new_tokens,
-        args.gradient_checkpointing,
-        gpu,
-        world,
-        bool(args.kl_coef),
+    return shape, ""
+
+
+def card(gb: float) -> tuple[str, float]:
+    """--device-memory GB as (name, bytes): 24, 48, 80 or 141 is that class of DEVICES at its nvidia-smi total
+    (what the cards' table projects for), any other figure that many GiB."""
+    for name, mib in DEVICES.items():
+        if name.split()[0] == f"{gb:g}":
+            return name, mib * 2**20
+    return f"{gb:g} GB", gb * GiB
+
+
+def free_memory() -> float:
+    """This machine's RAM available to a new process, in bytes: /proc/meminfo's MemAvailable (the free pages
+    and the cache the kernel can drop), else the free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def target(args, device, cuda_total: float | None, requested: str) -> dict | None:
+    """The one device the projection and auto are for: --device-memory's card (a GPU, whatever this machine is,
+    vLLM its engine unless --backend hf was `requested` or, on a GPU, taken), else this GPU (its total); None on a
+    CPU without --device-memory."""
+    gpu_here = device.type == "cuda"
+    if not (args.device_memory or gpu_here):
+        return None
+    name, total = card(args.device_memory) if args.device_memory else (str(device), cuda_total)
+    vllm = args.backend == "vllm" if gpu_here else requested != "hf"
+    utilisation = args.vllm_gpu_memory_utilization if vllm else None
+    return dict(name=name, total=total, gpu=True, utilisation=utilisation, most=None)
+
+
+def named(name: str, total: float) -> str:
+    """A device as the auto line names it: a card of DEVICES by its name, another with its GiB."""
+    return name if name in DEVICES else f"{name} ({gb(total)} GiB)"
+
+
+def choose(
+    args, shape: dict, name: str, total: float, gpu: bool, utilisation, world: int = 1, most=None
+) -> tuple[int, bool, str]:
+    """--micro-batch-size auto on a device of `total` bytes: the largest power of two, at most the batch per rank
+    (and `most`), whose learning phase fits `total`; where not even 1 fits without --gradient-checkpointing,
+    checkpointing on and the micro-batch chosen again (where nothing fits, 1 with checkpointing: the least memory).
+    Returns (micro-batch, checkpointing, the line that says which and why)."""
+    per_rank = math.ceil(args.batch_size / world)
+    cap = min(per_rank, most or per_rank)
+    sizes = [1 << k for k in reversed(range(cap.bit_length()))]  # 1 << floor(log2 cap), ..., 2, 1
+
+    def learning(micro_batch: int, checkpointing: bool) -> float:
+        m = project(
+            shape,
+            args.lora_rank,
+            args.lora_targets.split(","),
+            micro_batch,
+            args.max_new_tokens,
+            checkpointing,
+            gpu,
+            world,
+            bool(args.kl_coef),
+        )
+        return verdict(m, total, utilisation)["learning"]
+
+    size, on = 0, args.gradient_checkpointing
+    for on in dict.fromkeys((args.gradient_checkpointing, True)):  # off first, unless it was given
+        if size := next((s for s in sizes if learning(s, on) <= total), 0):
+            break
+    where = named(name, total)
+    if not size:
+        size, why = 1, f"not even 1 fits {where}: the least memory"
+    elif size == sizes[0]:
+        limit = f"{most} on a CPU" if cap < per_rank else f"the batch per rank, {per_rank}"
+        why = f"it fits {where}; at most {limit}"
+    else:
+        why = f"the largest that fits {where}"
+    checkpointing = (
+        "on (--gradient-checkpointing)"
+        if args.gradient_checkpointing
+        else "on (auto: needed to fit)"
+        if on
+        else "off"
     )
+    return size, on, f"micro-batch {size} (auto: {why}), gradient checkpointing {checkpointing}"
+
+
+def fit(
+    args, shape: dict | None, device, world: int, cuda_total: float | None, requested: str
+) -> str | None:
+    """--micro-batch-size auto resolved for the run's own device (target's, else this CPU's free RAM, at most
+    CPU_MOST): args.micro_batch_size set, and args.gradient_checkpointing where it is needed. Returns the line that
+    says which and why (None where the micro-batch was a number); a shape unknown before the model loads: 1."""
+    if args.micro_batch_size != "auto":
+        return None
+    shape, why = checked(args, shape)
+    if shape is None:
+        args.micro_batch_size = 1
+        on = "on (--gradient-checkpointing)" if args.gradient_checkpointing else "off"
+        return f"micro-batch 1 (auto: {why}: the smallest), gradient checkpointing {on}"
+    t = target(args, device, cuda_total, requested) or dict(
+        name="this machine's free memory",
+        total=free_memory(),
+        gpu=False,
+        utilisation=args.vllm_gpu_memory_utilization if args.backend == "vllm" else None,
+        most=CPU_MOST,
+    )
+    size, on, line = choose(args, shape, world=world, **t)
+    args.micro_batch_size, args.gradient_checkpointing = size, on
+    return line
+
+
+def plan_lines(
+    args, shape: dict | None, device, world: int, device_total: float | None, requested: str
+) -> list[str]:
+    """--dry-run's memory lines: the learner by part, vLLM's share, and the verdict for the device (target's: a
+    GPU, or --device-memory's card) or, on a CPU without --device-memory, for 24 / 48 / 80 / 141 GB cards (vLLM
+    their engine unless --backend hf was `requested`). With --micro-batch-size auto, what auto chooses: for the
+    device, a line that says which and why; in the cards' table, each card's."""
+    shape, why = checked(args, shape)
+    if shape is None:
+        return [f"memory: {why}: no projection"]
+    one = target(args, device, device_total, requested)
+    vllm = requested != "hf"  # the cards': a GPU's engine
+    utilisation = one["utilisation"] if one else args.vllm_gpu_memory_utilization if vllm else None
+    sizes = {one["name"]: one["total"]} if one else {k: mib * 2**20 for k, mib in DEVICES.items()}
+    auto = args.micro_batch_size == "auto"
+    chosen = {
+        name: choose(args, shape, name, total, True, utilisation, world)
+        if auto
+        else (args.micro_batch_size, args.gradient_checkpointing, "")
+        for name, total in sizes.items()
+    }
+    each = auto and one is None  # the cards' table: each card's own micro-batch
+
+    def projected(micro_batch: int, checkpointing: bool) -> dict:
+        return project(
+            shape,
+            args.lora_rank,
+            args.lora_targets.split(","),
+            micro_batch,
+            args.max_new_tokens,
+            checkpointing,
+            True,
+            world,
+            bool(args.kl_coef),
+        )
+
+    size, on, line = (1, args.gradient_checkpointing, "") if each else next(iter(chosen.values()))
+    m = projected(size, on)
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"  # noqa: E731
     kind = (
         f"LoRA rank {args.lora_rank}: {count(m['trained'])} trained"
         if args.lora_rank
         else "full fine-tuning"
     )
-    other = "without" if args.gradient_checkpointing else "with"
+    other = "without" if on else "with"
+    batch = (
+        f"a sequence of {m['sequence_tokens']:,} tokens, --micro-batch-size auto: each card's below; "
+        if each
+        else f"micro-batch {size} x {m['sequence_tokens']:,} tokens; "
+    )
     lines = [
         f"memory per device, GiB ({count(m['parameters'])} parameters; {kind}"
         + (f", {world} ranks" if world > 1 else "")
         + f"): weights {gb(m['weights'])}, gradients {gb(m['gradients'])}, Adam {gb(m['adam'])}, bf16 copies "
-        f"{gb(m['bf16_copies'])}, activations {gb(m['activations'])} (micro-batch {args.micro_batch_size} x "
-        f"{m['sequence_tokens']:,} tokens; {other} --gradient-checkpointing: {gb(m['activations_other'])})"
+        f"{gb(m['bf16_copies'])}, activations {gb(m['activations'])} ({batch}{other} "
+        f"--gradient-checkpointing: {gb(m['activations_other'])})"
         + (f", KL reference {gb(m['reference'])}" if m["reference"] else ""),
     ]
-    vllm = args.backend == "vllm" if device_total else requested != "hf"
-    utilisation = args.vllm_gpu_memory_utilization if vllm and gpu else None
     if utilisation is not None:
         lines.append(
             f"memory of vLLM: {utilisation:g} of the device while it generates (--vllm-gpu-memory-utilization; its "
             f"bf16 weights {gb(m['vllm_weights'])}, the rest KV cache at {m['kv_per_token'] / 2**10:,.0f} KiB a "
             "token); asleep while the learner steps"
         )
-    sizes = (
-        {str(device): device_total}
-        if device_total
-        else {k: mib * 2**20 for k, mib in DEVICES.items()}
-    )
+    if line:
+        lines.append(line)
     verdicts = []
     for name, total in sizes.items():
-        v = verdict(m, total, utilisation)
-        peak = v["peak"]
+        size, on, _ = chosen[name]
+        v = verdict(projected(size, on), total, utilisation)
         kv = max(v["kv_cache"] or 0.0, 0.0)
         sequences = kv / (m["kv_per_token"] * m["sequence_tokens"])
         room = "" if v["kv_cache"] is None else f", KV cache {gb(kv)}: {sequences:,.0f} sequences"
-        verdicts.append(
-            f"{name}: {'fits' if v['fits'] else 'does NOT fit'} (peak {gb(peak)} of {gb(total)}{room})"
+        how = f"micro-batch {size}{', gradient checkpointing on' if on else ''}: " if each else ""
+        phase = max(("generating", "learning", "syncing"), key=v.get)  # the peak's
+        said = (
+            "fits"
+            if v["fits"]
+            else f"does NOT fit while {phase}"
+            if v["peak"] > total
+            else "does NOT fit: vLLM's share holds no whole sequence's KV cache"
         )
+        verdicts.append(f"{name}: {how}{said} (peak {gb(v['peak'])} of {gb(total)}{room})")
     return lines + ["will it fit? " + "; ".join(verdicts)]

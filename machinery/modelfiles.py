@@ -43,7 +43,9 @@ def check_folder(path: str) -> str:
         merge = f"python stratagem.py merge-lora {path} OUT"
         raise UserError(f"{path} holds a LoRA adapter, not a whole model: write one with {merge}")
     if (folder / "config.json").exists():
-        memory.shape_of(read_json(folder / "config.json"), str(folder / "config.json"))
+        config = read_json(folder / "config.json")
+        memory.shape_of(config, str(folder / "config.json"))
+        refuse_quantized(folder / "config.json", config)
     refuse_code(folder)
     check_dtypes(str(folder))
     return str(folder)
@@ -69,6 +71,20 @@ def refuse_code(folder: Path) -> None:
                 f"{folder / name} names code of its own (auto_map); stratagem never runs a model folder's "
                 "code: use a model that transformers loads without it"
             )
+
+
+def refuse_quantized(path: Path, config: dict) -> None:
+    """A config that claims a quantization (`quantization_config`) is refused before anything loads: the trainer
+    keeps full-precision weights, and such a folder fails at its first checkpoint ("quantized with gguf and is not
+    serializable") and at vLLM's start, after minutes of work. Its weights are whole floats or refused anyway."""
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise UserError(
+            f"{path} claims {str(method)[:40] if method else 'a'} quantization (quantization_config): stratagem "
+            "trains and saves full-precision models only; dequantise it and save it without that entry (for "
+            "SmolLM2's GGUF, python stratagem.py real-model does)"
+        )
 
 
 def weight_files(folder: str) -> list[str]:

