@@ -595,15 +595,21 @@ def play_turn(policy, tokenizer, live: list[Episode], rules: Rules, opponent=Non
         seen = [ep.env.get_observation() for ep in live]  # (player id, observation) each
         ours = [i for i, (pid, _) in enumerate(seen) if live[i].seat in (None, pid)]
         prompts = {i: format_prompt(tokenizer, seen[i][1], seen[i][0]) for i in ours}
+        full = past_context(policy, tokenizer, prompts)
+        asked = [i for i in ours if i not in full]
     with timer("generate"):
-        outputs = dict(zip(ours, policy.generate(list(prompts.values())))) if ours else {}
+        said = [prompts[i] for i in asked]
+        outputs = dict(zip(asked, policy.generate(said) if said else []))
     with timer("game"):
-        theirs = [i for i in range(len(live)) if i not in outputs]
+        theirs = [i for i in range(len(live)) if i not in prompts]
         moves = opponent.act([(live[i].env, *seen[i]) for i in theirs]) if theirs else []
         actions = {i: move or INVALID_ACTION for i, move in zip(theirs, moves)}  # "": none found
         still, ended = [], []
         for i, ep in enumerate(live):
             pid, obs = seen[i]
+            if i in full:  # ends here, a draw, as at the turn cap
+                ended.append(ep)
+                continue
             if i in outputs:
                 prompt_ids, response_ids, text = outputs[i]
                 actions[i] = read_action(rules.action_rule, ep.game, ep.env, pid, obs, text)
@@ -613,6 +619,26 @@ def play_turn(policy, tokenizer, live: list[Episode], rules: Rules, opponent=Non
             ep.moves += 1
             (ended if ep.done or ep.moves >= rules.max_turns else still).append(ep)
     return still, ended
+
+
+def past_context(policy, tokenizer, prompts: dict[int, str]) -> set[int]:
+    """The games whose prompt leaves no room for a whole
+    response (policy.room: the context less --max-new-tokens).
+    They end unasked, a draw, as at the turn cap."""
+    room = getattr(policy, "room", None)
+    # a token is a byte or more: only a longer prompt can be over
+    long = {i: p for i, p in prompts.items() if room and len(p.encode()) > room}
+    if not long:
+        return set()
+    ids = tokenizer(list(long.values()), add_special_tokens=False)
+    full = {i for i, t in zip(long, ids.input_ids) if len(t) > room}
+    if full and not getattr(policy, "warned", False):
+        policy.warned = True  # once: a long game may reach it every step
+        watch.warn(
+            f"a prompt reached {room} tokens, the model's context less "
+            "--max-new-tokens: its game ends there as a draw (as at --max-turns)"
+        )
+    return full
 
 
 def self_play(run: lifecycle.Run, target: int, timer: watch.Timer, progress=None):
@@ -1183,6 +1209,8 @@ class HFPolicy:
     def __init__(self, model, tokenizer, args: Args, device: torch.device):
         self.model, self.tok, self.args, self.device = model, tokenizer, args, device
         self.stop = stop_ids(tokenizer, model)
+        context = getattr(model.config, "max_position_embeddings", None)
+        self.room = context and context - args.max_new_tokens  # past_context
 
     @torch.no_grad()
     def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:

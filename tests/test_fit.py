@@ -135,6 +135,25 @@ def test_fit_on_a_cpu_uses_the_free_memory_at_most_8_and_leaves_a_number_alone(m
     assert args.micro_batch_size == 1
 
 
+def test_cpu_line_gives_the_runs_own_fp32_peak_against_the_free_memory(monkeypatch):
+    # --dry-run on a CPU projected only for GPU cards; what the run itself takes here was not said
+    # (SmolLM2, docs/real-model.md: 4.1 GiB projected, 4.0 GiB measured whole-process)
+    monkeypatch.setattr(memory, "free_memory", lambda: 64 * memory.GiB)
+    args = paper("--tiny", "--micro-batch-size", "2", "--max-new-tokens", "32")
+    shape = memory.checked(args, S.model_shape(args))[0]
+    peak = learning(args, 2, False, gpu=False)
+    assert memory.cpu_line(args, shape, 1) == (
+        f"this CPU: the learner's peak {memory.gb(peak)} GiB in fp32 (micro-batch 2) of 64.0 GiB free now"
+    )
+    plan = memory.plan_lines(args, S.model_shape(args), torch.device("cpu"), 1, None, "auto")
+    assert memory.cpu_line(args, shape, 1) in plan and plan[-1].startswith("will it fit? 24 GB")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    args.backend = "vllm"
+    assert memory.cpu_line(args, shape, 1).endswith(
+        "; vLLM adds its bf16 weights 0.0 + its KV cache 1 GiB"
+    )
+
+
 def test_device_memory_projects_for_that_card_even_here():
     args = paper("--device-memory", "141")
     memory.fit(args, qwen3_4b(args), torch.device("cpu"), 1, None, "auto")

@@ -173,10 +173,6 @@ def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_mode
         == memory.adapter_parameters(shape, 4, memory.LORA_MODULES)
     )
     assert sum(s["exp_avg"].nbytes + s["exp_avg_sq"].nbytes for s in adam) == 8 * trained
-    assert (
-        "holds a LoRA adapter, not a whole model: write one with python stratagem.py merge-lora"
-        in error_of(capsys, ["eval", str(whole), "--n", "1"])
-    )
     assert run(["merge-lora", str(whole), str(merged)]) == 0
     assert "merged the adapter of" in capsys.readouterr().out
     S.build_random_model(str(tmp_path / "base"), 1)  # the run's base (--tiny, --seed 1)
@@ -207,6 +203,15 @@ def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_mode
         str(eval_json),
     ]
     assert run(argv) == 0 and len(json.loads(eval_json.read_text())["games"]) == 2
+    # the LoRA run itself, as its closing line prints `eval RUN`: merged in memory, the same games
+    # (this was "holds a LoRA adapter, not a whole model: write one with ... merge-lora")
+    lora_json = tmp_path / "lora.json"
+    assert run(["eval", str(whole), *argv[2:-1], str(lora_json)]) == 0
+    played = [json.loads(p.read_text())["games"] for p in (eval_json, lora_json)]
+    assert played[0] == played[1]
+    assert "vLLM loads whole models; write one with python stratagem.py merge-lora" in error_of(
+        capsys, ["eval", str(whole), "--backend", "vllm", "--n", "1"]
+    )
     assert "already exists" in error_of(capsys, ["merge-lora", str(whole), str(merged)])
     assert "no LoRA adapter there" in error_of(
         capsys, ["merge-lora", str(tmp_path), str(tmp_path / "m2")]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from games import check_ids, first_last_ids
-from machinery import UserError, flags
+from machinery import UserError, flags, lora
 from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser, field_docs, number_pair
 from machinery.matches import RandomPlayer, summarize_matches, wilson
@@ -31,6 +31,7 @@ from stratagem import (
     seed_everything,
     stop_ids,
 )
+from tools import merge_lora
 
 
 class LLMPlayer:
@@ -120,6 +121,23 @@ def resolve_model_path(path: str) -> str:
     """A run directory stands for its newest checkpoint."""
     ckpt = latest_checkpoint(Path(path)) if (Path(path) / "checkpoints").is_dir() else None
     return str(ckpt) if ckpt else path
+
+
+def load_model(path: str, run: Path | None, backend: str, device):
+    """The model and tokenizer to play: a whole model's folder as it is; a LoRA run's checkpoint (an adapter
+    alone) merged into the run's base in memory (merge-lora's merge, written nowhere), for the HF engine."""
+    if (
+        not all((Path(path) / name).is_file() for name in lora.FILES)
+        or Path(path, "config.json").exists()
+    ):
+        return load_policy(path, device)
+    if backend == "vllm":
+        merge = f"python stratagem.py merge-lora {path} OUT"
+        raise UserError(
+            f"{path} holds a LoRA adapter: vLLM loads whole models; write one with {merge}"
+        )
+    model, tokenizer, _ = merge_lora.merged_model(Path(path), run)
+    return model.to(device), tokenizer
 
 
 def run_of(path: str) -> Path | None:
@@ -322,7 +340,7 @@ def main(argv: list[str]) -> int:
         f"unseen: {', '.join(unseen) or 'none'}",
         flush=True,
     )
-    model, tokenizer = load_policy(path, device)
+    model, tokenizer = load_model(path, run, ns.backend, device)
     policy = (
         VLLMPolicy(path, tokenizer, stop_ids(tokenizer, model), args, device)
         if ns.backend == "vllm"

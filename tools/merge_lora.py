@@ -28,6 +28,27 @@ def adapter_and_run(path: Path) -> tuple[Path, Path | None]:
     return ckpt, run if (run / "config.json").is_file() else None
 
 
+def merged_model(ckpt: Path, run: Path | None, base: str = ""):
+    """(model, tokenizer, base): the run's base model (`base`, else the run's --model; --tiny's is the shipped warm
+    start, or with --tiny-init random rebuilt offline from the run's seed) with the adapter of `ckpt` merged in,
+    W + (alpha / R) B A in fp32, in memory; the tokenizer is the base's, as load_policy reads it."""
+    config = flags.run_config(run, Args) if run is not None else {}
+    if not base and not config:
+        raise UserError(f"{ckpt} is not inside a run directory: name its base model with --base")
+    quiet_transformers()
+    rebuild = not base and config.get("tiny") and config.get("tiny_init", "random") == "random"
+    if not base:
+        base = str(WARM_START) if config.get("tiny") and not rebuild else config["model"]
+    with tempfile.TemporaryDirectory() as tiny_dir:
+        if rebuild:  # the run's base, rebuilt from its seed as the run built it
+            build_random_model(tiny_dir, config["seed"])
+        model, tokenizer = load_policy(tiny_dir if rebuild else base, torch.device("cpu"))
+        merged = lora.load_adapters(model, ckpt, trainable=False).merge_and_unload()
+    if name := modelfiles.first_nonfinite(merged.named_parameters()):
+        raise UserError(f"the merged weights are not finite (tensor {name}): nothing written")
+    return merged, tokenizer, base
+
+
 def main(argv: list[str]) -> int:
     p = FriendlyParser(
         prog="stratagem.py merge-lora",
@@ -52,27 +73,9 @@ def main(argv: list[str]) -> int:
     if os.path.exists(ns.out):
         raise UserError(f"{ns.out} already exists")
     check_writable_dir(Path(ns.out), "out")
-    config = flags.run_config(run, Args) if run is not None else {}
-    if not ns.base and not config:
-        raise UserError(f"{ckpt} is not inside a run directory: name its base model with --base")
-    quiet_transformers()
+    merged, _, base = merged_model(ckpt, run, ns.base)
     from transformers import AutoTokenizer
 
-    base = ns.base or config["model"]
-    rebuild = not ns.base and config.get("tiny") and config.get("tiny_init", "random") == "random"
-    if not ns.base and config.get("tiny") and not rebuild:
-        base = str(WARM_START)  # --tiny-init warm: the shipped warm start is the run's base
-    with tempfile.TemporaryDirectory() as tiny_dir:
-        if rebuild:
-            build_random_model(
-                tiny_dir, config["seed"]
-            )  # the run's base, rebuilt from its seed as the run built it
-        model, _ = load_policy(tiny_dir if rebuild else base, torch.device("cpu"))
-        merged = lora.load_adapters(
-            model, ckpt, trainable=False
-        ).merge_and_unload()  # fp32: nothing rounds
-    if name := modelfiles.first_nonfinite(merged.named_parameters()):
-        raise UserError(f"the merged weights are not finite (tensor {name}): nothing written")
     modelfiles.refuse_code(ckpt)
     tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=False)  # the run's own
     merged.save_pretrained(ns.out)
