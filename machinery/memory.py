@@ -466,7 +466,8 @@ def cpu_line(args, shape: dict, world: int) -> str:
         )
         extra = f"; vLLM adds its bf16 weights {gb(m['vllm_weights'])} {cache}"
     checkpointing = ", gradient checkpointing" if on else ""
+    said = "fits" if peak <= free else "does NOT fit"
     return (
-        f"this CPU: the learner's peak {gb(peak)} GiB in fp32 (micro-batch {size}{checkpointing}) of "
-        f"{gb(free)} GiB free now{extra}"
+        f"this CPU: {said} (the learner's peak {gb(peak)} GiB in fp32, micro-batch {size}{checkpointing}, of "
+        f"{gb(free)} GiB free now){extra}"
     )

@@ -143,7 +143,7 @@ def test_cpu_line_gives_the_runs_own_fp32_peak_against_the_free_memory(monkeypat
     shape = memory.checked(args, S.model_shape(args))[0]
     peak = learning(args, 2, False, gpu=False)
     assert memory.cpu_line(args, shape, 1) == (
-        f"this CPU: the learner's peak {memory.gb(peak)} GiB in fp32 (micro-batch 2) of 64.0 GiB free now"
+        f"this CPU: fits (the learner's peak {memory.gb(peak)} GiB in fp32, micro-batch 2, of 64.0 GiB free now)"
     )
     plan = memory.plan_lines(args, S.model_shape(args), torch.device("cpu"), 1, None, "auto")
     assert memory.cpu_line(args, shape, 1) in plan and plan[-1].startswith("will it fit? 24 GB")

@@ -109,8 +109,10 @@ def test_real_model_with_lora_resumes_and_eval_show_plot_read_it(smollm2, tmp_pa
     assert (tmp_path / "run/checkpoints/step-000001/adapter_model.safetensors").exists()
     assert "resuming" in stratagem([*lora, "--resume", "--steps", "2"], tmp_path).stdout
     assert [m["step"] for m in read_jsonl(tmp_path / "run/metrics.jsonl") if "loss" in m] == [1, 2]
-    evaluated = stratagem(["eval", "run", "--n", "2", "--json", "eval.json"], tmp_path)  # merged
-    assert "KuhnPoker-v1" in evaluated.stdout and (tmp_path / "eval.json").exists()
+    evaluated = stratagem(
+        ["eval", "run", "--games", "KuhnPoker-v1", "--n", "2", "--json", "e.json"], tmp_path
+    )
+    assert "KuhnPoker-v1" in evaluated.stdout and (tmp_path / "e.json").exists()  # merged in memory
     assert (
         "A_mod = A_game*phi + beta*psi" in stratagem(["show", "run", "--judged"], tmp_path).stdout
     )
