@@ -183,6 +183,60 @@ def test_warmstart_of_the_spy_game_is_deterministic_and_teaches_valid_votes(tmp_
     assert measured["valid_votes"] >= 0.9 and measured["outputs_in_form"] >= 0.9
 
 
+def test_warmstart_model_starts_from_the_given_weights_and_saves_a_folder_eval_loads(
+    tmp_path, monkeypatch, capsys
+):
+    """`warmstart DIR --model M` (M: the shipped tiny warm start, for speed): the lesson starts from M's weights tensor
+    for tensor (its first loss is a trained model's, where a random one's is about log of its vocabulary, 6.6), at
+    --model's defaults where a flag is not given, --arch does not apply (one line says so), warmstart.json records M,
+    and DIR is a model folder: fp32 weights the lesson moved, M's tokenizer and prompt, loaded and played by eval. A
+    missing M fails before DIR is made."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tools import warmstart
+
+    start, seen, fit = load_file(S.WARM_START / "model.safetensors"), {}, warmstart.fit
+
+    def watched(model, *args, **kwargs):
+        seen["start"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        seen["losses"] = fit(model, *args, **kwargs)
+        return seen["losses"]
+
+    monkeypatch.setattr(warmstart, "fit", watched)
+    out = tmp_path / "w"
+    flags = ["--model", str(S.WARM_START), "--arch", "tiny", "--games", "KuhnPoker-v1"]
+    assert run(["warmstart", str(out), *flags, "--moves", "8", "--steps", "2"]) == 0
+    assert "--arch does not apply with --model" in capsys.readouterr().out
+    assert all(torch.equal(seen["start"][k], v) for k, v in start.items())
+    assert len(seen["losses"]) == 2 and seen["losses"][0] < 1.0
+    recipe = json.loads((out / "warmstart.json").read_text())["recipe"]
+    assert recipe == {
+        **recipe,
+        "model": str(S.WARM_START),
+        "arch": "",
+        "steps": 2,
+        "batch_size": warmstart.PRETRAINED["batch_size"],
+        "lr": warmstart.PRETRAINED["lr"],
+    }
+    saved = load_file(out / "model.safetensors")
+    assert saved.keys() == start.keys() and {v.dtype for v in saved.values()} == {torch.float32}
+    assert any(not torch.equal(saved[k], v) for k, v in start.items())
+    tokenizers = [S.load_policy(str(d), torch.device("cpu"))[1] for d in (S.WARM_START, out)]
+    observation = S.make_env("KuhnPoker-v1", 3, 0).get_observation()[1]
+    prompts = [S.format_prompt(tok, observation, 1) for tok in tokenizers]
+    assert prompts[0] == prompts[1]
+    assert tokenizers[0](prompts[0]).input_ids == tokenizers[1](prompts[1]).input_ids
+    evaluated = tmp_path / "eval.json"
+    eval_flags = ["--games", "KuhnPoker-v1", "--n", "2", "--max-new-tokens", "24"]
+    assert run(["eval", str(out), *eval_flags, "--json", str(evaluated)]) == 0
+    assert evaluated.is_file()
+    assert "no such directory" in error_of(
+        capsys, ["warmstart", str(tmp_path / "x"), "--model", str(tmp_path / "nope")]
+    )
+    assert not (tmp_path / "x").exists()
+
+
 def test_random_legal_move_is_uniform_over_the_legal_moves_of_a_large_move_set():
     """SimpleNegotiation's ~200 candidate offers are sampled by rejection: every draw is legal, and the draws are
     spread over the legal moves as a uniform draw is."""

@@ -12,6 +12,10 @@ collate, so the warm start and RL see identical tokens. Where the legal moves di
 square, Kuhn Poker's action) that token's target is the random player's whole distribution, uniform over the legal
 moves, rather than the one move it drew: the same expected gradient without the draw's noise (TicTacToe learns in a
 third of the steps).
+
+With --model DIR the lesson starts from that pretrained model instead (its own tokenizer and chat template, loaded as
+the trainer loads an untrusted folder): the same examples and loss, with the defaults of PRETRAINED, as a pretrained
+model needs the format taught, not the language, and fewer, gentler steps keep what it knew.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from games import check_ids, spy
 from machinery import UserError
 from machinery.flags import FriendlyParser, field_docs
 from machinery.matches import RandomPlayer, random_legal_move, summarize_matches
+from machinery.modelfiles import check_folder
 from machinery.runfiles import check_writable_dir, follow_umask
 from machinery.watch import Timer, fmt, quiet_transformers
 from stratagem import (
@@ -436,7 +441,8 @@ class Recipe:
     games: str = "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1"
     """comma-separated game ids whose rules are taught (SPIRAL's training set)"""
     moves: str = "8000,2500,2500"
-    """random-game moves per game id, in --games order (TicTacToe is the hard one, and its prompts are short)"""
+    """random-game moves per game id, in --games order, or one count for every id (TicTacToe is the hard one, and its
+    prompts are short)"""
     steps: int = 1000
     """AdamW steps"""
     batch_size: int = 16
@@ -444,7 +450,10 @@ class Recipe:
     lr: float = 5e-3
     """peak learning rate (warm-up over 5 % of the steps, then cosine down to 10 %)"""
     arch: str = "tiny-warm"
-    """shape of the random model (stratagem.ARCHS)"""
+    """shape of the random model (stratagem.ARCHS; none with --model)"""
+    model: str = ""
+    """a pretrained model folder to start from instead of a random model: its weights, tokenizer and chat template
+    (checked as the trainer checks any folder); '': the random model of --arch"""
 
     def moves_per_game(self) -> dict[str, int]:
         games = self.games.split(",")
@@ -454,6 +463,8 @@ class Recipe:
             raise UserError(
                 f"--moves takes comma-separated whole numbers, got {self.moves!r}"
             ) from None
+        if len(counts) == 1:  # one count: the same for every game id
+            counts *= len(games)
         if len(games) != len(counts):
             raise UserError(f"--moves: {len(counts)} counts for {len(games)} games")
         return dict(zip(games, counts))
@@ -473,10 +484,19 @@ class Recipe:
                 raise UserError(f"--{flag} must be in [{low}, {high}], got {value}")
         if not (0 < self.lr <= 1 and math.isfinite(self.lr)):
             raise UserError(f"--lr must be in (0, 1], got {self.lr}")
-        if self.arch not in ARCHS:
+        if self.model:  # a missing or refused folder fails here, before DIR is made (load_policy checks it again)
+            check_folder(self.model)
+        elif self.arch not in ARCHS:
             raise UserError(f"--arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         if not 0 <= self.seed < 2**31:
             raise UserError(f"--seed must be in [0, 2147483647], got {self.seed}")
+
+
+# The defaults with --model, where a pretrained model starts: it reads and writes already and is taught the format only,
+# in few steps at a fine-tuning rate (5e-3 would wreck it). SmolLM2-135M-Instruct, --games KuhnPoker-v1 (prompts ~480
+# tokens), on one busy CPU core: ~50 s a step at batch 8, its loss 4.1 -> 0.19 in these 12 steps (630 s, 16 GB peak),
+# and its legal moves against the random player from none to ~80-90 %.
+PRETRAINED = {"moves": "200", "steps": 12, "batch_size": 8, "lr": 1e-4}
 
 
 def machine() -> dict:
@@ -501,17 +521,21 @@ def read_cpuinfo() -> list[str]:
 
 
 def build(out_dir: str, recipe: Recipe, log=None):
-    """The random model of recipe.arch, taught by `fit` on random-game moves and saved to out_dir like any
-    checkpoint. Returns (model, tokenizer, losses)."""
+    """The random model of recipe.arch, or the pretrained recipe.model, taught by `fit` on random-game moves and
+    saved to out_dir like any checkpoint (fp32, with its tokenizer and chat template). Returns (model, tokenizer,
+    losses)."""
     games = recipe.moves_per_game()
-    build_random_model(
-        out_dir, recipe.seed, recipe.arch, tokenizer_texts(list(games))
-    )  # the lines: a few tokens each
-    from transformers import GenerationConfig
+    if recipe.model:  # untrusted: load_policy checks it; the EOS it keeps is saved
+        model, tokenizer = load_policy(recipe.model, torch.device("cpu"))
+    else:
+        build_random_model(
+            out_dir, recipe.seed, recipe.arch, tokenizer_texts(list(games))
+        )  # the lines: a few tokens each
+        from transformers import GenerationConfig
 
-    model, tokenizer = load_policy(out_dir, torch.device("cpu"))
-    # load_policy keeps a folder's EOS alone; this folder is ours, just built: saved as it was built
-    model.generation_config = GenerationConfig.from_pretrained(out_dir)
+        model, tokenizer = load_policy(out_dir, torch.device("cpu"))
+        # load_policy keeps a folder's EOS alone; this folder is ours, just built: saved as it was built
+        model.generation_config = GenerationConfig.from_pretrained(out_dir)
     spy_count = games.pop(spy.GAME, 0)  # SpyRL's game: its count is of moves too, ten a game
     moves = random_games(games, recipe.seed) + spy_games(spy_count // 10, recipe.seed)
     items, soft = tokenize(moves, tokenizer), soft_targets(moves, tokenizer)
@@ -525,6 +549,7 @@ def build(out_dir: str, recipe: Recipe, log=None):
         recipe.lr,
         recipe.seed,
         log,
+        min(50, max(1, recipe.steps // 10)) if recipe.model else 50,
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -538,11 +563,12 @@ def main(argv: list[str]) -> int:
     docs = field_docs(Recipe)
     for f in dataclasses.fields(Recipe):
         value = getattr(defaults, f.name)
+        shown = f"{value}; with --model: {PRETRAINED[f.name]}" if f.name in PRETRAINED else value
         p.add_argument(
             f"--{f.name.replace('_', '-')}",
             type=type(value),
-            default=value,
-            help=f"{docs[f.name][1]} ({value})".replace("%", "%%"),
+            default=None,  # None: not given, the default of the starting point (below)
+            help=f"{docs[f.name][1]} ({shown})".replace("%", "%%"),
         )
     p.add_argument(
         "--eval-n",
@@ -552,7 +578,14 @@ def main(argv: list[str]) -> int:
     )
     ns = vars(p.parse_args(argv))
     out, eval_n = ns.pop("dir"), ns.pop("eval_n")
-    recipe = Recipe(**ns)
+    if ns["model"] and ns["arch"]:
+        print(
+            "warmstart: --arch does not apply with --model (the pretrained model keeps its shape)"
+        )
+    if ns["model"]:
+        ns["arch"] = ""
+    start = {**dataclasses.asdict(defaults), **(PRETRAINED if ns["model"] else {})}
+    recipe = Recipe(**{k: start[k] if v is None else v for k, v in ns.items()})
     recipe.check()  # before DIR is made: a bad flag leaves nothing behind
     if eval_n < 0 or eval_n > 10**6:
         raise UserError(f"--eval-n must be in [0, 1000000], got {eval_n}")
