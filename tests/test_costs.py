@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -183,7 +184,12 @@ def test_dry_run_prints_the_plan_and_the_money_and_writes_nothing(tmp_path):
         in money
     )
     readme = (HERE / "README.md").read_text()
-    assert all(line in readme for line in lines if not line.startswith(("run directory", "engine")))
+    free = re.compile(r" of [\d.]+ GiB free now\)")  # this machine's free memory, said once
+    said = [
+        free.sub(" of X GiB free now)", x) for x in lines if not x.startswith(("run dir", "engine"))
+    ]
+    assert all(line in free.sub(" of X GiB free now)", readme) for line in said)
+    assert any(x.startswith("this CPU: does NOT fit (the learner's peak 69.6 GiB") for x in said)
     assert (
         "pass --judge-price-in/out to see money"
         in dry_run("--judge-model", "my-local-judge").stdout
