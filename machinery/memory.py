@@ -196,6 +196,22 @@ def project(
     }
 
 
+def of_run(args, shape: dict, micro_batch: int, checkpointing: bool, gpu: bool, world: int) -> dict:
+    """`project` with a run's flags (LoRA, --max-new-tokens, --kl-coef), at this micro-batch and checkpointing."""
+    targets, kl = args.lora_targets.split(","), bool(args.kl_coef)
+    return project(
+        shape,
+        args.lora_rank,
+        targets,
+        micro_batch,
+        args.max_new_tokens,
+        checkpointing,
+        gpu,
+        world,
+        kl,
+    )
+
+
 def verdict(m: dict, total: float, utilisation: float | None) -> dict:
     """Peak bytes while generating, while learning and while syncing on a device of `total` bytes; vLLM's share when
     it is the engine (`utilisation`), else None; whether every phase fits, and vLLM's room for KV cache."""
@@ -287,17 +303,7 @@ def choose(
     sizes = [1 << k for k in reversed(range(cap.bit_length()))]  # 1 << floor(log2 cap), ..., 2, 1
 
     def learning(micro_batch: int, checkpointing: bool) -> float:
-        m = project(
-            shape,
-            args.lora_rank,
-            args.lora_targets.split(","),
-            micro_batch,
-            args.max_new_tokens,
-            checkpointing,
-            gpu,
-            world,
-            bool(args.kl_coef),
-        )
+        m = of_run(args, shape, micro_batch, checkpointing, gpu, world)
         return verdict(m, total, utilisation)["learning"]
 
     size, on = 0, args.gradient_checkpointing
@@ -371,17 +377,7 @@ def plan_lines(
     each = auto and one is None  # the cards' table: each card's own micro-batch
 
     def projected(micro_batch: int, checkpointing: bool) -> dict:
-        return project(
-            shape,
-            args.lora_rank,
-            args.lora_targets.split(","),
-            micro_batch,
-            args.max_new_tokens,
-            checkpointing,
-            True,
-            world,
-            bool(args.kl_coef),
-        )
+        return of_run(args, shape, micro_batch, checkpointing, True, world)
 
     size, on, line = (1, args.gradient_checkpointing, "") if each else next(iter(chosen.values()))
     m = projected(size, on)
@@ -443,18 +439,7 @@ def cpu_line(args, shape: dict, world: int) -> str:
     size, on = args.micro_batch_size, args.gradient_checkpointing
     if size == "auto":
         size, on, _ = choose(args, shape, "this machine", free, False, None, world, CPU_MOST)
-    targets = args.lora_targets.split(",")
-    m = project(
-        shape,
-        args.lora_rank,
-        targets,
-        size,
-        args.max_new_tokens,
-        on,
-        False,
-        world,
-        bool(args.kl_coef),
-    )
+    m = of_run(args, shape, size, on, False, world)
     peak = verdict(m, free, None)["learning"]
     extra = ""
     if args.backend == "vllm":
