@@ -62,6 +62,7 @@ from machinery import (
     lifecycle,
     lora,
     modulation,
+    perfect,
     watch,
 )
 from machinery.distributed import (
@@ -188,6 +189,16 @@ class Args:
     rejected_rewards: str = "-1,1"
     """OFFENDER,OPPONENT rewards when the game rejects a move and no retry
     is left (TextArena 0.7.4: -1,1; SPIRAL's TextArena 0.6.4: -1,0)"""
+    opponents: str = "self=1"
+    """shares of the games played against the policy itself, a past policy
+    and the random legal player, e.g. self=0.6,past=0.2,random=0.2 (the
+    paper: self=1; docs/learning.md#opponents)"""
+    past_every: int = 0
+    """with a past share: steps between snapshots of the learner joining
+    the past pool (0: 10)"""
+    past_pool: int = 0
+    """with a past share: the newest snapshots kept, one drawn per game
+    (0: 3)"""
     # --- evaluation ---
     eval_every: int = 0
     """every N steps, play --eval-n games of each --eval-games id against a
@@ -200,6 +211,10 @@ class Args:
     out-of-distribution ones"""
     eval_n: int = 10
     """games per id and evaluation, the model taking each seat in turn"""
+    eval_opponent: str = "random"
+    """the evaluation's opponent: random (the random legal player), minimax
+    (TicTacToe-v0 only) or best-response (KuhnPoker-v1 only: the random
+    player, and the exploitability of the policy's play)"""
     eval_max_turns: int = 200
     """turn cap of an evaluation game (a capped game is a draw)"""
     keep_best: bool = False
@@ -509,11 +524,12 @@ class Trajectory:
     logged: dict = field(default_factory=dict)  # the scores that did not enter A_mod, by name
     info: dict = field(default_factory=dict)  # SpyRL: the seat's phase, role, ... (spy.results)
     predicted: dict | None = None  # --distill: the heads' levels, and whether they scored A_mod
+    opponent: str = ""  # --opponents: past or random ("": self-play)
 
     def record(self, step: int) -> dict:
         """The trajectories.jsonl line. Token ids are left out, and logged,
-        info and predicted appear only when they are set."""
-        optional = ("logged", "info", "predicted")
+        info, predicted and opponent appear only when they are set."""
+        optional = ("logged", "info", "predicted", "opponent")
         fields = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -526,12 +542,14 @@ class Trajectory:
 
 @dataclass
 class Episode:
-    """A game in flight. In an evaluation, `seat` is the policy's and the
-    opponent has the other."""
+    """A game in flight. In an evaluation, or against a fixed opponent in
+    training, `seat` is the policy's and the opponent has the other."""
 
     game: str
     env: object
     seat: int | None = None  # None: self-play, the policy moves in both seats
+    opponent: object = None  # --opponents: its player or past engine (None: play_turn's)
+    kind: str = "self"  # --opponents: self, past or random
     index: int = 0  # an evaluation game's place in the order asked for
     turns: dict[int, list[Turn]] = field(default_factory=lambda: {0: [], 1: []})
     moves: int = 0  # moves played, both seats, retries included
@@ -588,22 +606,29 @@ def settle(ep: Episode, rules: Rules) -> tuple[dict, dict, dict]:
 
 def play_turn(policy, tokenizer, live: list[Episode], rules: Rules, opponent=None, timer=None):
     """One lockstep turn of every live game: observe, ONE generate call for
-    every game where the policy moves, the opponent's moves, each move read
-    and played. Returns (still live, ended)."""
+    every game where the policy moves (and one per past policy that does),
+    the fixed opponents' moves, each move read and played. Only the
+    policy's turns are recorded. Returns (still live, ended)."""
     timer = timer or watch.Timer()
     with timer("game"):
         seen = [ep.env.get_observation() for ep in live]  # (player id, observation) each
-        ours = [i for i, (pid, _) in enumerate(seen) if live[i].seat in (None, pid)]
+        movers = [
+            policy if ep.seat in (None, pid) else ep.opponent or opponent
+            for ep, (pid, _) in zip(live, seen)
+        ]
+        ours = [i for i, m in enumerate(movers) if hasattr(m, "generate")]
         prompts = {i: format_prompt(tokenizer, seen[i][1], seen[i][0]) for i in ours}
         full = past_context(policy, tokenizer, prompts)
         asked = [i for i in ours if i not in full]
     with timer("generate"):
-        said = [prompts[i] for i in asked]
-        outputs = dict(zip(asked, policy.generate(said) if said else []))
+        outputs = {}
+        for engine, group in grouped(asked, movers):
+            outputs |= zip(group, engine.generate([prompts[i] for i in group]))
     with timer("game"):
-        theirs = [i for i in range(len(live)) if i not in prompts]
-        moves = opponent.act([(live[i].env, *seen[i]) for i in theirs]) if theirs else []
-        actions = {i: move or INVALID_ACTION for i, move in zip(theirs, moves)}  # "": none found
+        actions = {}
+        for player, group in grouped([i for i in range(len(live)) if i not in prompts], movers):
+            moves = player.act([(live[i].env, *seen[i]) for i in group])
+            actions |= {i: move or INVALID_ACTION for i, move in zip(group, moves)}  # "": none
         still, ended = [], []
         for i, ep in enumerate(live):
             pid, obs = seen[i]
@@ -614,11 +639,21 @@ def play_turn(policy, tokenizer, live: list[Episode], rules: Rules, opponent=Non
                 prompt_ids, response_ids, text = outputs[i]
                 actions[i] = read_action(rules.action_rule, ep.game, ep.env, pid, obs, text)
                 action = "" if actions[i] == INVALID_ACTION else actions[i]
-                ep.turns[pid].append(Turn(obs, text, action, prompt_ids, response_ids, prompts[i]))
+                if movers[i] is policy:
+                    turn = Turn(obs, text, action, prompt_ids, response_ids, prompts[i])
+                    ep.turns[pid].append(turn)
             ep.done, ep.forfeit = play_move(ep.env, pid, actions[i], ep.game)
             ep.moves += 1
             (ended if ep.done or ep.moves >= rules.max_turns else still).append(ep)
     return still, ended
+
+
+def grouped(indices: list[int], movers: list) -> list[tuple[object, list[int]]]:
+    """The games `indices` by who moves in them, in order of first move."""
+    groups: dict[int, tuple[object, list[int]]] = {}
+    for i in indices:
+        groups.setdefault(id(movers[i]), (movers[i], []))[1].append(i)
+    return list(groups.values())
 
 
 def past_context(policy, tokenizer, prompts: dict[int, str]) -> set[int]:
@@ -646,30 +681,33 @@ def self_play(run: lifecycle.Run, target: int, timer: watch.Timer, progress=None
     generated. Games are played whole, so a new one starts only while the
     live games' expected transitions (run.lengths, per game id) fall short
     of the target. Returns the player-trajectories in completion order, the
-    outcome counts and the number of generate calls."""
+    outcome counts (self-play's) and the number of generate calls."""
     args, live, finished = run.args, [], []
     outcome = {"win": 0, "draw": 0, "loss": 0, "invalid": 0}
     counts = {g: {f"player{p}": dict(outcome) for p in (0, 1)} for g in run.games}
     collected = calls = 0  # transitions generated this step (live games included); generate calls
+    run.versus.begin(run.rng)  # --opponents: this step's random player
 
-    def expected(game: str, played: int = 0) -> float:  # transitions still to come from a game
-        return max(1.0, run.lengths.get(game, float(args.max_turns)) - played)
+    def expected(ep: Episode) -> float:  # the learner's transitions still to come from a game
+        left = max(1.0, run.lengths.get(ep.game, float(args.max_turns)) - ep.moves)
+        return left if ep.seat is None else left / 2
 
     def room() -> bool:  # one more game fits in the step
-        coming = collected + sum(expected(e.game, e.moves) for e in live)
+        coming = collected + sum(expected(e) for e in live)
         return len(live) < args.num_envs and coming < target
 
     while live or collected < target:
         while room():
             game = run.rng.choice(run.games)
             env = make_env(game, run.rng.randrange(2**31), args.error_allowance)
-            live.append(Episode(game, env))
-        collected += len(live)  # the policy moves in every live game
+            kind, seat, opponent = run.versus.draw(run.rng)  # --opponents
+            live.append(Episode(game, env, seat, opponent, kind))
+        collected += sum(e.seat in (None, e.env.state.current_player_id) for e in live)
         live, ended = play_turn(run.policy, run.tokenizer, live, args.rules, timer=timer)
         calls += 1
         with timer("game"):
             for ep in ended:
-                finished.extend(finish_episode(ep, counts, args.rules))
+                finished.extend(finish_episode(ep, counts, args.rules, run.versus))
                 length = run.lengths.get(ep.game, ep.moves)
                 run.lengths[ep.game] = 0.9 * length + 0.1 * ep.moves
         if progress is not None:
@@ -678,11 +716,16 @@ def self_play(run: lifecycle.Run, target: int, timer: watch.Timer, progress=None
     return finished, counts, calls
 
 
-def finish_episode(ep: Episode, counts: dict, rules: Rules) -> list[Trajectory]:
-    """Both seats' trajectories. A seat that never moved has nothing to
-    judge or learn, but RAE folds its return into its baseline, as SPIRAL's
-    prepare_trajectories does."""
+def finish_episode(ep: Episode, counts: dict, rules: Rules, versus) -> list[Trajectory]:
+    """Both seats' trajectories (against a fixed opponent, the learner's
+    alone). A seat that never moved has nothing to judge or learn, but RAE
+    folds its return into its baseline, as SPIRAL's prepare_trajectories
+    does."""
     outcomes, invalid, rewards = settle(ep, rules)
+    if ep.seat is not None:  # --opponents: past or random
+        name = {1.0: "win", 0.0: "draw", -1.0: "loss"}[outcomes[ep.seat]]
+        versus.tally(ep.kind, ep.game, name, invalid[ep.seat])
+        return [Trajectory(ep.game, ep.seat, ep.turns[ep.seat], rewards[ep.seat], opponent=ep.kind)]
     for p in (0, 1):
         c = counts[ep.game][f"player{p}"]
         c[{1.0: "win", 0.0: "draw", -1.0: "loss"}[outcomes[p]]] += 1
@@ -1294,24 +1337,25 @@ def play_matches(policy, tokenizer, opponent, games: list[tuple], rules: Rules, 
                     "invalid": invalid[ep.seat],
                     "opponent_invalid": invalid[1 - ep.seat],
                     "reward": paid[ep.seat],
+                    "moves": [[t.observation, t.action] for t in ep.turns[ep.seat]],
                 }
             )
     return sorted(records, key=lambda r: r["index"])
 
 
 def periodic_eval(run: lifecycle.Run, step: int, timer: watch.Timer) -> dict | None:
-    """--eval-every: the model against a random legal player (rank 0), on
-    RNG streams of its own."""
+    """--eval-every: the model against --eval-opponent (rank 0), on RNG
+    streams of its own."""
     if not run.eval_games or step % run.args.eval_every or not run.dist.main:
         return None
     args = run.args
     rules = dataclasses.replace(args.rules, max_turns=args.eval_max_turns)
     first_last = first_last_ids(args.eval_first_last, args.eval_games)
-    opponent = RandomPlayer(random.Random(step))
+    opponent = perfect.player(args.eval_opponent, random.Random(step))
     games = schedule(run.eval_games, args.eval_n, random.Random(args.seed + step), first_last)
     with timer("eval"), torch.random.fork_rng():  # it draws nothing from training's streams
         records = play_matches(run.policy, run.tokenizer, opponent, games, rules, args.num_envs)
-    return summarize_matches(records)
+    return perfect.report(records, args.eval_opponent, random.Random(step))
 
 
 class FreshSeeds(random.Random):
@@ -1390,6 +1434,7 @@ def train(args: Args) -> Path | None:
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t|s_t) ] ----
         update = reinforce(run, mine, sum(len(t.turns) for t in trajs), timer, progress)
+        run.versus.snapshot(step, run.model)  # --opponents: the past pool
         evaluation = periodic_eval(run, step, timer)
         played = (outcomes, calls)
         lifecycle.end_step(run, step, timer, trajs, played, judged, usage, mod, update, evaluation)

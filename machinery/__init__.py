@@ -20,6 +20,12 @@
                      requests in flight on threads a stop signal does not wait for
     judge_http.py    the HTTP under that client: a deadline per request attempt, a cap on the reply's size
     matches.py       the evaluation's random legal opponent and the statistics of a set of matches
+    perfect.py       perfect players for the evaluation: TicTacToe's minimax, Kuhn Poker's exact best response
+                     to the policy's play (its exploitability)
+    opponents.py     --opponents: self-play's games against the policy itself, a pool of past policies or the
+                     random legal player
+    coverage.py      the coverage guard: the decision spots self-play reaches, its moves' entropy there, and
+                     warnings when a spot empties or an evaluation loses on invalid moves
     costs.py         what the judge will cost, known before it is paid: the price table, the projection, --dry-run
     cli.py           a script's entry point (stratagem.py's and spyrl.py's main): one-line errors, stop signals
     adaptive_beta.py --beta-share: the controller that holds the evolution term's share of A_mod

@@ -315,6 +315,7 @@ CHOICES = {
     "judge_aggregate": ("majority", "mean"),
     "judge_structured": ("auto", "on", "off"),
     "report_to": ("none", "tensorboard", "wandb"),
+    "eval_opponent": ("random", "minimax", "best-response"),
 }
 # The flags a resumed run may change; everything else is read back from its config.json. The memory
 # flags change how a step is computed, not what it computes: a resume on another device may retune
@@ -335,7 +336,7 @@ BOUNDS = [
     ),
     (
         "error_allowance eval_every beta judge_temperature judge_retries judge_budget kl_coef dist_timeout "
-        "lora_rank lora_alpha best_eval_n".split(),
+        "lora_rank lora_alpha best_eval_n past_every".split(),
         lambda v: v >= 0,
         ">= 0",
     ),
@@ -358,7 +359,12 @@ BOUNDS = [
     (("beta_min",), lambda v: v > 0, "> 0"),
     (("beta_horizon",), lambda v: 1 <= v <= 10**6, "in [1, 1000000]"),
     (("judge_samples", "judge_retries", "ppo_epochs"), lambda v: v <= 100, "<= 100"),
-    (("lora_rank",), lambda v: v <= 4096, "<= 4096"),  # a rank past the width adapts nothing more
+    (("lora_rank",), lambda v: v <= 4096, "<= 4096"),
+    (
+        ("past_pool",),
+        lambda v: 0 <= v <= 64,
+        "in [0, 64] (each snapshot is a copy of the weights)",
+    ),  # a rank past the width adapts nothing more
     (
         ("lora_alpha",),
         lambda v: v <= 65536,
@@ -387,6 +393,7 @@ def validate(args, context: int | None, warm_start: Path) -> None:
     it (UserError). `context`: the policy's context length, if known; `warm_start`: --tiny's
     weights."""
     from games import check_ids, first_last_ids  # not at the top: games imports this module
+    from machinery import opponents, perfect  # they import this module too
 
     if args.tiny and args.model != "tiny":
         raise UserError("--tiny builds its own model; drop --model")
@@ -400,9 +407,12 @@ def validate(args, context: int | None, warm_start: Path) -> None:
         if not all(-1000 <= r <= 1000 for r in number_pair(text, flag)):
             raise UserError(f"{flag} must be two numbers in [-1000, 1000], got {text!r}")
     check_ids(args.games)
+    opponents.check(args)
     if args.eval_every:
         check_ids(args.eval_games, "--eval-games")
-    first_last_ids(args.eval_first_last, args.eval_games, "--eval-first-last")
+    shown = first_last_ids(args.eval_first_last, args.eval_games, "--eval-first-last")
+    if args.eval_every:
+        perfect.check(args.eval_opponent, items(args.eval_games), shown, "--eval-games")
     if not all(0 <= b < 1 for b in args.betas):
         raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
     if args.distill and args.mode != "stratagem":

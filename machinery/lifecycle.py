@@ -36,10 +36,12 @@ from machinery import (
     UserError,
     adaptive_beta,
     costs,
+    coverage,
     distill,
     flags,
     memory,
     modelfiles,
+    opponents,
     runfiles,
     watch,
 )
@@ -102,6 +104,9 @@ class Run:
     failures: Counter = field(default_factory=Counter)
     # optimizer steps this process took (--ppo-epochs of them a step), by which check_update names the step
     updates: int = 0
+    versus: object = None  # --opponents: machinery/opponents.Versus
+    first_spots: dict | None = None  # the coverage guard: step 1's spots (coverage.of_step)
+    warned: set = field(default_factory=set)  # the guard's lines said once
 
 
 def start_run(args, load, make_env, seed, shape=None) -> Run | None:
@@ -260,6 +265,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
             dict(zip(("phi", "psi"), r)) if isinstance(r, list) else r for r in recent
         ]  # old: pairs
         run.lengths = own["lengths"]
+        run.first_spots = state.get("first_spots")
         run.beta = adaptive_beta.resumed(args, state.get("beta"))
         try:  # what the schema cannot see: an optimizer or heads' state of another shape
             load_optimizer_state(model, optimizer, state["optimizer"])
@@ -274,6 +280,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
         policy.sync(model)
     elif dist.main:
         (out / "checkpoints").mkdir(exist_ok=True)
+    run.versus = opponents.Versus(run, state.get("past_pool") if ckpt is not None else None)
     if not dist.main:
         return run
     if args.resume:  # lines logged after the checkpoint are replayed; without one, from step 0 with the saved config
@@ -478,6 +485,7 @@ def step_metrics(
     """The step's metrics.jsonl line; `ranks` holds every rank's (outcomes, generate calls, loss, PPO epochs),
     `extra` what a trainer adds of its own."""
     outcomes = merge_counts([r[0] for r in ranks])
+    versus = run.versus.results if run.versus and run.versus.mixed else None
     played = [t for t in trajs if t.turns]  # the others: seats that never moved (RAE only)
     a_game_mean, a_game_std = summarize([t.a_game for t in played])
     a_mod_mean, a_mod_std = summarize([t.a_mod for t in played])
@@ -492,7 +500,13 @@ def step_metrics(
         "games": outcomes,
         "episodes": sum(
             c[next(iter(c))][k] for c in outcomes.values() for k in ("win", "draw", "loss")
-        ),  # 1st seat: 1 a game
+        )  # 1st seat: 1 a game; then the games against fixed opponents
+        + sum(
+            c[k]
+            for g in (versus or {}).values()
+            for c in g.values()
+            for k in ("win", "draw", "loss")
+        ),
         "trajectories": len(played),
         "idle_seats": len(trajs) - len(played),
         "transitions": len(resp_tokens),
@@ -536,6 +550,8 @@ def step_metrics(
             else {}
         ),
         "baselines": dict(run.baselines),
+        **({"opponents": versus} if versus is not None else {}),
+        "coverage": coverage.of_step(played),
         **({"eval": evaluation} if evaluation else {}),
         **({"distill": run.distiller.report} if run.distiller else {}),
         **(extra or {}),  # spyrl.py: its "spy" metrics
@@ -585,6 +601,7 @@ def end_step(
             watch.announce_budget(run.runner.totals["cost"], run.args.judge_budget, step)
             run.announced = True
         log_step(run, metrics, trajs)
+        guard(run, metrics)
         if (
             run.reproject is not None and step == 1 and step < run.args.steps
         ):  # now on this policy's own counts
@@ -596,11 +613,27 @@ def end_step(
         save(run, step)
 
 
+def guard(run: Run, metrics: dict) -> None:
+    """The coverage guard: a warning line, once a spot, for a spot of step 1 that self-play has
+    stopped reaching; one for each evaluation that lost over 10 % of a game on invalid moves."""
+    spots = metrics.get("coverage", {})
+    if run.first_spots is None and metrics["step"] == 1:
+        run.first_spots = spots
+    drops = coverage.drops(run.first_spots or {}, spots)
+    lines = [x for x in drops if x.split(" fell to")[0] not in run.warned]
+    run.warned.update(x.split(" fell to")[0] for x in lines)
+    if e := metrics.get("eval"):
+        lines += [f"step {metrics['step']}: {x}" for x in coverage.invalid_warnings(e, e["spots"])]
+    for line in lines:
+        watch.warn(line)
+
+
 def first_eval(run: Run, evaluation: dict | None) -> None:
     """A fresh run's evaluation before any update (None without --eval-every): its own metrics.jsonl line
     {"step": 0, "eval": ...} and step line, so that a learning curve starts where the policy started."""
     if evaluation:
         runfiles.append_jsonl(run.out / "metrics.jsonl", {"step": 0, "eval": evaluation})
+        guard(run, {"step": 0, "eval": evaluation})
         print(
             f"step 0/{run.args.steps} | before any update | {watch.eval_text(evaluation)}",
             flush=True,
@@ -735,6 +768,8 @@ def save(run: Run, step: int) -> None:
             "judge_totals": run.runner.totals if run.runner else None,
             "recent": run.recent,
             "distill": run.distiller.state_dict() if run.distiller else None,
+            "past_pool": run.versus.state() if run.versus else None,
+            "first_spots": run.first_spots,
         },
         own={"rng": runfiles.rng_states(run.rng), "lengths": run.lengths},
     )

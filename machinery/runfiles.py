@@ -361,9 +361,17 @@ TRAINER_STATE = {
         "the recent judged steps' means, [{score: number}]",
         lambda v: isinstance(v, list) and all(_numbers(r) or _pair(r) for r in v),
     ),
+    "past_pool": (  # its snapshots are checked against the model: opponents.restored
+        "--opponents' past pool, or null",
+        lambda v: v is None or isinstance(v, dict),
+    ),
+    "first_spots": (  # read by coverage.drops, which skips what it cannot read
+        "the coverage guard's step-1 spots, or null",
+        lambda v: v is None or isinstance(v, dict),
+    ),
 }
 # Keys kept since a later version: a checkpoint written before lacks them.
-LATER = {"beta", "recent"}
+LATER = {"beta", "recent", "past_pool", "first_spots"}
 RANK_STATE = {
     "rng": (
         "the RNG states",

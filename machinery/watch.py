@@ -162,17 +162,33 @@ def step_line(m: dict, args) -> str:
             + (f", ROUGE-L {s['rouge_l']:.3f}" if s["rouge_l"] is not None else "")
         )
     evaluation = f" | {eval_text(m['eval'])}" if "eval" in m else ""
+    versus = f" ({versus_text(m['opponents'])})" if "opponents" in m else ""
     return (
-        f"step {m['step']}/{args.steps} | {m['episodes']} games, {m['trajectories']} trajectories, "
+        f"step {m['step']}/{args.steps} | {m['episodes']} games{versus}, {m['trajectories']} trajectories, "
         f"{m['transitions']} transitions | {middle} | A_mod {m['a_mod_mean']:+.3f}±{m['a_mod_std']:.3f} | "
         f"loss {m['loss']:+.4f}{ppo}{kl}{evaluation} | {m['time_s']:.1f}s"
     )
 
 
+def versus_text(results: dict) -> str:
+    """--opponents: the learner's wins-draws-losses against each fixed kind this step."""
+    parts = []
+    for kind, games in results.items():
+        w, d, l_ = (sum(c[k] for c in games.values()) for k in ("win", "draw", "loss"))
+        parts.append(f"vs {kind} {w}-{d}-{l_}")
+    return ", ".join(parts) + " won-drawn-lost" if parts else "none vs a fixed opponent"
+
+
 def eval_text(e: dict) -> str:
-    """--eval-every's result in a step line: the win rate against the random player with its 95 % interval."""
+    """--eval-every's result in a step line: the win rate against its opponent with its 95 % interval (and,
+    with --eval-opponent best-response, the best reply's win rate against the policy)."""
     low, high = e["win_ci95"]
-    return f"eval: win {e['win_rate']:.3f} [{low:.3f}, {high:.3f}] of {e['n']} vs random"
+    text = f"eval: win {e['win_rate']:.3f} [{low:.3f}, {high:.3f}] of {e['n']} vs "
+    text += e.get("opponent", "random")
+    if best := e.get("best_response"):  # --eval-opponent best-response
+        low, high = best["ci95"]
+        text += f", the best reply wins {best['win_rate']:.3f} [{low:.3f}, {high:.3f}]"
+    return text
 
 
 def best_text(out: Path) -> str:

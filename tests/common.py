@@ -27,6 +27,7 @@ import torch
 import judge_prompts
 import stratagem as S
 from machinery import judge as J
+from machinery import opponents
 from tools import serve_judge
 
 HERE = (
@@ -187,6 +188,7 @@ def self_play(policy, tokenizer, args, games, rng, timer, lengths, target, progr
     run = S.SimpleNamespace(
         policy=policy, tokenizer=tokenizer, args=args, games=games, rng=rng, lengths=lengths
     )
+    run.versus = opponents.Versus(run)
     return S.self_play(run, target, timer, progress)
 
 
@@ -587,8 +589,11 @@ def assert_resumed_exactly(whole: Path, part: Path, steps: int) -> None:
 
 
 def error_of(capsys, argv) -> str:
+    """The one error line a run ends in (the warnings a run said before it, such as the coverage
+    guard's, aside)."""
     assert run(argv) == 2
-    err = capsys.readouterr().err
+    lines = capsys.readouterr().err.splitlines(keepends=True)
+    err = "".join(x for x in lines if not x.startswith("stratagem: warning: "))
     assert err.count("\n") == 1 and err.startswith("stratagem: error: ") and "Traceback" not in err
     return err
 

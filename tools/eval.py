@@ -1,5 +1,6 @@
-"""`stratagem.py eval`: a model against a fixed opponent (a random legal player, or any
-OpenAI-compatible model) on training and out-of-distribution games, each seat in turn."""
+"""`stratagem.py eval`: a model against a fixed opponent (a random legal player, a perfect player
+(minimax on TicTacToe-v0), or any OpenAI-compatible model) on training and out-of-distribution games,
+each seat in turn; on KuhnPoker-v1, also the exact best response to the model's play."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import time
 from pathlib import Path
 
 from games import check_ids, first_last_ids
-from machinery import UserError, flags, lora
+from machinery import UserError, flags, lora, perfect
 from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser, field_docs, number_pair
-from machinery.matches import RandomPlayer, summarize_matches, wilson
+from machinery.matches import wilson
 from machinery.openai_api import check_base_url, check_reachable, concurrently, openai_client
+from machinery.perfect import INFOSETS
 from machinery.runfiles import check_writable_file, latest_checkpoint
 from machinery.vllm_engine import VLLMPolicy
 from machinery.watch import quiet_transformers
@@ -117,6 +119,28 @@ def print_matches(summary: dict, opponent: str, groups: dict[str, dict | None]) 
             )
 
 
+def print_best_response(report: dict) -> None:
+    """The best response's win rate against the model's deciding-round play, then its frequencies."""
+    low, high = report["ci95"]
+    print(
+        f"best response to the model on KuhnPoker-v1's deciding round ({report['n']} moves of the "
+        f"model): win rate {report['win_rate']:.3f} [{low:.3f}, {high:.3f}] (95 %, "
+        f"{report['method']}); exploitability {report['exploitability']:.3f} above the game's "
+        f"value {report['game_value']}; vs the model as opener "
+        f"{report['by_role']['opener']:.3f}, as responder {report['by_role']['responder']:.3f}"
+    )
+    if not report["n"]:
+        print("no deciding-round move of the model was recorded: every spot is taken as uniform")
+    moves = ("check", "bet", "fold", "call", "invalid")
+    print(f"{'information set':24}{'n':>5}" + "".join(f"{m:>8}" for m in moves))
+    for spot in INFOSETS:
+        cell = report["infosets"][spot]
+        shares = "".join(
+            f"{cell['freq'][m]:>8.2f}" if m in cell["freq"] else f"{'-':>8}" for m in moves
+        )
+        print(f"{spot:24}{cell['n']:>5}{shares}")
+
+
 def resolve_model_path(path: str) -> str:
     """A run directory stands for its newest checkpoint."""
     ckpt = latest_checkpoint(Path(path)) if (Path(path) / "checkpoints").is_dir() else None
@@ -202,9 +226,11 @@ def main(argv: list[str]) -> int:
     p = FriendlyParser(
         prog="stratagem.py eval",
         description=(
-            "Play a model against a fixed opponent (a random legal player, or any OpenAI-compatible model) on "
-            "training and out-of-distribution games, taking each seat in turn; print win/draw/loss/invalid "
-            "rates per game and seat with 95 % intervals and write them as JSON."
+            "Play a model against a fixed opponent (a random legal player, minimax on TicTacToe-v0, or any "
+            "OpenAI-compatible model) on training and out-of-distribution games, taking each seat in turn; "
+            "print win/draw/loss/invalid rates per game and seat with 95 % intervals and write them as "
+            "JSON. On KuhnPoker-v1, --opponent best-response also measures how exploitable the model's "
+            "play is."
         ),
     )
     p.add_argument(
@@ -221,7 +247,11 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--opponent",
         default="random",
-        help="random, openai:MODEL or openai:MODEL@BASE_URL (default: random)",
+        help="random; minimax (exact, TicTacToe-v0 only); best-response (KuhnPoker-v1 only: plays "
+        "random, and reports the model's move frequencies in the deciding round and the win rate of "
+        "the exact best response to them, with a bootstrap interval); openai:MODEL or "
+        "openai:MODEL@BASE_URL (default: random; minimax and best-response: --games defaults to "
+        "their game)",
     )
     p.add_argument(
         "--greedy", action="store_true", help="greedy decoding for the model (default: sampled)"
@@ -285,6 +315,8 @@ def main(argv: list[str]) -> int:
         "else in the current one; eval-<seed>-2.json, -3, ... when it is taken)",
     )
     ns = p.parse_args(argv)
+    if ns.opponent in perfect.PERFECT and ns.games is None:
+        ns.games = ",".join(perfect.PERFECT[ns.opponent])
     run = run_of(ns.model)
     taken = settings(ns, run)
     if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1:
@@ -301,10 +333,11 @@ def main(argv: list[str]) -> int:
         raise UserError(f"{ns.json} already exists; choose another --json")
     out = Path(ns.json) if ns.json else free_name(run if run is not None else Path("."), ns.seed)
     check_writable_file(out, "--json")  # now, not after every game is played
-    device = pick_device(ns.device)  # an unknown or absent device fails before any work
-    pick_threads(device)  # as in training: OMP_NUM_THREADS, else half the cores on a CPU
     games = check_ids(ns.games)
     first_last = first_last_ids(ns.first_last, ns.games)
+    perfect.check(ns.opponent, games, first_last, "--games")
+    device = pick_device(ns.device)  # an unknown or absent device fails before any work
+    pick_threads(device)  # as in training: OMP_NUM_THREADS, else half the cores on a CPU
     payouts = (
         number_pair(ns.invalid_rewards, "--invalid-rewards"),
         number_pair(ns.rejected_rewards, "--rejected-rewards"),
@@ -319,11 +352,10 @@ def main(argv: list[str]) -> int:
         backend=ns.backend,
         vllm_enforce_eager=ns.vllm_enforce_eager,
     )
-    opponent = (
-        RandomPlayer(random.Random(ns.seed + 1))
-        if ns.opponent == "random"
-        else LLMPlayer(*openai_spec(ns.opponent, "random"), args)
-    )
+    if ns.opponent in ("random", *perfect.PERFECT):
+        opponent = perfect.player(ns.opponent, random.Random(ns.seed + 1))
+    else:
+        opponent = LLMPlayer(*openai_spec(ns.opponent, "random, minimax, best-response"), args)
     path = resolve_model_path(ns.model)
     trained = flags.items(
         flags.run_config(run, Args).get("games", Args.games) if run is not None else Args.games
@@ -352,7 +384,7 @@ def main(argv: list[str]) -> int:
         policy, tokenizer, opponent, schedule(games, ns.n, rng, first_last), rules, ns.concurrency
     )
     policy.close()
-    summary = summarize_matches(records)
+    summary = perfect.report(records, ns.opponent, random.Random(ns.seed + 2))
     summary["trained"] = pooled(records, [g for g in games if g in trained])
     summary["unseen"] = pooled(records, unseen)
     print_matches(
@@ -363,6 +395,8 @@ def main(argv: list[str]) -> int:
     print(
         f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}"
     )
+    if best := summary.get("best_response"):
+        print_best_response(best)
     out.write_text(
         json.dumps(
             {
@@ -378,7 +412,8 @@ def main(argv: list[str]) -> int:
                 "invalid_rewards": payouts[0],
                 "rejected_rewards": payouts[1],
                 "summary": summary,
-                "games": records,
+                "best_response": best,
+                "games": [r | {"moves": [a for _, a in r["moves"]]} for r in records],  # no texts
             },
             indent=2,
         )

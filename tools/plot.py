@@ -41,6 +41,15 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
         [("all games", lambda m: m.get("eval", {}).get("win_rate"))]
         + [(game, lambda m, g=game: eval_cell(m, g, "win")) for game in TRAINING_GAMES],
     ),
+    "exploitability": (
+        "Kuhn Poker: the exact best response's win rate against the policy (--eval-opponent best-response)",
+        "win rate of the best reply",
+        [
+            ("best response", lambda m: m["eval"]["best_response"]["win_rate"]),
+            ("its 95 % interval, low", lambda m: m["eval"]["best_response"]["ci95"][0]),
+            ("its 95 % interval, high", lambda m: m["eval"]["best_response"]["ci95"][1]),
+        ],
+    ),
     "eval_invalid_rate": (
         "Evaluation games the model lost by an invalid move (--eval-every)",
         "share of games",
@@ -55,6 +64,11 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
         "Invalid-action rate in self-play",
         "lost by an invalid move, per seat that moved",
         [("", lambda m: invalid_rate(m))],
+    ),
+    "coverage": (
+        "Decision spots in self-play: each one's share of its game's turns, its moves' entropy",
+        "",
+        [],  # drawn by draw_coverage: its series are the spots the lines name
     ),
     "response_length": (
         "Mean response length",
@@ -133,11 +147,13 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
 NEEDS = {
     "eval_win_rate": " (train with --eval-every N)",
     "eval_invalid_rate": " (train with --eval-every N)",
+    "exploitability": " (--eval-opponent best-response)",
     "eval_game_length": " (train with --eval-every N)",
     "distill": " (--distill)",
     "judge_requests": " (a judge)",
     "beta": " (a judge)",
     "spy": " (a spyrl.py run)",
+    "coverage": " (self-play of a game whose spots are tracked)",
 }  # what a run needs for the figures that only some runs have data for
 
 
@@ -222,6 +238,8 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
 
     if name in PANELS:
         return draw_panels(plt, name, runs)
+    if name == "coverage":
+        return draw_coverage(plt, runs)
     title, ylabel, series = PLOTS[name]
     fig, ax = plt.subplots(figsize=(8.4, 3.6), dpi=110, layout="constrained")
     n = len(runs) * len(series)
@@ -269,6 +287,9 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     if name == "eval_win_rate" and len(games) == 1 and (ceiling := CEILINGS.get(next(iter(games)))):
         label = f"ceiling: the best reply to the random player ({ceiling:.4f})"
         ax.axhline(ceiling, color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
+    if name == "exploitability":  # the floor: a policy no reply can beat more than half the time
+        label = "the game's value: unexploitable (0.5)"
+        ax.axhline(0.5, color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
     players = {run_config(run).get("spy_players") for run, _ in runs} - {None}
     if (
         name == "spy" and len(players) == 1 and (n := players.pop()) > 1
@@ -282,7 +303,7 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
         title
     )  # over the whole figure, legend included: a long legend cannot push it off the left edge
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    if name in ("eval_win_rate", "eval_invalid_rate", "invalid_rate", "spy"):
+    if name in ("eval_win_rate", "eval_invalid_rate", "invalid_rate", "spy", "exploitability"):
         ax.set_ylim(-0.02, 1.02)
     if name == "distill":
         ax.set_ylim(-0.22, 1.02)
@@ -344,13 +365,76 @@ def draw_panels(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     return fig
 
 
+def coverage_series(runs: list[tuple[Path, list[dict]]]) -> dict:
+    """{game: {spot: {(run index, "share" or "entropy"): [(step, value)]}}} of the lines' "coverage"
+    (machinery/coverage.of_step); a game or spot of the wrong shape is skipped."""
+    found: dict = {}
+    for r, (_, metrics) in enumerate(runs):
+        for m in metrics:
+            coverage = m.get("coverage")
+            for game, spots in coverage.items() if isinstance(coverage, dict) else ():
+                for spot in spots if isinstance(spots, dict) else ():
+                    for key in ("share", "entropy"):
+                        v = read(lambda m, g=game, s=spot, k=key: m["coverage"][g][s][k], m)
+                        if v is not None:
+                            cell = found.setdefault(game, {}).setdefault(spot, {})
+                            cell.setdefault((r, key), []).append((m["step"], v))
+    return found
+
+
+def draw_coverage(plt, runs: list[tuple[Path, list[dict]]], most: int = 20):
+    """The "coverage" figure, or None when no run has a value for it: a row per game (share |
+    entropy), a colour per spot (the first `most` by name), a line style and marker per run."""
+    import matplotlib.ticker
+
+    found = coverage_series(runs)
+    if not found:
+        return None
+    games = sorted(found)[:8]
+    fig, axes = plt.subplots(
+        len(games), 2, figsize=(11, 2.6 * len(games)), dpi=110, layout="constrained", squeeze=False
+    )
+    text = lambda x: str(x)[:40].replace("$", r"\$")  # noqa: E731 - a file's words, never mathtext
+    for (share_ax, entropy_ax), game in zip(axes, games):
+        for s, spot in enumerate(sorted(found[game])[:most]):
+            labelled = set()  # an axis' legend names a spot once: its colour, whatever the run
+            for (r, key), points in sorted(found[game][spot].items()):
+                ax = share_ax if key == "share" else entropy_ax
+                style, marker = SERIES_STYLES[r % len(SERIES_STYLES)]
+                label = "_" if ax in labelled else text(spot)  # "_...": left out of the legend
+                labelled.add(ax)
+                ax.plot(
+                    *zip(*points),
+                    color=plt.get_cmap("tab20")(s % 20),
+                    linestyle=style,
+                    marker=marker,
+                    markersize=3,
+                    fillstyle="none",
+                    linewidth=1.2,
+                    label=label,
+                )
+        share_ax.set(title=f"{text(game)}: share of its turns", ylabel="share", ylim=(-0.02, 1.02))
+        entropy_ax.set(title=f"{text(game)}: entropy of the moves", ylabel="bits")
+        for r, (run, _) in enumerate(runs if len(runs) > 1 else []):  # the runs' styles
+            style, marker = SERIES_STYLES[r % len(SERIES_STYLES)]
+            kwargs = dict(linestyle=style, marker=marker, markersize=3, fillstyle="none")
+            entropy_ax.plot([], [], color="0.4", label=run_label(run), **kwargs)
+        entropy_ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    for ax in axes.flat:
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.suptitle(PLOTS["coverage"][0])
+    return fig
+
+
 def main(argv: list[str]) -> int:
     p = FriendlyParser(
         prog="stratagem.py plot",
         description=(
             "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
             "spiral vs --no-psi): win rate against a random player (with its invalid-move rate and game length), "
-            "invalid-action rate in self-play, response length, "
+            "invalid-action rate in self-play, its decision spots' coverage, response length, "
             "phi and psi, A_mod spread, loss, the distilled heads' agreement and the judge's requests, and SpyRL's "
             "detection figures. Needs matplotlib."
         ),

@@ -1,0 +1,183 @@
+"""Opponents beyond the mirror (--opponents). Each self-play game is drawn against the policy
+itself (the paper's self-play: both seats learn), a frozen past policy or the random legal
+player; against a fixed opponent only the learner's seat makes a trajectory.
+
+The past policies are a small pool of snapshots of the learner's trainable weights, one taken
+every --past-every steps, the newest --past-pool kept; until the first, the pool holds the
+initial policy. One frozen copy of the model plays them all, each game's snapshot loaded into
+it before its turn (a swap of CPU tensors). The pool is part of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import torch
+
+from machinery import UserError
+from machinery.flags import items
+from machinery.matches import RandomPlayer
+
+KINDS = ("self", "past", "random")
+PAST_EVERY, PAST_POOL = 10, 3  # what --past-every 0 and --past-pool 0 stand for
+
+
+def parse(spec: str) -> dict[str, float]:
+    """'self=0.6,past=0.2,random=0.2' -> {kind: share}, the kinds of share 0 dropped. Anything
+    else is one line: an unknown kind, a share below 0 or no number, shares not summing to 1."""
+    shares: dict[str, float] = {}
+    for item in items(spec):
+        kind, _, value = (x.strip() for x in item.partition("="))
+        if kind not in KINDS:
+            raise UserError(f"--opponents: unknown kind {kind!r} (kinds: {', '.join(KINDS)})")
+        try:
+            share = float(value)
+        except ValueError:
+            share = math.nan
+        if not math.isfinite(share) or share < 0 or kind in shares:
+            why = "is given twice" if kind in shares else f"must be a number >= 0, got {value!r}"
+            raise UserError(f"--opponents: {kind}'s share {why}")
+        shares[kind] = share
+    if abs(sum(shares.values()) - 1) > 1e-6:
+        raise UserError(f"--opponents: the shares must sum to 1, got {sum(shares.values()):g}")
+    return {kind: share for kind, share in shares.items() if share > 0}
+
+
+def check(args) -> None:
+    """--opponents parses, and --past-every and --past-pool come with a past share."""
+    past = "past" in parse(args.opponents)
+    for name in ("past_every", "past_pool"):
+        if getattr(args, name) and not past:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} shapes the past pool: give --opponents with a past share")
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of the weights that learn (a LoRA run's adapters; else all of them)."""
+    return {
+        n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad
+    }
+
+
+class Past:
+    """One snapshot of the pool as a generation engine: it loads its weights into the shared
+    frozen copy, then generates as the learner's engine does."""
+
+    def __init__(self, versus: Versus, k: int):
+        self.versus, self.k, self.room = versus, k, versus.engine.room
+
+    def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
+        self.versus.load(self.k)
+        return self.versus.engine.generate(prompts)
+
+
+class Versus:
+    """The run's opponents: their shares, the past pool, and this step's results against
+    each fixed kind (metrics.jsonl's "opponents")."""
+
+    def __init__(self, run, state: dict | None = None):
+        args = run.args
+        self.shares = parse(getattr(args, "opponents", "self=1"))  # spyrl.py has none
+        self.mixed = self.shares != {"self": 1.0}
+        self.every = getattr(args, "past_every", 0) or PAST_EVERY
+        self.size = getattr(args, "past_pool", 0) or PAST_POOL
+        self.results, self.pool, self.members = {}, [], []
+        self.random = RandomPlayer(random.Random(0))
+        if not self.mixed:
+            return
+        if run.dist.world > 1 or args.backend == "vllm":
+            raise UserError(
+                "--opponents other than self=1 plays on one process with --backend hf for now"
+            )
+        if "past" in self.shares:
+            self.frozen = copy.deepcopy(run.model).requires_grad_(False)
+            self.engine = type(run.policy)(self.frozen, run.tokenizer, args, run.device)
+            self.pool = restored(state, run.model) if state else [(0, trainable(run.model))]
+            self.members = [Past(self, k) for k in range(len(self.pool))]
+            self.loaded = None
+        if run.dist.main:
+            print(self.describe(), flush=True)
+
+    def describe(self) -> str:
+        """The start line: each kind's share, and what the past pool holds now."""
+        words = {"self": "the policy itself", "random": "the random legal player"}
+        steps = ", ".join(str(s) for s, _ in self.pool)
+        words["past"] = (
+            f"a past policy (a snapshot every {self.every} steps, the newest {self.size} kept; "
+            f"now step {steps}{', the initial policy' if steps == '0' else ''})"
+        )
+        mix = ", ".join(f"{share:g} {words[kind]}" for kind, share in self.shares.items())
+        return f"opponents: {mix}; only the learner's seat trains against a fixed one"
+
+    def begin(self, rng: random.Random) -> None:
+        """A step's fresh results, and its random player's stream, drawn from the run's (which
+        the checkpoint keeps). Pure self-play draws nothing."""
+        self.results = {}
+        if "random" in self.shares:
+            self.random = RandomPlayer(random.Random(rng.getrandbits(64)))
+
+    def draw(self, rng: random.Random) -> tuple[str, int | None, object | None]:
+        """(kind, the learner's seat, the opponent) of a new game. Pure self-play draws
+        nothing, so the paper's run keeps its random stream."""
+        if not self.mixed:
+            return "self", None, None
+        kind = rng.choices(list(self.shares), weights=list(self.shares.values()))[0]
+        if kind == "self":
+            return kind, None, None
+        seat = rng.randrange(2)
+        if kind == "random":
+            return kind, seat, self.random
+        return kind, seat, self.members[rng.randrange(len(self.members))]
+
+    def tally(self, kind: str, game: str, outcome: str, invalid: bool) -> None:
+        """One ended game against a fixed opponent, from the learner's seat."""
+        cell = self.results.setdefault(kind, {}).setdefault(
+            game, {"win": 0, "draw": 0, "loss": 0, "invalid": 0}
+        )
+        cell[outcome] += 1
+        cell["invalid"] += invalid
+
+    def load(self, k: int) -> None:
+        if self.loaded != k:
+            self.frozen.load_state_dict(self.pool[k][1], strict=False)  # the names: restored()
+            self.loaded = k
+
+    def snapshot(self, step: int, model: torch.nn.Module) -> None:
+        """Every --past-every steps, the learner's weights join the pool (the oldest leaves
+        once it holds --past-pool)."""
+        if "past" not in self.shares or step % self.every:
+            return
+        self.pool = [*self.pool, (step, trainable(model))][-self.size :]
+        self.members, self.loaded = [Past(self, k) for k in range(len(self.pool))], None
+
+    def state(self) -> dict | None:
+        """The pool for the checkpoint (None without a past share)."""
+        if not self.pool:
+            return None
+        return {"steps": [s for s, _ in self.pool], "weights": [w for _, w in self.pool]}
+
+
+def restored(state: dict, model: torch.nn.Module) -> list[tuple[int, dict]]:
+    """A checkpoint's pool, each snapshot checked against the model's trainable weights (names,
+    shapes, dtypes) before it is used; anything else is one line."""
+    want = {n: (p.shape, p.dtype) for n, p in model.named_parameters() if p.requires_grad}
+    steps, weights = state.get("steps"), state.get("weights")
+    fits = (
+        isinstance(steps, list)
+        and isinstance(weights, list)
+        and len(steps) == len(weights) >= 1
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps)
+        and all(
+            isinstance(w, dict)
+            and set(w) == set(want)
+            and all(
+                isinstance(t, torch.Tensor) and (t.shape, t.dtype) == want[n] for n, t in w.items()
+            )
+            for w in weights
+        )
+    )
+    if not fits:
+        raise UserError("--resume: the checkpoint's past pool does not fit this model; restore it")
+    return list(zip(steps, weights))

@@ -1,0 +1,160 @@
+"""--opponents: self-play against the policy itself, a pool of past policies and the random legal
+player (machinery/opponents.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import stratagem as S
+from machinery import UserError, opponents
+from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
+    SMALL,
+    assert_resumed_exactly,
+    error_of,
+    fresh,
+    no_process_left_behind,
+    only_the_vllm_tests,
+    read_jsonl,
+    run,
+    tiny_fixture,
+)
+
+MIX = ["--opponents", "self=0.5,past=0.25,random=0.25", "--past-every", "1"]
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        ("self=0.5,past=0.6", "the shares must sum to 1, got 1.1"),
+        ("self=1.2,random=-0.2", "random's share must be a number >= 0, got '-0.2'"),
+        ("self=0.5,mirror=0.5", "unknown kind 'mirror' (kinds: self, past, random)"),
+        ("self=0.5,self=0.5", "self's share is given twice"),
+        ("self=half,random=0.5", "self's share must be a number >= 0, got 'half'"),
+        ("self", "self's share must be a number >= 0, got ''"),
+    ],
+)
+def test_parse_refuses_bad_shares_in_one_line(capsys, spec, why):
+    err = error_of(capsys, ["--tiny", "--opponents", spec, "--dry-run"])
+    assert err == f"stratagem: error: --opponents: {why}\n"
+
+
+def test_parse_keeps_the_kinds_with_a_share_and_check_refuses_past_flags_without_past(capsys):
+    assert opponents.parse("self=0.6, past=0.2,random=0.2") == {
+        "self": 0.6,
+        "past": 0.2,
+        "random": 0.2,
+    }
+    assert opponents.parse("self=1,random=0") == {"self": 1.0}
+    for flag in ("--past-every", "--past-pool"):
+        err = error_of(capsys, ["--tiny", flag, "2", "--opponents", "self=0.5,random=0.5"])
+        assert err == (
+            f"stratagem: error: {flag} shapes the past pool: give --opponents with a past share\n"
+        )
+
+
+class Engine:
+    """A stand-in engine: Versus builds the past policies' one from the learner's type."""
+
+    def __init__(self, model, tokenizer, args, device):
+        self.model, self.room = model, None
+
+
+def versus(spec: str, model=None) -> opponents.Versus:
+    model = model or torch.nn.Linear(2, 2)
+    args = S.Args(tiny=True, opponents=spec)
+    run_ = SimpleNamespace(args=args, dist=S.Dist(), model=model, tokenizer=None, device=None)
+    run_.policy = Engine(model, None, args, None)
+    return opponents.Versus(run_)
+
+
+def test_draw_gives_each_kind_its_share_and_pure_self_play_draws_nothing():
+    mix = versus("self=0.6,past=0.1,random=0.3")
+    rng = random.Random(0)
+    drawn = [mix.draw(rng) for _ in range(20000)]
+    kinds = Counter(kind for kind, _, _ in drawn)
+    assert {k: round(n / 20000, 2) for k, n in kinds.items()} == {
+        "self": 0.6,
+        "past": 0.1,
+        "random": 0.3,
+    }
+    assert all((seat is None) == (kind == "self") for kind, seat, _ in drawn)
+    assert Counter(seat for _, seat, _ in drawn if seat is not None).keys() == {0, 1}
+    assert {type(o).__name__ for kind, _, o in drawn if kind != "self"} == {"Past", "RandomPlayer"}
+    pure, rng = versus("self=1"), random.Random(0)
+    before = rng.getstate()
+    assert pure.draw(rng) == ("self", None, None) and rng.getstate() == before
+
+
+def test_snapshot_keeps_the_newest_of_the_pool_and_past_plays_a_snapshot_s_weights():
+    model = torch.nn.Linear(2, 2)
+    mix = versus("self=0.5,past=0.5", model)
+    assert [s for s, _ in mix.pool] == [0] and "now step 0, the initial policy" in mix.describe()
+    first = model.weight.detach().clone()
+    for step in range(1, 31):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        mix.snapshot(step, model)
+    assert [s for s, _ in mix.pool] == [10, 20, 30] and len(mix.members) == 3
+    mix.load(0)
+    assert torch.allclose(mix.frozen.weight, first + 10) and not mix.frozen.weight.requires_grad
+    mix.load(2)
+    assert torch.equal(mix.frozen.weight, model.weight.detach())
+
+
+def test_restored_refuses_a_pool_that_does_not_fit_the_model():
+    model = torch.nn.Linear(2, 2)
+    good = {"steps": [0], "weights": [opponents.trainable(model)]}
+    assert opponents.restored(good, model)[0][0] == 0
+    wrong = torch.nn.Linear(3, 2)
+    bad = [
+        {"steps": [0], "weights": [opponents.trainable(wrong)]},
+        {"steps": [0, 1], "weights": [opponents.trainable(model)]},
+        {"steps": [-1], "weights": [opponents.trainable(model)]},
+        {"steps": [0], "weights": [{"weight": torch.zeros(2, 2)}]},
+        {"steps": "0", "weights": []},
+    ]
+    for state in bad:
+        with pytest.raises(UserError, match="the checkpoint's past pool does not fit this model"):
+            opponents.restored(state, model)
+
+
+def test_self_play_against_the_random_player_trains_only_the_learner_s_seat(tiny):
+    model, tok = fresh(tiny)
+    args = S.Args(tiny=True, opponents="random=1", max_turns=6, max_new_tokens=8)
+    policy = S.HFPolicy(model, tok, args, torch.device("cpu"))
+    games, rng = ["TicTacToe-v0", "KuhnPoker-v1"], random.Random(3)
+    run_ = SimpleNamespace(args=args, dist=S.Dist(), model=model, policy=policy, tokenizer=tok)
+    run_ = SimpleNamespace(**vars(run_), device=None, games=games, rng=rng, lengths={})
+    run_.versus = mix = opponents.Versus(run_)
+    calls = []
+    generate = policy.generate
+    policy.generate = lambda prompts: calls.append(len(prompts)) or generate(prompts)
+    trajs, counts, _ = S.self_play(run_, 12, S.watch.Timer())
+    assert trajs and all(t.opponent == "random" for t in trajs)
+    results = mix.results["random"]
+    assert sum(sum(c[k] for k in ("win", "draw", "loss")) for c in results.values()) == len(trajs)
+    for t in trajs:  # one trajectory a game, the learner's seat: its own prompts only
+        assert all(f"Player {t.role}" in turn.prompt for turn in t.turns)
+    assert all(
+        c["player0"] == c["player1"] == dict.fromkeys(c["player0"], 0) for c in counts.values()
+    )
+    assert sum(calls) == sum(len(t.turns) for t in trajs)  # no generation for the random seat
+
+
+def test_Versus_state_is_saved_and_a_resumed_mixed_run_is_exact(tmp_path):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert run(SMALL + MIX + ["--steps", "3", "--out", str(whole)]) == 0
+    assert run(SMALL + MIX + ["--steps", "2", "--save-every", "1", "--out", str(part)]) == 0
+    assert run(["--resume", "--out", str(part), "--steps", "3"]) == 0
+    assert_resumed_exactly(whole, part, 3)
+    metrics = read_jsonl(whole / "metrics.jsonl")
+    assert all(set(m["opponents"]) <= {"past", "random"} for m in metrics)
+    kinds = {t.get("opponent", "self") for t in read_jsonl(whole / "trajectories.jsonl")}
+    assert kinds == {"self", "past", "random"}
+    state = torch.load(whole / "checkpoints/step-000003/trainer_state.pt", weights_only=True)
+    assert state["past_pool"]["steps"] == [1, 2, 3]
