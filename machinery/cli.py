@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from machinery import UserError, runfiles, visible, watch
-from machinery.distributed import STOP_SIGNALS, Terminated, stop_handler, stop_within
+from machinery.distributed import ON_STOP, STOP_SIGNALS, Terminated, stop_handler, stop_within
 
 OS_ERRORS = {  # the file system's refusals a user can cause, in words
     errno.ENOSPC: "no space left on the device",
@@ -71,12 +71,16 @@ def main(prog: str, argv: list[str], parse, train, commands: dict) -> int:
         print(f"{prog}: error: {visible(os_error(e, run_dir), lines=False)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
+        with contextlib.suppress(UserError, OSError):  # a step that cannot be saved is lost
+            for keep in ON_STOP:  # the last finished step, saved where it was not
+                keep()
         name = e.args[0] if isinstance(e, Terminated) else "SIGINT"
         how = "Ctrl-C" if name == "SIGINT" else name
         advice = visible(runfiles.resume_advice(run_dir), lines=False)
         print(f"{prog}: stopped by {how}{advice}", file=sys.stderr)
         return 128 + signal.Signals[name]  # as the signal's default action would: 130, 143, 129
     finally:
+        ON_STOP.clear()  # the run's: a later command in this process has its own
         runfiles.release_runs()
         for s, handler in (
             previous.items() if not on_stop.stopping else ()

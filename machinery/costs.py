@@ -21,7 +21,7 @@ import math
 import random
 
 import judge_prompts
-from machinery import watch
+from machinery import opponents, watch
 from machinery.matches import accepts, candidate_actions
 
 PRICES_DATE = "2025-06"
@@ -259,6 +259,7 @@ def plan(
         f"model: {watch.tiny_model(args) if args.tiny else args.model}",
         f"engine: {args.backend} on {device} ({engine})",
         f"games: {', '.join(games)}, one sampled uniformly per episode, turn cap {args.max_turns}",
+        *filter(None, [opponents.planned(args)]),
         f"steps: {args.steps}, batch {args.batch_size} transitions ({args.steps * args.batch_size:,} in all), "
         f"lr {args.lr:g}, mode {args.mode}"
         + ("" if args.mode == "spiral" else f", beta {args.beta}"),

@@ -248,7 +248,8 @@ def stop_within(seconds: float):
                 signum = os.read(_stop_pipe[0], 1)[0]
                 if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     time.sleep(seconds)
-                    if not _inside.is_set():
+                    held = any(h.held is not None and len(h.stopping) == 1 for h in HANDLERS)
+                    if not _inside.is_set() or held:  # a held stop: the step ends, then it
                         continue
                     print(
                         f"stratagem: stopped by {signal.Signals(signum).name}; the run did not stop within "
@@ -276,23 +277,47 @@ class Terminated(KeyboardInterrupt):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def stopped(signum: int) -> KeyboardInterrupt:
+    """What a stop signal raises: KeyboardInterrupt for Ctrl-C, else Terminated."""
+    return (
+        KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signal.Signals(signum).name)
+    )
+
+
+HELD = b"stratagem: stopping once this step is done and saved (again to stop at once, losing it)\n"
+
+
 def stop_handler():
-    """The handler of STOP_SIGNALS: the first raises where the program is (KeyboardInterrupt for Ctrl-C, else
-    Terminated); later ones are ignored, so a second Ctrl-C cannot break the stop under way (releasing the run,
-    saying how to resume, exiting) into a traceback. stop_within() still ends a run that cannot stop. The
-    handler's `stopping` lists the signals received."""
+    """The handler of STOP_SIGNALS: the first raises where the program is; later ones are ignored, so a
+    second Ctrl-C cannot break the stop under way (releasing the run, saying how to resume, exiting) into a
+    traceback. While `hold` is set (a step has updated the weights and is not yet saved: lifecycle), the
+    first is held instead (`held`), and the step ends first; a second raises at once. stop_within() still
+    ends a run that cannot stop. The handler's `stopping` lists the signals received."""
 
     def handler(signum, frame):
         handler.stopping.append(signum)
-        if len(handler.stopping) == 1:
-            raise (
-                KeyboardInterrupt()
-                if signum == signal.SIGINT
-                else Terminated(signal.Signals(signum).name)
-            )
+        if len(handler.stopping) == 1 and handler.hold:
+            handler.held = signum
+            os.write(2, HELD)  # print() is not safe in a signal handler
+        elif len(handler.stopping) == 1 + (handler.held is not None):
+            raise stopped(signum)
 
-    handler.stopping = []
+    handler.stopping, handler.hold, handler.held = [], False, None
+    HANDLERS[:] = [handler]
     return handler
+
+
+HANDLERS: list = []  # this process's stop handler, once cli.main has set it (lifecycle holds a stop)
+ON_STOP: list = []  # what a stop signal does before the run ends (lifecycle.keep_step)
+
+
+def hold(on: bool) -> None:
+    """Hold a stop signal until the step ends (on), or stop holding and raise one held (off)."""
+    for handler in HANDLERS:
+        handler.hold = on
+        if not on and handler.held is not None and len(handler.stopping) == 1:
+            handler.stopping.append(handler.held)  # a later signal is ignored, as after a raise
+            raise stopped(handler.held)
 
 
 def leave(code: int) -> None:

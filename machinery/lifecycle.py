@@ -16,6 +16,7 @@ policy is loaded, how an env is made, how everything is seeded) is passed in: no
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import gc
@@ -38,6 +39,7 @@ from machinery import (
     costs,
     coverage,
     distill,
+    distributed,
     flags,
     memory,
     modelfiles,
@@ -107,6 +109,8 @@ class Run:
     versus: object = None  # --opponents: machinery/opponents.Versus
     first_spots: dict | None = None  # the coverage guard: step 1's spots (coverage.of_step)
     warned: set = field(default_factory=set)  # the guard's lines said once
+    finished: tuple | None = None  # (step, updates, state_of) of the last step that ended
+    saved: int | None = None  # the step of the last checkpoint written
 
 
 def start_run(args, load, make_env, seed, shape=None) -> Run | None:
@@ -247,6 +251,8 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
     run.beta = adaptive_beta.first(args)
     run.reproject = reproject
     optimizer.register_step_post_hook(functools.partial(check_update, run))
+    optimizer.register_step_pre_hook(lambda *_: held(run))  # from here, a stop waits for the save
+    distributed.ON_STOP[:] = [functools.partial(keep_step, run)]  # cli.main, on a stop
     run.distiller = (
         distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
     )
@@ -609,21 +615,29 @@ def end_step(
             print("\n".join(costs.projection_lines(run.args, projection)), flush=True)
     if evaluation:
         keep_best(run, step, evaluation)
+    run.finished = (step, run.updates, state_of(run))  # what a stop in the next step saves
     if step % run.args.save_every == 0 or step == run.args.steps:
-        save(run, step)
+        save(run, step, run.finished[2])
+    distributed.hold(False)  # a stop held during the step stops here, the step saved
 
 
 def guard(run: Run, metrics: dict) -> None:
     """The coverage guard: a warning line, once a spot, for a spot of step 1 that self-play has
-    stopped reaching; one for each evaluation that lost over 10 % of a game on invalid moves."""
+    stopped reaching; one when an evaluation of a game loses over 10 % of it on invalid moves."""
     spots = metrics.get("coverage", {})
     if run.first_spots is None and metrics["step"] == 1:
         run.first_spots = spots
     drops = coverage.drops(run.first_spots or {}, spots)
     lines = [x for x in drops if x.split(" fell to")[0] not in run.warned]
     run.warned.update(x.split(" fell to")[0] for x in lines)
-    if e := metrics.get("eval"):
-        lines += [f"step {metrics['step']}: {x}" for x in coverage.invalid_warnings(e, e["spots"])]
+    if e := metrics.get("eval"):  # said when a game passes 10 %, again once it fell back under
+        over = coverage.invalid_warnings(e, e["spots"])
+        keys = {x.split(" lost ")[0] for x in over}
+        lines += [
+            f"step {metrics['step']}: {x}" for x in over if x.split(" lost ")[0] not in run.warned
+        ]
+        run.warned -= {f"evaluation: {g}" for g in e["games"]} - keys
+        run.warned |= keys
     for line in lines:
         watch.warn(line)
 
@@ -750,29 +764,49 @@ def log_step(run: Run, metrics: dict, trajs: list) -> None:
         )
 
 
-def save(run: Run, step: int) -> None:
-    """The checkpoint: weights (a LoRA run's adapter, in PEFT's format), optimizer, RAE baselines, judge totals
-    (rank 0) and every rank's RNG states and game lengths, so that --resume replays exactly what an uninterrupted
-    run does."""
+def state_of(run: Run) -> dict:
+    """What a checkpoint holds besides the weights and the optimizer, copied as it is now: RAE's
+    baselines, judge totals and the rest (rank 0's `shared`), this rank's RNG states and game lengths
+    (`own`)."""
+    shared = {
+        "baselines": run.baselines,
+        "beta": run.beta,
+        "elapsed": run.elapsed,
+        "judge_totals": run.runner.totals if run.runner else None,
+        "recent": run.recent,
+        "distill": run.distiller.state_dict() if run.distiller else None,
+        "first_spots": run.first_spots,
+    }
+    own = {"rng": runfiles.rng_states(run.rng), "lengths": run.lengths}
+    pool = run.versus.state() if run.versus else None  # its snapshots are never changed
+    return copy.deepcopy({"shared": shared, "own": own}) | {"pool": pool}
+
+
+def save(run: Run, step: int, state: dict | None = None) -> None:
+    """The checkpoint: weights (a LoRA run's adapter, in PEFT's format), optimizer and `state` (state_of's,
+    now by default), so that --resume replays exactly what an uninterrupted run does."""
+    state = state or state_of(run)
+    shared = state["shared"] | {"past_pool": state["pool"]}
+    model, tokenizer, optimizer = run.model, run.tokenizer, run.optimizer
     runfiles.save_checkpoint(
-        run.out,
-        step,
-        run.model,
-        run.tokenizer,
-        run.optimizer,
-        dist=run.dist,
-        shared={
-            "baselines": run.baselines,
-            "beta": run.beta,
-            "elapsed": run.elapsed,
-            "judge_totals": run.runner.totals if run.runner else None,
-            "recent": run.recent,
-            "distill": run.distiller.state_dict() if run.distiller else None,
-            "past_pool": run.versus.state() if run.versus else None,
-            "first_spots": run.first_spots,
-        },
-        own={"rng": runfiles.rng_states(run.rng), "lengths": run.lengths},
+        run.out, step, model, tokenizer, optimizer, shared, state["own"], run.dist
     )
+    run.saved = step
+
+
+def keep_step(run: Run) -> None:
+    """A stop signal ended the run in a step that had not changed the weights yet: the step before,
+    finished, is saved if it was not (one process; under torchrun the last checkpoint stands)."""
+    if run.dist.world == 1 and run.finished and run.finished[0] != run.saved:
+        step, updates, state = run.finished
+        if run.updates == updates:
+            save(run, step, state)
+
+
+def held(run: Run) -> None:
+    """From a step's first optimizer step till it is saved, a stop signal waits for the step's end
+    (one process: a torchrun rank's stop must not wait on the others)."""
+    distributed.hold(run.dist.world == 1)
 
 
 def finish_run(run: Run) -> Path | None:

@@ -54,6 +54,25 @@ def check(args) -> None:
             raise UserError(f"{flag} shapes the past pool: give --opponents with a past share")
 
 
+def words(shares: dict, every: int, size: int, steps: list[int]) -> str:
+    """The mix in words: each kind's share, the past pool's rhythm and what it holds (`steps`)."""
+    said = {"self": "the policy itself", "random": "the random legal player"}
+    held = ", ".join(map(str, steps)) + (", the initial policy" if steps == [0] else "")
+    said["past"] = (
+        f"a past policy (a snapshot every {every} steps, the newest {size} kept; now step {held}; "
+        "one more copy of the model in memory, the snapshots on the CPU)"
+    )
+    mix = ", ".join(f"{share:g} {said[kind]}" for kind, share in shares.items())
+    return f"opponents: {mix}; only the learner's seat trains against a fixed one"
+
+
+def planned(args) -> str | None:
+    """--dry-run's line for a mix (None for the paper's self=1)."""
+    shares = parse(args.opponents)
+    every, size = args.past_every or PAST_EVERY, args.past_pool or PAST_POOL
+    return None if shares == {"self": 1.0} else words(shares, every, size, [0])
+
+
 def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of the weights that learn (a LoRA run's adapters; else all of them)."""
     return {
@@ -102,14 +121,7 @@ class Versus:
 
     def describe(self) -> str:
         """The start line: each kind's share, and what the past pool holds now."""
-        words = {"self": "the policy itself", "random": "the random legal player"}
-        steps = ", ".join(str(s) for s, _ in self.pool)
-        words["past"] = (
-            f"a past policy (a snapshot every {self.every} steps, the newest {self.size} kept; "
-            f"now step {steps}{', the initial policy' if steps == '0' else ''})"
-        )
-        mix = ", ".join(f"{share:g} {words[kind]}" for kind, share in self.shares.items())
-        return f"opponents: {mix}; only the learner's seat trains against a fixed one"
+        return words(self.shares, self.every, self.size, [s for s, _ in self.pool])
 
     def begin(self, rng: random.Random) -> None:
         """A step's fresh results, and its random player's stream, drawn from the run's (which
