@@ -228,6 +228,7 @@ def pick_backend(spec: str, device: torch.device) -> tuple[str, str]:
 
 _stop_pipe: list[int] = []  # the read and write ends of stop_within()'s pipe, made once per process
 _inside = threading.Event()  # set while the main thread is inside stop_within()
+_entered = [0]  # how often it entered: a signal of an earlier context does not end a later one
 
 
 @contextlib.contextmanager
@@ -247,10 +248,11 @@ def stop_within(seconds: float):
             while True:
                 signum = os.read(_stop_pipe[0], 1)[0]
                 if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    entered = _entered[0]
                     time.sleep(seconds)
                     held = any(h.held is not None and len(h.stopping) == 1 for h in HANDLERS)
-                    if not _inside.is_set() or held:  # a held stop: the step ends, then it
-                        continue
+                    if not _inside.is_set() or held or _entered[0] != entered:  # held: the step
+                        continue  # ends, then it; a later context: that stop has ended
                     print(
                         f"stratagem: stopped by {signal.Signals(signum).name}; the run did not stop within "
                         f"{seconds:g} s (blocked in a collective?), so it was ended there",
@@ -261,6 +263,7 @@ def stop_within(seconds: float):
 
         threading.Thread(target=watch, daemon=True).start()
     previous = signal.set_wakeup_fd(_stop_pipe[1], warn_on_full_buffer=False)
+    _entered[0] += 1
     _inside.set()
     try:
         yield
