@@ -42,7 +42,7 @@ ARMS = {  # name -> the flags that make the arm; the names are the run folders' 
         "--beta-share",
         "0.075",
     ],  # the share beta = 0.2 has at the start (docs/learning.md), held
-    "mix": ["--opponents", "self=0.6,past=0.2,random=0.2"],  # issue: self-play that holds
+    "mix": ["--opponents", "self=0.6,past=0.2,random=0.2"],  # docs/learning.md#opponents
 }
 DEFAULT_ARMS = (
     "stratagem",
