@@ -110,7 +110,7 @@ class Run:
     first_spots: dict | None = None  # the coverage guard: step 1's spots (coverage.of_step)
     warned: set = field(default_factory=set)  # the guard's lines said once
     finished: tuple | None = None  # (step, updates, state_of) of the last step that ended
-    saved: int | None = None  # the step of the last checkpoint written
+    saving: int | None = None  # the step of the last checkpoint begun
 
 
 def start_run(args, load, make_env, seed, shape=None) -> Run | None:
@@ -616,9 +616,9 @@ def end_step(
     if evaluation:
         keep_best(run, step, evaluation)
     run.finished = (step, run.updates, state_of(run))  # what a stop in the next step saves
+    distributed.hold(False)  # a stop held during the step stops here (keep_step saves it)
     if step % run.args.save_every == 0 or step == run.args.steps:
-        save(run, step, run.finished[2])
-    distributed.hold(False)  # a stop held during the step stops here, the step saved
+        save(run, step, run.finished[2])  # a stop during it: the previous checkpoint stands
 
 
 def guard(run: Run, metrics: dict) -> None:
@@ -788,16 +788,17 @@ def save(run: Run, step: int, state: dict | None = None) -> None:
     state = state or state_of(run)
     shared = state["shared"] | {"past_pool": state["pool"]}
     model, tokenizer, optimizer = run.model, run.tokenizer, run.optimizer
+    run.saving = step
     runfiles.save_checkpoint(
         run.out, step, model, tokenizer, optimizer, shared, state["own"], run.dist
     )
-    run.saved = step
 
 
 def keep_step(run: Run) -> None:
     """A stop signal ended the run in a step that had not changed the weights yet: the step before,
-    finished, is saved if it was not (one process; under torchrun the last checkpoint stands)."""
-    if run.dist.world == 1 and run.finished and run.finished[0] != run.saved:
+    finished, is saved if no save of it was begun (one stopped midway is not tried again: the
+    previous checkpoint stands). One process; under torchrun the last checkpoint stands."""
+    if run.dist.world == 1 and run.finished and run.finished[0] != run.saving:
         step, updates, state = run.finished
         if run.updates == updates:
             save(run, step, state)
