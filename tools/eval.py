@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from games import check_ids, first_last_ids
-from machinery import UserError, flags, lora, perfect
+from machinery import UserError, flags, lora, perfect, watch
 from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser, field_docs, number_pair
 from machinery.matches import wilson
@@ -380,9 +380,9 @@ def main(argv: list[str]) -> int:
     )
     t0 = time.perf_counter()
     rules = Rules(ns.action_rule, ns.error_allowance, ns.max_turns, *payouts)
-    records = play_matches(
-        policy, tokenizer, opponent, schedule(games, ns.n, rng, first_last), rules, ns.concurrency
-    )
+    matches = schedule(games, ns.n, rng, first_last)
+    with watch.Games(f"eval vs {opponent.name}", len(matches)) as bar:
+        records = play_matches(policy, tokenizer, opponent, matches, rules, ns.concurrency, bar)
     policy.close()
     summary = perfect.report(records, ns.opponent, random.Random(ns.seed + 2))
     summary["trained"] = pooled(records, [g for g in games if g in trained])

@@ -41,7 +41,7 @@ from machinery.flags import FriendlyParser, field_docs
 from machinery.matches import RandomPlayer, random_legal_move, summarize_matches
 from machinery.modelfiles import check_folder
 from machinery.runfiles import check_writable_dir, follow_umask
-from machinery.watch import Timer, fmt, quiet_transformers
+from machinery.watch import Games, Timer, fmt, quiet_transformers
 from stratagem import (
     ARCHS,
     PROMPT,
@@ -387,7 +387,8 @@ def measure(policy, tokenizer, opponent, games: list[str], n: int, seed: int) ->
         counting = CountingPolicy(policy)
         rules = Rules(max_turns=200)
         games = schedule([game], n, random.Random(seed + k))
-        records = play_matches(counting, tokenizer, opponent, games, rules, 64)
+        with Games(f"measuring on {game}", len(games)) as bar:
+            records = play_matches(counting, tokenizer, opponent, games, rules, 64, bar)
         cell = summarize_matches(records)["games"][game]["both"]
         invalid = sum(r["invalid"] for r in records)
         out[game] = {
