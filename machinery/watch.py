@@ -162,21 +162,31 @@ def step_line(m: dict, args) -> str:
             + (f", ROUGE-L {s['rouge_l']:.3f}" if s["rouge_l"] is not None else "")
         )
     evaluation = f" | {eval_text(m['eval'])}" if "eval" in m else ""
-    versus = f" ({versus_text(m['opponents'])})" if "opponents" in m else ""
+    results = "" if "spy" in m else f" ({results_text(m)})"
     return (
-        f"step {m['step']}/{args.steps} | {m['episodes']} games{versus}, {m['trajectories']} trajectories, "
+        f"step {m['step']}/{args.steps} | {m['episodes']} games{results}, {m['trajectories']} trajectories, "
         f"{m['transitions']} transitions | {middle} | A_mod {m['a_mod_mean']:+.3f}±{m['a_mod_std']:.3f} | "
         f"loss {m['loss']:+.4f}{ppo}{kl}{evaluation} | {m['time_s']:.1f}s"
     )
 
 
-def versus_text(results: dict) -> str:
-    """--opponents: the learner's wins-draws-losses against each fixed kind this step."""
-    parts = []
-    for kind, games in results.items():
+def results_text(m: dict) -> str:
+    """The step's games in its step line: self-play's won-drawn-lost from the first seat (the second
+    seat's are the mirror), each fixed opponent's (--opponents) from the learner's seat, and how many
+    games a move lost (an invalid move ends the game, lost by its maker)."""
+    parts, lost = [], 0
+    kinds = {"self-play": {g: c["player0"] for g, c in m["games"].items()}}
+    kinds |= m.get("opponents", {})
+    for kind, games in kinds.items():
         w, d, l_ = (sum(c[k] for c in games.values()) for k in ("win", "draw", "loss"))
-        parts.append(f"vs {kind} {w}-{d}-{l_}")
-    return ", ".join(parts) + " won-drawn-lost" if parts else "none vs a fixed opponent"
+        if w + d + l_:
+            parts.append(
+                f"{w}-{d}-{l_} {'by the first seat' if kind == 'self-play' else 'vs ' + kind}"
+            )
+        lost += sum(c["invalid"] for c in games.values())
+    lost += sum(c["player1"]["invalid"] for c in m["games"].values())
+    said = "won-drawn-lost " + ", ".join(parts) + "; " if parts else ""
+    return f"{said}{lost} lost on an invalid move"
 
 
 def eval_text(e: dict) -> str:

