@@ -1597,7 +1597,9 @@ def test_JudgeCache_key_holds_every_parameter_of_a_judge_request(
     assert ask() == (body, key)  # and the same request, the same key
 
 
-def test_JudgeRunner_of_the_offline_stand_in_judges_but_writes_no_ledger_of_requests_never_made(one_step_run):
+def test_JudgeRunner_of_the_offline_stand_in_judges_but_writes_no_ledger_of_requests_never_made(
+    one_step_run,
+):
     """judge_ledger.jsonl is the record of paid requests; the offline stand-in makes none, so a run judged by it
     has no ledger (it once wrote a zero-cost line per verdict)."""
     metrics = read_jsonl(one_step_run / "metrics.jsonl")
