@@ -885,3 +885,57 @@ def test_random_model_builds_the_tiny_qwen3_and_refuses_an_existing_folder(tmp_p
         and S.ARCHS["qwen3-4b"]["num_hidden_layers"] == 36
     )
     assert model.config.head_dim == 32  # the smallest head vLLM's CPU attention takes
+
+
+def test_show_decided_names_the_rule_of_code_that_set_evolution_levels_and_only_then(
+    one_step_run, capsys
+):
+    from tools import show
+
+    levels = {"d": 0.0, "a": 0.0, "c": 1.0}
+    one = [{"observation": "o1", "response": "I bet. \\boxed{[bet]}"}]
+    same = one + [{"observation": "o2", "response": "I bet. \\boxed{[bet]}"}]
+    moved = one + [{"observation": "o2", "response": "They called; now I check. \\boxed{[check]}"}]
+    assert show.decided(one, levels) == show.RULE_WORDS["one_turn"]
+    assert show.decided(same, levels) == show.RULE_WORDS["stagnant"]
+    assert show.decided(moved, levels) is None
+    assert show.decided(one, {"alpha": 1.0}) is None  # no evolution verdict: nothing to say
+    assert S.main(["show", str(one_step_run), "--judged", "--index", "0"]) == 0
+    assert "(d, a and c set by code, not the judge: one turn has nothing to compare" in (
+        capsys.readouterr().out
+    )
+
+
+def test_eval_of_a_model_folder_names_each_default_it_plays_with_and_not_the_flags_given(
+    tiny, tmp_path, capsys
+):
+    argv = ["eval", str(tiny), "--n", "1", "--games", "TicTacToe-v0", "--max-new-tokens", "8"]
+    assert S.main([*argv, "--json", str(tmp_path / "e.json")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(
+        "eval: no run, so the trainer's defaults: --temperature 1.0, --max-turns 200, "
+        "--error-allowance 0, --action-rule lenient, --invalid-rewards -1,1, --rejected-rewards -1,1; "
+    ), first
+    assert "--max-new-tokens" not in first
+
+
+def test_draw_plot_puts_whole_steps_on_every_x_axis_of_a_short_run(one_step_run):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tools import plot
+
+    (m,) = [x for x in read_jsonl(one_step_run / "metrics.jsonl") if "loss" in x]
+    runs = [(one_step_run, [m, {**m, "step": 2}])]  # two steps: fractional ticks where not asked
+    drawn = 0
+    for name in plot.PLOTS:
+        fig = plot.draw_plot(plt, name, runs)
+        for ax in fig.axes if fig is not None else []:
+            if ax.get_visible() and ax.has_data():
+                ticks = [t for t in ax.get_xticks() if 1 <= t <= 2]
+                assert ticks and all(t == int(t) for t in ticks), (name, ticks)
+                drawn += 1
+        plt.close("all")
+    assert drawn >= 5

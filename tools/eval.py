@@ -202,16 +202,16 @@ DEFAULTS = {
 def settings(ns, run: Path | None) -> list[str]:
     """Fill each of FROM_RUN's flags not given on the command line: from the run's config.json where the model is
     a run (its generation settings, how it reads and pays moves, its --eval-* games), else the trainer's
-    defaults. Returns the flags taken from the run, as `--flag value`, to be said."""
+    defaults. Returns the flags taken from the run, or from the defaults where there is no run, as
+    `--flag value`, to be said."""
     config = flags.run_config(run, Args) if run is not None else {}
     taken = []
     for flag, key in FROM_RUN.items():
         if getattr(ns, flag) is None:
             value = config.get(key, DEFAULTS[flag])
             setattr(ns, flag, value)
-            if (
-                key in config and value != "" and flag != "games"
-            ):  # the games are said as trained and unseen
+            said = key in config or run is None
+            if said and value != "" and flag != "games":  # the games: said as trained and unseen
                 taken.append(f"--{flag.replace('_', '-')} {value}")
     return taken
 
@@ -365,7 +365,7 @@ def main(argv: list[str]) -> int:
     where = (
         f"as {run} was trained (its config.json; a flag given wins): "
         if run is not None
-        else "no run: the defaults; "
+        else "no run, so the trainer's defaults: "
     )
     print(
         f"eval: {where}{said}trained on {', '.join(g for g in games if g in trained) or 'none of these'}; "

@@ -316,6 +316,8 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
 def draw_panels(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     """One figure of PLOTS as small multiples, or None when no run has a value for it: a panel per series (a
     rubric dimension, titled with its key), a colour and marker per run, one shared y range and legend."""
+    import matplotlib.ticker
+
     title, ylabel, series = PLOTS[name]
     found = [
         [[(m["step"], v) for m in ms if (v := read(value, m)) is not None] for _, ms in runs]
@@ -342,6 +344,7 @@ def draw_panels(plt, name: str, runs: list[tuple[Path, list[dict]]]):
                     label=run_label(runs[r][0]),
                 )
         ax.set_title(label, fontsize=9)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps, not 1.5
         ax.set_ylim(-1.05, 1.05)
         ax.axhline(0, color="0.8", linewidth=0.8, zorder=0)
     for ax in axes[len(shown) :]:

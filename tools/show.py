@@ -24,6 +24,23 @@ def signed(x: float) -> str:
     return f"{round(x, 4) + 0.0:+.4f}"
 
 
+RULE_WORDS = {
+    "one_turn": "d, a and c set by code, not the judge: one turn has nothing to compare, every level 0",
+    "stagnant": "d and a set by code, not the judge: the responses repeat themselves (stagnation), -1",
+}
+
+
+def decided(turns: list[dict], scores: dict) -> str | None:
+    """In words, the rule of code that set evolution levels of this verdict (judge_prompts.RULES),
+    if one did: it is found again from the turns, as the trainer found it."""
+    if not any(k in scores for k in judge_prompts.keys("evolution")):
+        return None
+    seen = [str(t.get("observation", "")) for t in turns]
+    said = [str(t.get("response", "")) for t in turns]
+    rule = judge_prompts.evolution_rules(seen, said, {})[1]
+    return RULE_WORDS.get(rule)
+
+
 def main(argv: list[str]) -> int:
     p = FriendlyParser(
         prog="stratagem.py show",
@@ -67,6 +84,7 @@ def main(argv: list[str]) -> int:
     r = rows[i]
     beta = config.get("beta", 0.0)
     turns = r.get("turns") if isinstance(r.get("turns"), list) else []
+    turns = [t if isinstance(t, dict) else {} for t in turns]
     say(
         f"{ns.run} | step {r.get('step', '?')} | trajectory {i} of {len(rows)} | {r.get('game', '?')}, "
         f"Player {r.get('role', '?')}, {len(turns)} turn(s)"
@@ -86,6 +104,8 @@ def main(argv: list[str]) -> int:
                 say(
                     f"       {levels(s, rubric, scores.get(judge_prompts.RUBRICS[rubric]['score']))}"
                 )
+        if rule := decided(turns, s):
+            say(f"       ({rule})")
     elif (r.get("predicted") or {}).get("used"):
         say(
             f"judge: {'failed' if r.get('judged') else 'not sampled'}; the trusted heads' levels used (below)"
@@ -120,7 +140,6 @@ def main(argv: list[str]) -> int:
         say(
             "this seat never moved (the other lost on its first move): RAE took its return, nothing to judge or learn"
         )
-    turns = [t if isinstance(t, dict) else {} for t in turns]
     news = judge_prompts.new_observations([str(t.get("observation", "")) for t in turns])
     for k, (turn, new) in enumerate(zip(turns, news), 1):
         whole = (
