@@ -72,6 +72,9 @@ class VLLMPolicy:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
             "0"  # the engine in this process: weights can be copied
         )
+        # vLLM's own log (some 70 lines at start-up, warnings on a CPU included) buries ours: its
+        # errors only, unless the user asks for it (VLLM_LOGGING_LEVEL=INFO).
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         try:
             import vllm
             from vllm.platforms import current_platform

@@ -68,7 +68,8 @@ def sync_check(model: Path, cwd: Path, statistic: int) -> tuple[float, float, fl
     """`sync-check` on `model`, said to PASS: its |logp learner - logp vLLM| figures (statistic 0: the max, 1:
     the mean) with equal weights, after an update not yet synced, and after the sync."""
     args = ["sync-check", "--model", str(model), "--vllm-enforce-eager", "--json", "sync.json"]
-    assert "weight sync PASS" in stratagem(args, cwd).stdout
+    lines = stratagem(args, cwd).stdout.splitlines()
+    assert len(lines) == 4 and lines[-1].endswith("weight sync PASS"), lines  # vLLM's log kept out
     result = json.loads((cwd / "sync.json").read_text())
     assert result["pass"]
     kinds = ("same_weights", "after_update_before_sync", "after_sync")
@@ -312,16 +313,16 @@ def test_judge_structured_with_vllms_own_api_server_on_the_real_model_gives_ever
     ]:
         assert printed in script, printed  # the recipe still says it
         script = script.replace(printed, here)
-    proc = subprocess.Popen(
-        ["bash", "-c", script],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # the server, started with `&`, is in the script's process group
-    )
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen(  # into files: the server started with `&` outlives the script
+            ["bash", "-c", script],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,  # the server is in the script's process group
+        )
     try:
-        stdout, stderr = proc.communicate(timeout=900)
+        proc.wait(timeout=900)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 60
@@ -333,7 +334,8 @@ def test_judge_structured_with_vllms_own_api_server_on_the_real_model_gives_ever
             time.sleep(1)
         else:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, stderr[-3000:]
+    stdout = (tmp_path / "out.txt").read_text()
+    assert proc.returncode == 0, (tmp_path / "err.txt").read_text()[-3000:]
     start = next(x for x in stdout.splitlines() if x.startswith("stratagem: new run in "))
     assert "verdicts: structured" in stdout and "structured verdicts" in start
     (run,) = (tmp_path / "runs").iterdir()
