@@ -353,6 +353,9 @@ def fit(
     return line
 
 
+CARDS_ENGINE = " on the cards below (the engine --backend auto takes on a GPU; not on this machine)"
+
+
 def plan_lines(
     args, shape: dict | None, device, world: int, device_total: float | None, requested: str
 ) -> list[str]:
@@ -403,7 +406,8 @@ def plan_lines(
     ]
     if utilisation is not None:
         lines.append(
-            f"memory of vLLM: {utilisation:g} of the device while it generates (--vllm-gpu-memory-utilization; its "
+            f"memory of vLLM{CARDS_ENGINE if one is None else ''}: {utilisation:g} of the device while it "
+            f"generates (--vllm-gpu-memory-utilization; its "
             f"bf16 weights {gb(m['vllm_weights'])}, the rest KV cache at {m['kv_per_token'] / 2**10:,.0f} KiB a "
             "token); asleep while the learner steps"
         )

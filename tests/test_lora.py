@@ -414,7 +414,9 @@ def test_dry_run_says_whether_the_papers_model_fits_on_each_card_with_or_without
     lines = memory_lines(recipe.stdout)
     assert (
         "(4.02 B parameters; LoRA rank 16: 33.03 M trained)" in lines[-3]
-        and "memory of vLLM: 0.6 of the device" in lines[-2]
+        and "memory of vLLM on the cards below (the engine --backend auto takes on a GPU; not on"
+        in lines[-2]
+        and ": 0.6 of the device" in lines[-2]
     )
     assert (
         "24 GB (RTX 4090): does NOT fit" in lines[-1] and "48 GB (L40S, A6000): fits" in lines[-1]
