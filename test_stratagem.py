@@ -14,6 +14,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -413,6 +414,18 @@ def test_make_env_takes_the_new_game_of_hacking_md_which_plays_trains_and_is_eva
     assert (
         last["eval"]["games"]["Pile-v0"]["both"]["n"] == 4
     )  # against the random legal player, both seats
+    # the warm start for the new game, then training from it: the recipe's two commands as printed, each
+    # with a shorter budget appended (a flag given twice: the last wins)
+    block = (HERE / "docs" / "hacking.md").read_text().split("Teach it the new game first")[1]
+    commands = re.findall(r"```bash\n(.*?)```", block, re.DOTALL)[0].replace("\\\n", " ")
+    build, training = [shlex.split(line) for line in commands.strip().splitlines()]
+    assert build[:3] == ["python", "stratagem.py", "warmstart"] and training[:2] == build[:2]
+    shorter = ["--steps", "40", "--moves", "300", "--eval-n", "4"]
+    measured = python_in(repo, *build[1:], *shorter)
+    assert "Pile-v0" in measured
+    python_in(repo, *training[1:], "--steps", "1", "--out", "from-warm")
+    (m,) = read_jsonl(repo / "from-warm" / "metrics.jsonl")
+    assert m["games"].keys() == {"Pile-v0", "KuhnPoker-v1"}
 
 
 # ==== Algorithm 1, step 2: the game advantage (RAE) ====
