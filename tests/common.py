@@ -803,3 +803,37 @@ def assert_as_recorded(got: dict, want: dict) -> None:
     sums = [m.pop(k) for m in (*got["metrics"], *want["metrics"]) for k in ("loss", "grad_norm")]
     assert got == want
     assert sums[: len(sums) // 2] == pytest.approx(sums[len(sums) // 2 :], rel=1e-6)
+
+
+def on_a_terminal(argv: list[str], cwd: Path) -> tuple[int, list[str], str]:
+    """`python argv` with stderr on a pseudo-terminal of 160 columns (stdout a pipe): its exit code, the
+    frames drawn on the terminal (split at carriage returns) and its stdout."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child has closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    stdout = proc.stdout.read().decode()
+    code = proc.wait()
+    os.close(master)
+    frames = [f for f in b"".join(chunks).decode(errors="replace").split("\r") if f.strip()]
+    return code, frames, stdout

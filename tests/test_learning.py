@@ -17,6 +17,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     SMALL,
     error_of,
     no_process_left_behind,
+    on_a_terminal,
     only_the_vllm_tests,
     python,
     read_jsonl,
@@ -533,3 +534,13 @@ def test_train_learns_kuhn_poker_from_the_warm_start_in_ten_steps(tmp_path):
     for doc in ("README.md", "docs/learning.md"):  # the recipe the docs give is the one tested
         text = " ".join((HERE / doc).read_text().replace("\\\n", " ").split())
         assert f"python stratagem.py {' '.join(ablation.LEARNING)} --seed 1" in text, doc
+
+
+def test_fit_draws_a_bar_of_its_steps_on_a_terminal(tmp_path):
+    """A warm start's build prints a line every 50 steps; between them, on a terminal, a bar of steps."""
+    argv = [str(HERE / "stratagem.py"), "warmstart", str(tmp_path / "w"), "--games", "KuhnPoker-v1"]
+    argv += ["--moves", "60", "--steps", "6", "--batch-size", "2"]
+    code, frames, stdout = on_a_terminal(argv, tmp_path)
+    assert code == 0, stdout[-2000:]
+    assert any(re.search(r"^warm start: .* 6/6 \[", f) for f in frames), frames[-5:]
+    assert "\r" not in stdout

@@ -4,7 +4,6 @@ alarms, the budget banner and --report-to (TensorBoard, W&B)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 import subprocess
@@ -26,6 +25,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     good_judge,
     judge_server_fixture,
     no_process_left_behind,
+    on_a_terminal,
     only_the_vllm_tests,
     python,
     read_jsonl,
@@ -72,38 +72,10 @@ def test_start_line_names_the_ranks_under_torchrun():
 
 
 def test_Progress_and_Games_bars_on_a_terminal(tmp_path):
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    master, slave = pty.openpty()
-    fcntl.ioctl(
-        slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0)
-    )  # rows, columns: a real size
     argv = SMALL + ["--steps", "1", "--out", str(tmp_path / "run"), "--judge-sample-rate", "1"]
     argv += ["--eval-every", "1", "--eval-n", "2", "--keep-best", "--best-eval-n", "2"]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", f"import sys, stratagem; sys.exit(stratagem.main({argv!r}))"],
-        cwd=HERE,
-        stdout=subprocess.PIPE,
-        stderr=slave,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # EIO: the child has closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    stdout = proc.stdout.read().decode()
-    assert proc.wait() == 0
-    os.close(master)
-    frames = [f for f in b"".join(chunks).decode(errors="replace").split("\r") if f.strip()]
+    code, frames, stdout = on_a_terminal([str(HERE / "stratagem.py"), *argv], HERE)
+    assert code == 0
     assert any(
         re.search(r"^step 1/1 .* \d+/\d+ transitions, \d+ games finished \[", f) for f in frames
     )

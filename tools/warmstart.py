@@ -27,12 +27,14 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import judge_prompts
 from games import check_ids, spy
@@ -317,6 +319,9 @@ def fit(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     model.train()
     losses = []
+    bar = tqdm(  # on a terminal only (disable=None), between the log's lines
+        total=steps, desc="warm start", file=sys.stderr, disable=None, leave=False, unit="step"
+    )
     for step, idx in enumerate(plan):
         ids, attn, mask = collate([items[i] for i in idx], pad_id)  # [B, T], [B, T], [B, R]
         logps = response_logprobs(model, ids, attn, mask, [soft[i] for i in idx])  # [B, R]
@@ -327,8 +332,11 @@ def fit(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        bar.update()
         if log is not None and (step + 1) % log_every == 0:
-            log(step + 1, sum(losses[-log_every:]) / log_every)
+            with tqdm.external_write_mode(file=sys.stderr):
+                log(step + 1, sum(losses[-log_every:]) / log_every)
+    bar.close()
     model.eval()
     return losses
 
