@@ -32,7 +32,7 @@ import math
 import os
 from pathlib import Path
 
-from machinery import UserError
+from machinery import UserError, opponents
 
 GiB = 2**30
 # An assumption: a turn's prompt (the game so far). The longest of 20 games of each training game played by random legal
@@ -160,9 +160,10 @@ def project(
     checkpointing: bool,
     gpu: bool,
     world: int = 1,
-    reference: bool = False,
+    reference: int = 0,
 ) -> dict:
-    """The learner's bytes per device, by part (see the module's docstring)."""
+    """The learner's bytes per device, by part (see the module's docstring); `reference`: the frozen
+    copies of the model beside it (--kl-coef's reference, --opponents' past policies)."""
     p = parameters(shape)
     t = adapter_parameters(shape, lora_rank, lora_targets) if lora_rank else p
     h, i, layers, vocab = (
@@ -189,7 +190,7 @@ def project(
         "bf16_copies": 2 * t if gpu else 0,
         "activations": recomputed if checkpointing else full,
         "activations_other": full if checkpointing else recomputed,
-        "reference": weights / world if reference else 0,
+        "reference": reference * weights / world,
         "vllm_weights": 2 * p,
         "kv_per_token": 2 * layers * kv * 2,  # K and V, bf16
         "sequence_tokens": PROMPT_TOKENS + max_new_tokens,
@@ -197,8 +198,10 @@ def project(
 
 
 def of_run(args, shape: dict, micro_batch: int, checkpointing: bool, gpu: bool, world: int) -> dict:
-    """`project` with a run's flags (LoRA, --max-new-tokens, --kl-coef), at this micro-batch and checkpointing."""
-    targets, kl = args.lora_targets.split(","), bool(args.kl_coef)
+    """`project` with a run's flags (LoRA, --max-new-tokens, --kl-coef, a past share of --opponents), at
+    this micro-batch and checkpointing."""
+    past = "past" in opponents.parse(getattr(args, "opponents", "self=1"))  # spyrl.py has none
+    targets, frozen = args.lora_targets.split(","), bool(args.kl_coef) + past
     return project(
         shape,
         args.lora_rank,
@@ -208,7 +211,7 @@ def of_run(args, shape: dict, micro_batch: int, checkpointing: bool, gpu: bool, 
         checkpointing,
         gpu,
         world,
-        kl,
+        frozen,
     )
 
 
@@ -402,7 +405,7 @@ def plan_lines(
         + f"): weights {gb(m['weights'])}, gradients {gb(m['gradients'])}, Adam {gb(m['adam'])}, bf16 copies "
         f"{gb(m['bf16_copies'])}, activations {gb(m['activations'])} ({batch}{other} "
         f"--gradient-checkpointing: {gb(m['activations_other'])})"
-        + (f", KL reference {gb(m['reference'])}" if m["reference"] else ""),
+        + (f", frozen copies {gb(m['reference'])}" if m["reference"] else ""),
     ]
     if utilisation is not None:
         lines.append(

@@ -5,7 +5,8 @@ player; against a fixed opponent only the learner's seat makes a trajectory.
 The past policies are a small pool of snapshots of the learner's trainable weights, one taken
 every --past-every steps, the newest --past-pool kept; until the first, the pool holds the
 initial policy. One frozen copy of the model plays them all, each game's snapshot loaded into
-it before its turn (a swap of CPU tensors). The pool is part of the checkpoint.
+it before its turn (a swap of CPU tensors); with vLLM the learner's engine generates for it,
+taking its weights for the call (Swapped). The pool is part of the checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from machinery import UserError
 from machinery.flags import items
 from machinery.matches import RandomPlayer
+from machinery.vllm_engine import VLLMPolicy
 
 KINDS = ("self", "past", "random")
 PAST_EVERY, PAST_POOL = 10, 3  # what --past-every 0 and --past-pool 0 stand for
@@ -60,7 +62,8 @@ def words(shares: dict, every: int, size: int, steps: list[int]) -> str:
     held = ", ".join(map(str, steps)) + (", the initial policy" if steps == [0] else "")
     said["past"] = (
         f"a past policy (a snapshot every {every} steps, the newest {size} kept; now step {held}; "
-        "one more copy of the model in memory, the snapshots on the CPU)"
+        "one more copy of the model in memory, the snapshots on the CPU; with vLLM the engine takes "
+        "a past policy's weights for its turns)"
     )
     mix = ", ".join(f"{share:g} {said[kind]}" for kind, share in shares.items())
     return f"opponents: {mix}; only the learner's seat trains against a fixed one"
@@ -92,6 +95,22 @@ class Past:
         return self.versus.engine.generate(prompts)
 
 
+class Swapped:
+    """The frozen copy played by the learner's own vLLM engine (one engine on the device): the
+    engine takes the copy's weights for the call and the learner's back after it, two weight
+    syncs a turn that has past games."""
+
+    def __init__(self, policy, frozen: torch.nn.Module, learner: torch.nn.Module):
+        self.policy, self.frozen, self.learner, self.room = policy, frozen, learner, policy.room
+
+    def generate(self, prompts: list[str]) -> list[tuple[list[int], list[int], str]]:
+        self.policy.sync(self.frozen)
+        try:
+            return self.policy.generate(prompts)
+        finally:
+            self.policy.sync(self.learner)
+
+
 class Versus:
     """The run's opponents: their shares, the past pool, and this step's results against
     each fixed kind (metrics.jsonl's "opponents")."""
@@ -106,13 +125,15 @@ class Versus:
         self.random = RandomPlayer(random.Random(0))
         if not self.mixed:
             return
-        if run.dist.world > 1 or args.backend == "vllm":
-            raise UserError(
-                "--opponents other than self=1 plays on one process with --backend hf for now"
-            )
+        if run.dist.world > 1:
+            raise UserError("--opponents other than self=1 plays on one process for now")
         if "past" in self.shares:
             self.frozen = copy.deepcopy(run.model).requires_grad_(False)
-            self.engine = type(run.policy)(self.frozen, run.tokenizer, args, run.device)
+            self.engine = (
+                Swapped(run.policy, self.frozen, run.model)
+                if isinstance(run.policy, VLLMPolicy)
+                else type(run.policy)(self.frozen, run.tokenizer, args, run.device)
+            )
             self.pool = restored(state, run.model) if state else [(0, trainable(run.model))]
             self.members = [Past(self, k) for k in range(len(self.pool))]
             self.loaded = None

@@ -166,7 +166,8 @@ def test_planned_names_the_mix_in_the_dry_run_and_says_nothing_of_pure_self_play
     assert said == [
         "opponents: 0.6 the policy itself, 0.4 a past policy (a snapshot every 10 steps, the "
         "newest 2 kept; now step 0, the initial policy; one more copy of the model in memory, the "
-        "snapshots on the CPU); only the learner's seat trains against a fixed one"
+        "snapshots on the CPU; with vLLM the engine takes a past policy's weights for its turns); "
+        "only the learner's seat trains against a fixed one"
     ]
     assert run(["--tiny", "--dry-run"]) == 0
     assert "opponents:" not in capsys.readouterr().out
@@ -199,3 +200,39 @@ def test_Versus_mix_keeps_every_kuhn_spot_that_pure_self_play_loses(tmp_path):
     lost = sorted(spot for spot, r in kept(tmp_path / "pure").items() if r < 0.1)
     assert lost == ["J bet", "J check bet", "K bet", "K check bet", "Q bet", "Q check bet"]
     assert min(kept(tmp_path / "mix").values()) >= 0.1
+
+
+def test_Swapped_gives_the_engine_the_past_weights_for_the_call_and_the_learners_back_after():
+    calls = []
+
+    class Engine:
+        room = 100
+
+        def sync(self, model):
+            calls.append(("sync", model))
+
+        def generate(self, prompts):
+            calls.append(("generate", prompts))
+            if prompts == ["boom"]:
+                raise RuntimeError("the engine failed")
+            return [([1], [2], "ok")]
+
+    swapped = opponents.Swapped(Engine(), "frozen", "learner")
+    assert swapped.room == 100 and swapped.generate(["p"]) == [([1], [2], "ok")]
+    assert calls == [("sync", "frozen"), ("generate", ["p"]), ("sync", "learner")]
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        swapped.generate(["boom"])
+    assert calls[-1] == ("sync", "learner")  # the learner's weights are back whatever happened
+
+
+def test_of_run_counts_one_frozen_copy_for_the_past_policies_and_one_for_the_kl_reference():
+    from machinery import memory
+
+    shape = {**S.ARCHS["qwen3-4b"], "tie_word_embeddings": True}
+    alone = memory.of_run(S.Args(), shape, 1, False, True, 1)
+    past = S.Args(opponents="self=0.8,past=0.2")
+    both = S.Args(opponents="self=0.8,past=0.2", kl_coef=0.01)
+    assert alone["reference"] == 0
+    assert memory.of_run(past, shape, 1, False, True, 1)["reference"] == alone["weights"]
+    assert memory.of_run(both, shape, 1, False, True, 1)["reference"] == 2 * alone["weights"]

@@ -17,6 +17,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     SMALL,
     VLLM,
     VLLM_ENV,
+    assert_resumed_exactly,
     check_run,
     error_of,
     free_port,
@@ -97,6 +98,22 @@ def test_backend_vllm_tiny_run_obeys_the_formulas_and_resumes_exactly(tmp_path):
     assert read_jsonl(tmp_path / "part/trajectories.jsonl") == read_jsonl(
         tmp_path / "whole/trajectories.jsonl"
     )
+
+
+@needs_vllm_cpu
+@pytest.mark.slow
+def test_Swapped_past_policies_play_on_the_learners_vllm_engine_and_a_mixed_run_resumes_exactly(
+    tmp_path,
+):
+    """--opponents with a past share on vLLM: the learner's engine plays each past policy with its
+    weights and takes the learner's back; the pool and the run resume exactly, as on HF."""
+    mix = ["--opponents", "self=0.4,past=0.4,random=0.2", "--past-every", "1"]
+    stratagem(SMALL + VLLM + mix + ["--steps", "3", "--out", "whole"], tmp_path)
+    stratagem(SMALL + VLLM + mix + ["--steps", "2", "--save-every", "1", "--out", "part"], tmp_path)
+    stratagem(["--resume", "--out", "part", "--steps", "3"], tmp_path)
+    assert_resumed_exactly(tmp_path / "whole", tmp_path / "part", 3)
+    trajs = read_jsonl(tmp_path / "whole" / "trajectories.jsonl")
+    assert {t.get("opponent", "self") for t in trajs} == {"self", "past", "random"}
 
 
 @needs_vllm_cpu
