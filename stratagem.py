@@ -199,6 +199,9 @@ class Args:
     past_pool: int = 0
     """with a past share: the newest snapshots kept, one drawn per game
     (0: 3)"""
+    opponent_baselines: bool = False
+    """with --opponents: RAE keeps a baseline per (game, role, fixed
+    opponent kind) beside self-play's, instead of one shared by all"""
     # --- evaluation ---
     eval_every: int = 0
     """every N steps, play --eval-n games of each --eval-games id against a
@@ -1426,7 +1429,7 @@ def train(args: Args) -> Path | None:
         judged, usage, mod = {}, {}, {}
         if run.dist.main:
             # ---- Algorithm 1, step 2: game-based advantage (RAE), A_game = R - b[G,p] ----
-            rae_advantages(trajs, run.baselines, args.ema)
+            rae_advantages(trajs, run.baselines, args.ema, run.versus.key)  # --opponent-baselines
 
             # ---- Algorithm 1, step 3: STRATAGEM modulation, A_mod = A_game*phi + beta*psi ----
             with timer("judge"):

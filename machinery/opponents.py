@@ -49,11 +49,20 @@ def parse(spec: str) -> dict[str, float]:
 
 def check(args) -> None:
     """--opponents parses, and --past-every and --past-pool come with a past share."""
-    past = "past" in parse(args.opponents)
+    shares = parse(args.opponents)
     for name in ("past_every", "past_pool"):
-        if getattr(args, name) and not past:
+        if getattr(args, name) and "past" not in shares:
             flag = "--" + name.replace("_", "-")
             raise UserError(f"{flag} shapes the past pool: give --opponents with a past share")
+    if args.opponent_baselines and shares == {"self": 1.0}:
+        raise UserError("--opponent-baselines needs --opponents with a past or random share")
+
+
+def baseline_key(t) -> str:
+    """--opponent-baselines: RAE's key of a trajectory, its opponent kind added where that is
+    a fixed one (self-play's keys are the paper's, game/playerP)."""
+    key = f"{t.game}/player{t.role}"
+    return f"{key}/vs-{t.opponent}" if t.opponent else key
 
 
 def words(shares: dict, every: int, size: int, steps: list[int]) -> str:
@@ -123,6 +132,7 @@ class Versus:
         self.size = getattr(args, "past_pool", 0) or PAST_POOL
         self.results, self.pool, self.members = {}, [], []
         self.random = RandomPlayer(random.Random(0))
+        self.key = baseline_key if getattr(args, "opponent_baselines", False) else None
         if not self.mixed:
             return
         if run.dist.world > 1:

@@ -236,3 +236,22 @@ def test_of_run_counts_one_frozen_copy_for_the_past_policies_and_one_for_the_kl_
     assert alone["reference"] == 0
     assert memory.of_run(past, shape, 1, False, True, 1)["reference"] == alone["weights"]
     assert memory.of_run(both, shape, 1, False, True, 1)["reference"] == 2 * alone["weights"]
+
+
+def test_baseline_key_gives_each_fixed_opponent_kind_its_own_rae_baseline(tmp_path, capsys):
+    err = error_of(capsys, ["--tiny", "--opponent-baselines", "--dry-run"])
+    assert err == (
+        "stratagem: error: --opponent-baselines needs --opponents with a past or random share\n"
+    )
+    out = tmp_path / "run"
+    assert run(SMALL + MIX + ["--opponent-baselines", "--steps", "2", "--out", str(out)]) == 0
+    baselines, rows = {}, read_jsonl(out / "trajectories.jsonl")
+    for r in rows:  # RAE replayed with the key: each row's baseline is its own kind's so far
+        t = SimpleNamespace(game=r["game"], role=r["role"], opponent=r.get("opponent"))
+        key = opponents.baseline_key(t)
+        assert r["baseline"] == pytest.approx(baselines.get(key, 0.0)), key
+        baselines[key] = 0.95 * baselines.get(key, 0.0) + 0.05 * r["reward"]
+    keys = set(read_jsonl(out / "metrics.jsonl")[-1]["baselines"])
+    assert keys == set(baselines)
+    assert {k.rsplit("/", 1)[-1] for k in keys if k.count("/") == 2} == {"vs-past", "vs-random"}
+    assert any(k.count("/") == 1 for k in keys)  # self-play's, as the paper keys them
