@@ -470,11 +470,9 @@ def test_group_advantages_in_the_grpo_fork_of_hacking_md_touch_three_places_and_
     group-relative, and its loss is the mean over responses of each response's mean token term."""
     repo = project_copy(tmp_path)
     source = repo / "stratagem.py"
-    call, grouped, weights, divisor = (
-        "            rae_advantages(trajs, run.baselines, args.ema)\n",
-        *hacking_blocks()[3:6],
-    )
-    assert source.read_text().count(call) == 1
+    said = re.search(r"replace the line `([^`]+)`", (HERE / "docs" / "hacking.md").read_text())[1]
+    (call,) = [x for x in source.read_text().splitlines(keepends=True) if said in x]  # once
+    grouped, weights, divisor = hacking_blocks()[3:6]
     source.write_text(source.read_text().replace(call, grouped))
     replace_function(source, "token_weights", weights)
     replace_function(source, "normaliser", divisor)

@@ -540,8 +540,14 @@ def test_main_every_quick_subcommand_of_the_docs_on_a_shipped_model_runs_as_prin
         target = words[3]
         if not (target.startswith("/tmp/") or target.startswith("warmstart/")):
             continue  # a run of the reader's
-        argv = [str(HERE / w) if w.startswith("warmstart/") else w for w in words[2:]]
-        argv = [str(tmp_path / w[5:]) if w.startswith("/tmp/") else w for w in argv]
+        argv = [
+            str(HERE / w)
+            if w.startswith("warmstart/")
+            else str(tmp_path / w[5:])
+            if w.startswith("/tmp/")
+            else w
+            for w in words[2:]
+        ]  # in one pass: the project itself may live under /tmp
         proc = subprocess.run(
             [sys.executable, str(HERE / "stratagem.py"), *argv],
             capture_output=True,
