@@ -44,6 +44,12 @@ ARMS = {  # name -> the flags that make the arm; the names are the run folders' 
     ],  # the share beta = 0.2 has at the start (docs/learning.md), held
     "mix": ["--opponents", "self=0.6,past=0.2,random=0.2"],  # docs/learning.md#opponents
     "mix-baselines": ["--opponents", "self=0.6,past=0.2,random=0.2", "--opponent-baselines"],
+    "mix-centred": [
+        "--opponents",
+        "self=0.6,past=0.2,random=0.2",
+        "--opponent-baselines",
+        "--centre-psi",
+    ],
 }
 DEFAULT_ARMS = (
     "stratagem",
@@ -60,6 +66,7 @@ WHAT = {
     "beta-share": "STRATAGEM, --beta-share 0.075 (adaptive beta)",
     "mix": "STRATAGEM against 0.6 itself, 0.2 past policies, 0.2 the random player",
     "mix-baselines": "the mix, with a baseline per opponent kind",
+    "mix-centred": "the mix, a baseline per opponent kind, beta*psi centred",
 }
 
 
