@@ -237,6 +237,20 @@ def closing_line(out: Path, args) -> str:
     )
 
 
+def terminal_bar(desc: str, total: int, tail: str, show: bool) -> tqdm:
+    """A tqdm bar on stderr that draws only on a terminal (disable=None) and is wiped when closed
+    (leave=False): `desc`, the bar, the count of `total`, then `tail` (tqdm's format fields)."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        file=sys.stderr,
+        disable=None if show else True,
+        leave=False,
+        dynamic_ncols=True,
+        bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} " + tail,
+    )
+
+
 class Progress:
     """One step on a terminal: a tqdm bar on stderr of transitions played (of the batch), games finished
     and judge requests answered. With stderr not a terminal (a log, a pipe) tqdm draws nothing
@@ -244,15 +258,8 @@ class Progress:
 
     def __init__(self, step: int, steps: int, target: int, show: bool):
         self.games, self.step = 0, step
-        self.bar = tqdm(
-            total=target,
-            desc=f"step {step}/{steps}",
-            file=sys.stderr,
-            disable=None if show else True,
-            leave=False,
-            dynamic_ncols=True,
-            bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} transitions{postfix} [{elapsed}]",
-        )
+        tail = "transitions{postfix} [{elapsed}]"
+        self.bar = terminal_bar(f"step {step}/{steps}", target, tail, show)
 
     def played(self, transitions: int, games: int) -> None:
         self.games = games
@@ -273,15 +280,7 @@ class Games:
     off a terminal."""
 
     def __init__(self, desc: str, total: int, show: bool = True):
-        self.bar = tqdm(
-            total=total,
-            desc=desc,
-            file=sys.stderr,
-            disable=None if show else True,
-            leave=False,
-            dynamic_ncols=True,
-            bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} games [{elapsed}<{remaining}]",
-        )
+        self.bar = terminal_bar(desc, total, "games [{elapsed}<{remaining}]", show)
 
     def __call__(self, done: int) -> None:
         self.bar.update(done - self.bar.n)

@@ -542,5 +542,5 @@ def test_fit_draws_a_bar_of_its_steps_on_a_terminal(tmp_path):
     argv += ["--moves", "60", "--steps", "6", "--batch-size", "2"]
     code, frames, stdout = on_a_terminal(argv, tmp_path)
     assert code == 0, stdout[-2000:]
-    assert any(re.search(r"^warm start: .* 6/6 \[", f) for f in frames), frames[-5:]
+    assert any(re.search(r"^warm start .* 6/6 steps \[", f) for f in frames), frames[-5:]
     assert "\r" not in stdout

@@ -43,7 +43,7 @@ from machinery.flags import FriendlyParser, field_docs
 from machinery.matches import RandomPlayer, random_legal_move, summarize_matches
 from machinery.modelfiles import check_folder
 from machinery.runfiles import check_writable_dir, follow_umask
-from machinery.watch import Games, Timer, fmt, quiet_transformers
+from machinery.watch import Games, Timer, fmt, quiet_transformers, terminal_bar
 from stratagem import (
     ARCHS,
     PROMPT,
@@ -319,9 +319,7 @@ def fit(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     model.train()
     losses = []
-    bar = tqdm(  # on a terminal only (disable=None), between the log's lines
-        total=steps, desc="warm start", file=sys.stderr, disable=None, leave=False, unit="step"
-    )
+    bar = terminal_bar("warm start", steps, "steps [{elapsed}<{remaining}]", show=True)
     for step, idx in enumerate(plan):
         ids, attn, mask = collate([items[i] for i in idx], pad_id)  # [B, T], [B, T], [B, R]
         logps = response_logprobs(model, ids, attn, mask, [soft[i] for i in idx])  # [B, R]
