@@ -95,6 +95,7 @@ class HeuristicJudge:
 
     name = "heuristic"
     cacheable = False  # free and deterministic: caching it would only grow the file
+    requests = False  # it answers in process: nothing is sent, so a run keeps no ledger
     structured = False  # its replies are the rubric's JSON by construction
     _ABSTRACT = re.compile(
         r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
@@ -278,6 +279,7 @@ class OpenAIJudge:
     comes from OPENAI_API_KEY only; it is never logged or saved."""
 
     cacheable = True
+    requests = True  # each verdict is a request, a line of the run's money ledger
 
     def __init__(self, model: str, base_url: str, args):
         self.name, self.base_url, self.args = model, base_url, args

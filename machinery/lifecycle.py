@@ -317,8 +317,7 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
                 "their requests are made again",
                 file=sys.stderr,
             )
-        paid = args.judge != "heuristic"  # the offline stand-in makes no request: no ledger
-        ledger = out / "judge_ledger.jsonl" if paid else None
+        ledger = out / "judge_ledger.jsonl" if judge.requests else None
         run.runner = JudgeRunner(judge, args, cache, ledger, judge_totals)
         if run.runner.budget_exhausted():
             watch.announce_budget(run.runner.totals["cost"], args.judge_budget, run.start)
