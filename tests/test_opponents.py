@@ -3,6 +3,7 @@ player (machinery/opponents.py)."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -158,6 +159,37 @@ def test_Versus_state_is_saved_and_a_resumed_mixed_run_is_exact(tmp_path):
     assert kinds == {"self", "past", "random"}
     state = torch.load(whole / "checkpoints/step-000003/trainer_state.pt", weights_only=True)
     assert state["past_pool"]["steps"] == [1, 2, 3]
+
+
+def test_Versus_of_a_mixed_run_stopped_by_sigint_midway_resumes_exactly(
+    tmp_path, capsys, monkeypatch
+):
+    """A real SIGINT in step 4's games (the pool has grown every step): steps 1-3 are kept, the pool
+    with them, and --resume plays steps 4-5 as the run that was never stopped did."""
+    import signal
+
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert run(SMALL + MIX + ["--steps", "5", "--out", str(whole)]) == 0
+    play, calls = S.self_play, []
+
+    def signalled_at_step_4(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # before the update: the step is lost, 1-3 kept
+        return play(*a, **kw)
+
+    monkeypatch.setattr(S, "self_play", signalled_at_step_4)
+    capsys.readouterr()
+    assert run(SMALL + MIX + ["--steps", "5", "--save-every", "50", "--out", str(part)]) == 130
+    assert capsys.readouterr().err.endswith(
+        f"stratagem: stopped by Ctrl-C (continue from step-000003 with: python stratagem.py "
+        f"--resume --out {part})\n"
+    )
+    state = torch.load(part / "checkpoints/step-000003/trainer_state.pt", weights_only=True)
+    assert state["past_pool"]["steps"] == [1, 2, 3]
+    monkeypatch.setattr(S, "self_play", play)
+    assert run(["--resume", "--out", str(part)]) == 0
+    assert_resumed_exactly(whole, part, 5)
 
 
 def test_planned_names_the_mix_in_the_dry_run_and_says_nothing_of_pure_self_play(capsys):
