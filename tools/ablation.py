@@ -50,6 +50,12 @@ ARMS = {  # name -> the flags that make the arm; the names are the run folders' 
         "--opponent-baselines",
         "--centre-psi",
     ],
+    "mix-more-random": [
+        "--opponents",
+        "self=0.4,past=0.2,random=0.4",
+        "--opponent-baselines",
+        "--centre-psi",
+    ],
 }
 DEFAULT_ARMS = (
     "stratagem",
@@ -67,6 +73,7 @@ WHAT = {
     "mix": "STRATAGEM against 0.6 itself, 0.2 past policies, 0.2 the random player",
     "mix-baselines": "the mix, with a baseline per opponent kind",
     "mix-centred": "the mix, a baseline per opponent kind, beta*psi centred",
+    "mix-more-random": "as mix-centred, with 0.4 of the games against the random player",
 }
 
 
