@@ -28,6 +28,8 @@ LEARNING = (
     "--tiny --games KuhnPoker-v1 --steps 30 --lr 1e-3 --batch-size 128 --micro-batch-size 32 --num-envs 32 "
     "--eval-games KuhnPoker-v1 --eval-every 5 --eval-n 200 --keep-best --judge-sample-rate 1"
 ).split()
+MIX = ["--opponents", "self=0.6,past=0.2,random=0.2"]  # the mix's shares
+TUNED = ["--opponent-baselines", "--centre-psi"]  # a baseline per opponent kind, beta*psi centred
 ARMS = {  # name -> the flags that make the arm; the names are the run folders' and the table's rows
     "stratagem": [],
     "spiral-shadow": ["--mode", "spiral", "--judge-shadow"],
@@ -42,20 +44,10 @@ ARMS = {  # name -> the flags that make the arm; the names are the run folders' 
         "--beta-share",
         "0.075",
     ],  # the share beta = 0.2 has at the start (docs/learning.md), held
-    "mix": ["--opponents", "self=0.6,past=0.2,random=0.2"],  # docs/learning.md#opponents
-    "mix-baselines": ["--opponents", "self=0.6,past=0.2,random=0.2", "--opponent-baselines"],
-    "mix-centred": [
-        "--opponents",
-        "self=0.6,past=0.2,random=0.2",
-        "--opponent-baselines",
-        "--centre-psi",
-    ],
-    "mix-more-random": [
-        "--opponents",
-        "self=0.4,past=0.2,random=0.4",
-        "--opponent-baselines",
-        "--centre-psi",
-    ],
+    "mix": MIX,  # docs/learning.md#opponents
+    "mix-baselines": [*MIX, "--opponent-baselines"],
+    "mix-centred": [*MIX, *TUNED],
+    "mix-more-random": ["--opponents", "self=0.4,past=0.2,random=0.4", *TUNED],
 }
 DEFAULT_ARMS = (
     "stratagem",
