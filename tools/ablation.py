@@ -30,6 +30,7 @@ LEARNING = (
 ).split()
 MIX = ["--opponents", "self=0.6,past=0.2,random=0.2"]  # the mix's shares
 TUNED = ["--opponent-baselines", "--centre-psi"]  # a baseline per opponent kind, beta*psi centred
+ANCHOR = ["--kl-coef", "0.05"]  # a KL penalty to the warm start
 ARMS = {  # name -> the flags that make the arm; the names are the run folders' and the table's rows
     "stratagem": [],
     "spiral-shadow": ["--mode", "spiral", "--judge-shadow"],
@@ -48,6 +49,8 @@ ARMS = {  # name -> the flags that make the arm; the names are the run folders' 
     "mix-baselines": [*MIX, "--opponent-baselines"],
     "mix-centred": [*MIX, *TUNED],
     "mix-more-random": ["--opponents", "self=0.4,past=0.2,random=0.4", *TUNED],
+    "mix-anchored": [*MIX, *TUNED, *ANCHOR],
+    "mix-anchored-0.02": [*MIX, *TUNED, "--kl-coef", "0.02"],
 }
 DEFAULT_ARMS = (
     "stratagem",
@@ -66,6 +69,8 @@ WHAT = {
     "mix-baselines": "the mix, with a baseline per opponent kind",
     "mix-centred": "the mix, a baseline per opponent kind, beta*psi centred",
     "mix-more-random": "as mix-centred, with 0.4 of the games against the random player",
+    "mix-anchored": "as mix-centred, with a KL anchor to the warm start (--kl-coef 0.05)",
+    "mix-anchored-0.02": "as mix-anchored, with --kl-coef 0.02",
 }
 
 
