@@ -30,7 +30,6 @@ LEARNING = (
 ).split()
 MIX = ["--opponents", "self=0.6,past=0.2,random=0.2"]  # the mix's shares
 TUNED = ["--opponent-baselines", "--centre-psi"]  # a baseline per opponent kind, beta*psi centred
-ANCHOR = ["--kl-coef", "0.05"]  # a KL penalty to the warm start
 ARMS = {  # name -> the flags that make the arm; the names are the run folders' and the table's rows
     "stratagem": [],
     "spiral-shadow": ["--mode", "spiral", "--judge-shadow"],
@@ -49,7 +48,7 @@ ARMS = {  # name -> the flags that make the arm; the names are the run folders' 
     "mix-baselines": [*MIX, "--opponent-baselines"],
     "mix-centred": [*MIX, *TUNED],
     "mix-more-random": ["--opponents", "self=0.4,past=0.2,random=0.4", *TUNED],
-    "mix-anchored": [*MIX, *TUNED, *ANCHOR],
+    "mix-anchored": [*MIX, *TUNED, "--kl-coef", "0.05"],  # a KL penalty to the warm start
     "mix-anchored-0.02": [*MIX, *TUNED, "--kl-coef", "0.02"],
 }
 DEFAULT_ARMS = (
