@@ -50,6 +50,8 @@ ARMS = {  # name -> the flags that make the arm; the names are the run folders' 
     "mix-more-random": ["--opponents", "self=0.4,past=0.2,random=0.4", *TUNED],
     "mix-anchored": [*MIX, *TUNED, "--kl-coef", "0.05"],  # a KL penalty to the warm start
     "mix-anchored-0.02": [*MIX, *TUNED, "--kl-coef", "0.02"],
+    "self-anchored": ["--centre-psi", "--kl-coef", "0.05"],  # is the mix needed with the anchor?
+    "lagged-anchored": ["--opponents", "self=0.8,past=0.2", *TUNED, "--kl-coef", "0.05"],
 }
 DEFAULT_ARMS = (
     "stratagem",
@@ -70,6 +72,8 @@ WHAT = {
     "mix-more-random": "as mix-centred, with 0.4 of the games against the random player",
     "mix-anchored": "as mix-centred, with a KL anchor to the warm start (--kl-coef 0.05)",
     "mix-anchored-0.02": "as mix-anchored, with --kl-coef 0.02",
+    "self-anchored": "pure self-play, beta*psi centred, the KL anchor (--kl-coef 0.05)",
+    "lagged-anchored": "as mix-anchored, without the random player (self=0.8, past=0.2)",
 }
 
 
