@@ -33,6 +33,7 @@ import stratagem as S
 from games import spy
 from machinery import cli, flags, lifecycle, watch
 from machinery.distributed import leave
+from machinery.saved_config import saved_config
 
 
 @dataclass
@@ -126,7 +127,7 @@ def parse_args(argv: list[str]) -> Args:
     """The run's Args, as stratagem.py's parse_args, with SpyRL's own flags, presets and checks."""
     explicit = vars(build_parser().parse_args(argv))
     return resolve_args(
-        explicit, flags.saved_config(explicit, Args, "spyrl.py", CHOICES, flags.BOUNDS + BOUNDS)
+        explicit, saved_config(explicit, Args, "spyrl.py", CHOICES, flags.BOUNDS + BOUNDS)
     )
 
 
@@ -198,7 +199,8 @@ def train(args: Args) -> Path | None:
     texts = spy.load_texts(
         args.spy_data, args.spy_mask, args.tiny, *text_room(args)
     )  # checked whole, before --out
-    run = lifecycle.start_run(args, load_learner, S.make_env, S.seed_everything, S.model_shape)
+    pieces = lifecycle.Pieces(load_learner, S.make_env, S.seed_everything, S.model_shape)
+    run = lifecycle.start_run(args, pieces)
     if run is None:  # --dry-run, or a resumed run that had already finished
         return None
     for step in range(run.start + 1, args.steps + 1):

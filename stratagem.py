@@ -49,12 +49,14 @@ import numpy as np
 import torch
 
 import judge_prompts
-from games import first_last_ids, spiral
+from games import check_flags, first_last_ids, perfect, spiral
 from games.actions import INVALID_ACTION, spiral_action, spiral_moves
+from games.spots import spot
 from judge_prompts import RUBRICS, role, weighted
 from machinery import (
     UserError,
     adaptive_beta,
+    checks,
     cli,
     costs,
     distill,
@@ -62,7 +64,6 @@ from machinery import (
     lifecycle,
     lora,
     modulation,
-    perfect,
     watch,
 )
 from machinery.distributed import (
@@ -83,6 +84,7 @@ from machinery.modelfiles import (
     generation_eos,
     unloadable,
 )
+from machinery.saved_config import saved_config
 from machinery.vllm_engine import VLLMPolicy
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in this process
@@ -1252,6 +1254,8 @@ class HFPolicy:
     after an update), or, when FSDP shards the learner, on a full copy that
     `sync` refreshes after every update."""
 
+    own_weights = False  # it plays the model it is given
+
     def __init__(self, model, tokenizer, args: Args, device: torch.device):
         self.model, self.tok, self.args, self.device = model, tokenizer, args, device
         self.stop = stop_ids(tokenizer, model)
@@ -1413,7 +1417,8 @@ def train(args: Args) -> Path | None:
     """Algorithm 1: run (or resume) a training run. Returns its folder on
     rank 0 once it has trained. Under torchrun every rank plays its share of
     the batch, and rank 0 alone judges, writes and prints."""
-    run = lifecycle.start_run(args, load_learner_and_engine, make_env, seed_everything, model_shape)
+    pieces = lifecycle.Pieces(load_learner_and_engine, make_env, seed_everything, model_shape, spot)
+    run = lifecycle.start_run(args, pieces)
     if run is None:  # --dry-run, or a resumed run that had already finished
         return None
     if run.start == 0:  # --eval-every: the point before any update starts the learning curve
@@ -1511,15 +1516,14 @@ def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: t
 def validate(args: Args) -> None:
     """Every flag in its range and consistent with the others, else one line
     naming it."""
-    flags.validate(args, context_length(args), WARM_START)
+    checks.validate(args, context_length(args), WARM_START)
+    check_flags(args)
 
 
 def build_parser() -> flags.FriendlyParser:
     """The trainer's command line: a flag per field of Args, its docstring
     the help."""
-    from tools import COMMANDS  # the commands around the trainer (they import this file)
-
-    epilog = "other commands: " + ", ".join(f"stratagem.py {c} --help" for c in COMMANDS)
+    epilog = "other commands: " + ", ".join(f"stratagem.py {c} --help" for c in cli.TOOLS)
     hint = {("mode", "spyrl"): "SpyRL has its own script: python spyrl.py --help"}
     doc = __doc__.split("\n\n")[0]
     presets = {"--tiny": TINY_DEFAULTS}
@@ -1545,17 +1549,16 @@ def parse_args(argv: list[str]) -> Args:
     """The run's Args from a command line (with --resume, on top of its
     folder's config.json)."""
     explicit = vars(build_parser().parse_args(argv))
-    return resolve_args(explicit, flags.saved_config(explicit, Args, "stratagem.py"))
+    return resolve_args(explicit, saved_config(explicit, Args, "stratagem.py"))
 
 
 def main(argv: list[str] | None = None) -> int:
     """`stratagem.py [flags]` trains. `stratagem.py COMMAND ...` runs a
     command of tools/."""
-    from tools import COMMANDS  # here, not at the top: each tool imports this file
-
     argv = sys.argv[1:] if argv is None else argv
-    return cli.main("stratagem", argv, parse_args, train, COMMANDS)
+    return cli.main("stratagem", argv, parse_args, train, cli.TOOLS)
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("stratagem", sys.modules[__name__])  # a tool's `import stratagem`: this
     leave(main())  # machinery/distributed.py: a finished torchrun rank leaves without teardown

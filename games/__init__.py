@@ -20,7 +20,7 @@ import random
 import textarena as ta
 from textarena.envs.registration import ENV_REGISTRY
 
-from games import spiral, spy  # noqa: F401  (importing registers the ids)
+from games import perfect, spiral, spy  # noqa: F401  (importing spiral and spy registers the ids)
 from machinery import UserError
 from machinery.flags import items
 
@@ -65,3 +65,14 @@ def first_last_ids(spec: str, games: str, flag: str = "--first-last") -> list[st
             f"{flag} names {', '.join(stray)}, which is not evaluated here ({', '.join(sorted(played))})"
         )
     return ids
+
+
+def check_flags(args) -> None:
+    """A run's game flags, each one line if wrong: --games, and with --eval-every the evaluation's
+    games, those shown in SPIRAL's first/last format, and the perfect players' own games."""
+    check_ids(args.games)
+    if args.eval_every:
+        check_ids(args.eval_games, "--eval-games")
+    shown = first_last_ids(args.eval_first_last, args.eval_games, "--eval-first-last")
+    if args.eval_every:
+        perfect.check(args.eval_opponent, items(args.eval_games), shown, "--eval-games")

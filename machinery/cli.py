@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import os
 import signal
 import sys
@@ -14,6 +15,30 @@ from pathlib import Path
 
 from machinery import UserError, runfiles, visible, watch
 from machinery.distributed import ON_STOP, STOP_SIGNALS, Terminated, stop_handler, stop_within
+
+# The commands around the trainer (`stratagem.py COMMAND`): each is tools/<module>.py, imported
+# by its name when it is run, so --help and a training run load none of them.
+TOOLS = {
+    "eval": "eval",
+    "plot": "plot",
+    "show": "show",
+    "agree": "agree",
+    "serve-judge": "serve_judge",
+    "bench": "bench",
+    "random-model": "random_model",
+    "sync-check": "sync_check",
+    "merge-lora": "merge_lora",
+    "real-model": "real_model",
+    "warmstart": "warmstart",
+    "ablation": "ablation",
+    "refresh-docs": "refresh_docs",
+}
+
+
+def run_tool(name: str, argv: list[str]) -> int:
+    """`stratagem.py NAME ...`: tools/<module>.py's main(argv)."""
+    return importlib.import_module(f"tools.{TOOLS[name]}").main(argv)
+
 
 OS_ERRORS = {  # the file system's refusals a user can cause, in words
     errno.ENOSPC: "no space left on the device",
@@ -39,9 +64,10 @@ def os_error(e: OSError, run_dir: Path | None) -> str:
     return f"{what}: {e.filename}" if e.filename else what
 
 
-def main(prog: str, argv: list[str], parse, train, commands: dict) -> int:
+def main(prog: str, argv: list[str], parse, train, commands=()) -> int:
     """`prog [flags]` trains: `parse(argv)` -> the run's arguments, `train(args)` -> its folder (None on
-    other ranks, for --dry-run and for a finished run); `prog COMMAND ...` runs commands[COMMAND](rest)."""
+    other ranks, for --dry-run and for a finished run); `prog COMMAND ...` runs a command of
+    `commands` (names of TOOLS) with the rest."""
     in_main_thread = threading.current_thread() is threading.main_thread()
     on_stop = (
         stop_handler()
@@ -50,7 +76,7 @@ def main(prog: str, argv: list[str], parse, train, commands: dict) -> int:
     run_dir = None  # set once a training run is resolved: the resume advice names it
     try:
         if argv and argv[0] in commands:
-            return commands[argv[0]](argv[1:])
+            return run_tool(argv[0], argv[1:])
         args = parse(argv)
         run_dir = Path(args.out)
         with stop_within(5.0) if in_main_thread else contextlib.nullcontext():  # a stuck collective

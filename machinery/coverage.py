@@ -1,9 +1,7 @@
 """The coverage guard: which decision spots self-play still reaches, and how varied its moves are.
 
-A spot is what a player faces, read off the text it was shown: KuhnPoker-v1's card and the betting
-so far in the round ("K", "K check", "Q bet", "J check bet"), TicTacToe-v0's move number ("move 3"),
-SimpleNegotiation-v1's offer ("offer open": one made to the mover awaits its answer, or "no offer").
-A policy that collapses onto one line stops reaching the spots off it: they leave training, while
+A spot is what a player faces, read off the text it was shown (games/spots.py: game knowledge,
+handed in as `spot`). A policy that collapses onto one line stops reaching the spots off it: they leave training, while
 the evaluation's random opponent still leads the policy there. of_step measures a step's turns,
 drops names the spots that fell below a tenth of their share at step 1, and invalid_warnings the
 games whose evaluation was lost by invalid moves too often.
@@ -12,82 +10,11 @@ games whose evaluation was lost by invalid moves too often.
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 
 DROP = 0.1  # a spot below this fraction of its step-1 share is reported
 EVIDENCE = 10  # ... where that share would have put this many of the step's turns there
 INVALID = 0.10  # an evaluation invalid share above this is reported
-
-_MESSAGE = re.compile(r"\n\[(GAME|Player \d+)\] ")  # LLMObservationWrapper: "\n[sender] message"
-_ROUND = re.compile(r"^Starting round \d+ out of \d+ rounds\.\nYour card is: ([JQK])\b")
-_KUHN_MOVE = re.compile(r"\[(Check|Bet|Fold|Call)\]", re.IGNORECASE)  # games/spiral.py's
-_FACING_BET = {"fold": None, "call": None}  # None: the round is over
-_KUHN_TREE = {"check": {"check": None, "bet": _FACING_BET}, "bet": _FACING_BET}
-_BOARD = re.compile(r"Current Board:\n\n(.*?)\n\nAvailable Moves", re.DOTALL)
-_NEGOTIATOR = re.compile(r"You are Player (\d) in the Negotiation Game")
-_OFFER = re.compile(r"^Player \d made the following offer to Player (\d):")
-_OFFER_GONE = re.compile(r"^(Player \d (denied|accepted) the trade offer|Trade cancelled)")
-
-
-def _messages(observation: str) -> list[tuple[str, str]]:
-    """(sender, text) of each message of a whole-history observation, in order."""
-    parts = _MESSAGE.split(observation)
-    return list(zip(parts[1::2], parts[2::2]))
-
-
-def _kuhn(observation: str) -> str | None:
-    """The card, then the moves the game took in this round (a rejected move left no mark)."""
-    messages = _messages(observation)
-    starts = [i for i, (who, text) in enumerate(messages) if who == "GAME" and _ROUND.match(text)]
-    if not starts:
-        return None
-    card = _ROUND.match(messages[starts[-1]][1]).group(1)
-    tree, moves = _KUHN_TREE, []
-    for who, text in messages[starts[-1] + 1 :]:
-        move = _KUHN_MOVE.search(text.strip()) if who != "GAME" else None
-        if move and tree is not None and move.group(1).lower() in tree:
-            moves.append(move.group(1).lower())
-            tree = tree[moves[-1]]
-    return " ".join([card, *moves])
-
-
-def _tictactoe(observation: str) -> str | None:
-    """'move N': the marks on the last board shown, plus one."""
-    boards = _BOARD.findall(observation)
-    rows = boards[-1].split("\n---+---+---\n") if boards else []
-    cells = [c.strip() for row in rows for c in row.split("|")]
-    if len(rows) != 3 or len(cells) != 9:
-        return None
-    return f"move {sum(c in ('X', 'O') for c in cells) + 1}"
-
-
-def _negotiation(observation: str) -> str | None:
-    """'offer open' when an offer made to the mover stands, else 'no offer'."""
-    player = _NEGOTIATOR.search(observation)
-    if player is None:
-        return None
-    to = None  # the player the standing offer is made to
-    for who, text in _messages(observation):
-        if who == "GAME" and (offer := _OFFER.match(text)):
-            to = int(offer.group(1))
-        elif who == "GAME" and _OFFER_GONE.match(text):
-            to = None
-    return "offer open" if to == int(player.group(1)) else "no offer"
-
-
-SPOTS = {
-    "KuhnPoker-v1": _kuhn,
-    "TicTacToe-v0": _tictactoe,
-    "SimpleNegotiation-v1": _negotiation,
-}  # the games whose spots are tracked
-
-
-def spot(game: str, observation: str) -> str | None:
-    """The decision spot of a turn of `game`, read from the observation text; None for a game not
-    tracked or a text it cannot be read from (Kuhn Poker's first/last format shows no card)."""
-    read = SPOTS.get(game)
-    return read(observation) if read else None
 
 
 def entropy(counts: Counter) -> float:
@@ -96,13 +23,14 @@ def entropy(counts: Counter) -> float:
     return -sum(k / n * math.log2(k / n) for k in counts.values() if k) if n else 0.0
 
 
-def of_step(trajectories) -> dict:
-    """{game: {spot: {"share", "entropy", "n"}}} over the turns of `trajectories`: the share of the
+def of_step(trajectories, spot) -> dict:
+    """{game: {spot: {"share", "entropy", "n"}}} over the turns of `trajectories`, each turn's spot
+    read by `spot(game, observation)` (None: not tracked): the share of the
     game's tracked turns at the spot, the entropy in bits of the moves played there (lowercased,
     spaces collapsed; "", no move read, is a move of its own) and the turns. Sorted keys; games with
-    no tracked turn are left out."""
+    no tracked turn are left out, and all of them where `spot` is None (a trainer that tracks none)."""
     moves: dict = {}  # game -> spot -> Counter of moves
-    for t in trajectories:
+    for t in trajectories if spot is not None else ():
         for turn in t.turns:
             if (where := spot(t.game, turn.observation)) is not None:
                 move = " ".join(turn.action.lower().split())
@@ -177,15 +105,3 @@ def invalid_warnings(evaluation: dict, spots_of_invalid: dict | None = None) -> 
             line += f" and {len(ranked) - 5} more spots" if len(ranked) > 5 else ""
         lines.append(line)
     return lines
-
-
-def invalid_spots(records: list[dict]) -> dict:
-    """{game: {spot: count}} of the policy's invalid moves in an evaluation's records (each with
-    its "moves", [observation, action] pairs: the last is the one that lost)."""
-    out: dict = {}
-    for r in records:
-        if r["invalid"] and r["moves"]:
-            where = spot(r["game"], r["moves"][-1][0]) or "?"
-            counts = out.setdefault(r["game"], {})
-            counts[where] = counts.get(where, 0) + 1
-    return out

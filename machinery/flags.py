@@ -10,17 +10,12 @@ import ast
 import dataclasses
 import difflib
 import inspect
-import json
 import math
 import os
 import re
-import shlex
 import time
-from pathlib import Path
 
-from machinery import UserError, runfiles
-from machinery.distributed import pick_device
-from machinery.openai_api import check_base_url
+from machinery import UserError
 
 
 def field_docs(cls) -> dict[str, tuple[str, str]]:
@@ -209,102 +204,6 @@ def resolve(cls, explicit: dict, saved: dict | None, resumable: set, presets: di
     return args
 
 
-MODE_SCRIPTS = {
-    "spyrl": "spyrl.py"
-}  # the script that trains each mode; every other mode: stratagem.py
-
-
-def saved_config(
-    explicit: dict, cls, script: str, choices: dict | None = None, bounds: list | None = None
-) -> dict | None:
-    """With --resume, the run folder's saved config (its fields of `cls`), after the folder's checks:
-    it is a run, holds no link, and is one `script` trains; its values pass their flags' checks
-    (`choices`, `bounds`: stratagem.py's by default); a judge URL it records is confirmed on the
-    command line (the API key goes there). Else None."""
-    if not explicit.get("resume"):
-        return None
-    if not explicit.get("out"):
-        raise UserError("--resume needs --out (the run directory to continue)")
-    out = Path(explicit["out"])
-    if out.is_symlink() and not out.exists():
-        raise UserError(
-            f"--resume: {out} is a symbolic link to {os.readlink(out)}, which does not exist"
-        )
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--resume: {out} is a file, not a run folder")
-    runfiles.check_no_links(out)  # before a file of it is read
-    if not (out / "config.json").exists():
-        why = "it has no config.json" if out.is_dir() else "it does not exist"
-        raise UserError(
-            f"--resume --out {out}: not a run folder ({why}); --out names the run to continue"
-        )
-    mode = runfiles.read_config(out).get("mode")
-    theirs = MODE_SCRIPTS.get(mode, "stratagem.py")
-    if theirs != script:
-        raise UserError(f"{out} is a --mode {mode} run: continue it with python {theirs} --resume")
-    config = runfiles.read_config(out, cls.__dataclass_fields__)
-    check_recorded(out / "config.json", config, cls, choices or CHOICES, bounds or BOUNDS)
-    url = config.get("judge_base_url")
-    if url and script == "stratagem.py" and "judge_base_url" not in explicit:  # SpyRL has no judge
-        raise UserError(
-            f"--resume: {out / 'config.json'} sends the judge's requests, with your API key, to "
-            f"{url}: if that is your judge, confirm it with --judge-base-url {shlex.quote(url)} "
-            "(or name another)"
-        )
-    return config
-
-
-KINDS = {
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    bool: "true or false",
-    int_or_auto: "an integer or auto",
-}
-
-
-def flaw(name: str, value, cls, choices: dict, bounds: list[tuple]) -> str | None:
-    """What field `name`'s flag requires that `value` lacks, in words: the flag's type (a whole
-    number is a number too, a bool is none), one of its choices (a mode may be any script's: the
-    script that reads a run checks it is its own), its bounds. None where it passes them all."""
-    kind = kind_of(cls, name)
-    numeric = kind is float and isinstance(value, int) and abs(value) <= 2**53  # a float's exactly
-    auto = kind is int_or_auto and (value == "auto" or isinstance(value, int))
-    if isinstance(value, bool) != (kind is bool) or not (
-        auto or (kind is not int_or_auto and isinstance(value, kind)) or numeric
-    ):
-        return KINDS[kind]
-    options = (*choices.get(name, ()), *MODE_SCRIPTS) if name == "mode" else choices.get(name)
-    if options and value not in options:
-        return f"one of {', '.join(options)}"
-    return broken(name, value, bounds)
-
-
-def check_recorded(path: Path, config: dict, cls, choices: dict, bounds: list[tuple]) -> None:
-    """Every value of `config` (read from `path`) that is a field of `cls` passes the checks its
-    flag's value would (flaw), else one line naming the file, the key and the value."""
-    for name, value in config.items():
-        if name in cls.__dataclass_fields__ and (
-            wording := flaw(name, value, cls, choices, bounds)
-        ):
-            shown = json.dumps(value)
-            raise UserError(
-                f"{path}: {name} is {shown[:80]}{'...' if len(shown) > 80 else ''}, but "
-                f"--{name.replace('_', '-')} must be {wording}; correct it, or restore the file "
-                "from a copy"
-            )
-
-
-def run_config(run: Path, cls) -> dict:
-    """A run's config.json (none: {}) for a command that reads it, its values checked as a resume
-    checks them (stratagem.py's choices and bounds); a key of no field of `cls` is left as it is."""
-    if not (run / "config.json").exists():
-        return {}
-    config = runfiles.read_config(run)
-    check_recorded(run / "config.json", config, cls, CHOICES, BOUNDS)
-    return config
-
-
 # ---- stratagem.py's flags: their choices, the ones a resume may change, their bounds, the checks
 CHOICES = {
     "mode": ("stratagem", "spiral"),
@@ -386,77 +285,3 @@ BOUNDS = [
         "<= 1000000000",
     ),
 ]
-
-
-def validate(args, context: int | None, warm_start: Path) -> None:
-    """Every flag of a run's Args in its range and consistent with the others, else one line naming
-    it (UserError). `context`: the policy's context length, if known; `warm_start`: --tiny's
-    weights."""
-    from games import check_ids, first_last_ids  # not at the top: games imports this module
-    from machinery import opponents, perfect  # they import this module too
-
-    if args.tiny and args.model != "tiny":
-        raise UserError("--tiny builds its own model; drop --model")
-    if context is not None and args.max_new_tokens >= context:
-        raise UserError(
-            f"--max-new-tokens must be < {context}, the model's context, got {args.max_new_tokens}"
-        )
-    check_bounds(args, BOUNDS)
-    for name in ("invalid_rewards", "rejected_rewards"):  # not two numbers: number_pair's UserError
-        text, flag = getattr(args, name), f"--{name.replace('_', '-')}"
-        if not all(-1000 <= r <= 1000 for r in number_pair(text, flag)):
-            raise UserError(f"{flag} must be two numbers in [-1000, 1000], got {text!r}")
-    check_ids(args.games)
-    opponents.check(args)
-    if args.eval_every:
-        check_ids(args.eval_games, "--eval-games")
-    shown = first_last_ids(args.eval_first_last, args.eval_games, "--eval-first-last")
-    if args.eval_every:
-        perfect.check(args.eval_opponent, items(args.eval_games), shown, "--eval-games")
-    if not all(0 <= b < 1 for b in args.betas):
-        raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
-    if args.distill and args.mode != "stratagem":
-        raise UserError(
-            f"--distill learns the judge of --mode stratagem; --mode {args.mode} has none"
-        )
-    lora_flags = {"lora_alpha": 0.0, "lora_dropout": 0.0, "lora_targets": type(args).lora_targets}
-    if not args.lora_rank and any(getattr(args, k) != v for k, v in lora_flags.items()):
-        raise UserError(
-            "--lora-alpha, --lora-dropout and --lora-targets shape LoRA's adapters: give --lora-rank R"
-        )
-    if args.lora_rank and not all(
-        re.fullmatch(r"[A-Za-z_][\w.]*", t) for t in args.lora_targets.split(",")
-    ):
-        raise UserError(
-            f"--lora-targets must be comma-separated layer names, got {args.lora_targets!r}"
-        )
-    if args.judge_budget and not args.judge_price_in + args.judge_price_out:
-        raise UserError(
-            "--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost"
-        )
-    if args.beta_share and not args.beta_min <= args.beta <= args.beta_max:
-        raise UserError(
-            f"--beta {args.beta} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
-        )
-    if args.keep_best and not args.eval_every:
-        raise UserError("--keep-best keeps the best evaluated policy: give --eval-every N")
-    if args.best_eval_n and not args.keep_best:
-        raise UserError("--best-eval-n sizes the kept best's fresh evaluation: give --keep-best")
-    if args.keep_best and args.lora_rank:
-        raise UserError(
-            "--keep-best keeps whole models; with --lora-rank, merge a checkpoint: stratagem.py merge-lora"
-        )
-    if args.judge_shadow and not (args.mode == "spiral" or args.no_psi):
-        raise UserError(
-            "--judge-shadow scores what does not enter A_mod: give --mode spiral or --no-psi"
-        )
-    if args.centre_psi and (args.mode == "spiral" or args.no_psi):
-        raise UserError(
-            "--centre-psi centres psi in A_mod, which --mode spiral and --no-psi leave out"
-        )
-    if args.tiny and args.tiny_init == "warm" and not (warm_start / "config.json").is_file():
-        raise UserError(
-            f"the warm start {warm_start} is missing: python stratagem.py warmstart {warm_start}"
-        )
-    check_base_url(args.judge_base_url, "--judge-base-url")
-    pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work

@@ -54,7 +54,23 @@ from machinery.distributed import (
     pick_device,
     pick_threads,
 )
-from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
+from machinery.judge import JudgeRunner, make_judge
+
+
+@dataclass
+class Pieces:
+    """What a run's life cycle needs of the trainer above it, passed in (nothing here imports it):
+    `load(args, checkpoint, dist, device)` -> (model, tokenizer, generation engine, KL reference or
+    None, optimizer); `make_env` (the judge's cost projection plays a few games); `seed(seed)` -> the
+    run's own Random (its seeding block); `shape(args)` -> the model's config fields or None
+    (--dry-run's memory projection, --micro-batch-size auto's); `spot(game, observation)` -> a turn's
+    decision spot or None (the coverage guard's, games/spots.py)."""
+
+    load: object
+    make_env: object
+    seed: object
+    shape: object = None
+    spot: object = None
 
 
 @dataclass
@@ -111,72 +127,78 @@ class Run:
     warned: set = field(default_factory=set)  # the guard's lines said once
     finished: tuple | None = None  # (step, updates, state_of) of the last step that ended
     saving: int | None = None  # the step of the last checkpoint begun
+    spot: object = None  # Pieces.spot: the coverage guard's reading of a turn
 
 
-def start_run(args, load, make_env, seed, shape=None) -> Run | None:
-    """Everything before the first step: every check that can fail (flags, games, devices, outputs, the
-    checkpoint to resume) before --out is claimed, then the policy and the judge (a fresh --out whose run
-    fails to start is removed again), then the run's files. Returns None, touching nothing, for --dry-run (the
-    plan printed) and for a resumed run that has already done --steps. From the trainer: `load(args, checkpoint,
-    dist, device)` -> (model, tokenizer, generation engine, KL reference or None, optimizer), `make_env` (the
-    judge's cost projection plays a few games), `seed(seed)` -> the run's own Random (its seeding block) and
-    `shape(args)` -> the model's config fields or None (--dry-run's memory projection, and
-    --micro-batch-size auto's: chosen here, said on the start line)."""
+@dataclass
+class Start:
+    """What start_run learns before it loads anything: the processes, the device and engine, the
+    checkpoint to resume, the judge and its projected cost."""
+
+    dist: Dist
+    out: Path
+    device: torch.device
+    engine: str  # the engine taken, and why (the start line)
+    threads: int
+    ckpt: Path | None  # the checkpoint to resume (None: a fresh run, or no save yet)
+    steps_left: int
+    reproject: object  # (steps, counts) -> the judge's projection, or None
+    projection: dict | None
+    judge: object  # machinery/judge.py's judge, or None (none asked, or not rank 0)
+    chose: str = ""  # --micro-batch-size auto's choice, said on the start line
+    reporter: object = None  # --report-to's watch.Reporter (rank 0), its package imported
+
+
+def start_run(args, pieces: Pieces) -> Run | None:
+    """Everything before the first step: every check that can fail (flags, games, devices, outputs,
+    the checkpoint to resume) before --out is claimed, then the policy and the judge (a fresh --out
+    whose run fails to start is removed again), then the run's files. Returns None, touching
+    nothing, for --dry-run (the plan printed) and for a resumed run that has already done --steps."""
     watch.quiet_transformers()
+    start = preflight(args, pieces)
+    if start is None:
+        return None
+    if start.dist.main:
+        claim_and_announce(args, start)
+    run = load_run(args, start, pieces)
+    state = restore(run, start.ckpt) if start.ckpt is not None else None
+    if start.ckpt is None and run.dist.main:
+        (run.out / "checkpoints").mkdir(exist_ok=True)
+    run.versus = opponents.Versus(run, state.get("past_pool") if state is not None else None)
+    if run.dist.main:
+        open_run_files(run, start, state)
+    return run
+
+
+def preflight(args, pieces: Pieces) -> Start | None:
+    """The checks that touch nothing: the device and engine, the checkpoint to resume, the judge's
+    projected cost, the micro-batch and the output folder. None once --dry-run has printed its plan,
+    or for a run with nothing left to do."""
     dist, out = Dist(args), Path(args.out)
     if args.keep_best and dist.world > 1:
         raise UserError("--keep-best saves rank 0's evaluated policy: run it without torchrun")
-    games = flags.items(args.games)  # checked by the trainer's validate()
-    eval_games = flags.items(args.eval_games) if args.eval_every else []
     device = pick_device(args.device, dist.local_rank)
-    threads = pick_threads(
-        device
-    )  # torch's intra-op threads: OMP_NUM_THREADS, else half the cores on a CPU
+    threads = pick_threads(device)  # torch's intra-op threads: OMP_NUM_THREADS, else half the cores
     requested = args.backend
-    args.backend, engine = pick_backend(
-        args.backend, device
-    )  # config.json records the engine taken
-    if (
-        args.resume and dist.main
-    ):  # another job on the run may be in the middle of a save: refused before a read
+    args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine
+    if args.resume and dist.main:  # another job may be in the middle of a save: refused first
         runfiles.check_not_in_use(out)
-    # the checkpoint to resume (None: no save yet); a LoRA run's holds its adapter in place of the model
-    ckpt = (
-        runfiles.resume_checkpoint(out, args.steps, dist.world, args.lora_rank > 0)
-        if args.resume
-        else None
-    )
+    ckpt = None  # a LoRA run's checkpoint holds its adapter in place of the model
+    if args.resume:
+        ckpt = runfiles.resume_checkpoint(out, args.steps, dist.world, args.lora_rank > 0)
     done = runfiles.checkpoint_step(ckpt) if ckpt is not None else 0
     steps_left = args.steps - done
-    reproject = (
-        functools.partial(costs.judge_projection, args, games, make_env)
-        if args.asked and dist.main and steps_left and (args.dry_run or args.judge == "openai")
-        else None
-    )
-    counts = (  # a resumed run projects from what its own policy played (its metrics up to the checkpoint)
-        costs.measured(
-            [
-                m
-                for m in runfiles.read_jsonl(out / "metrics.jsonl")
-                if m.get("step", math.inf) <= done
-            ]
-        )
-        if done and reproject is not None and (out / "metrics.jsonl").exists()
-        else None
-    )
-    projection = (
-        reproject(steps_left, counts) if reproject is not None else None
-    )  # before any money is spent
+    reproject = judge_projector(args, pieces, dist, steps_left)
+    projection = reproject(steps_left, measured_so_far(out, done)) if reproject else None
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    shape = pieces.shape(args) if pieces.shape else None
     if args.dry_run:
         if dist.main:
-            fit = memory.plan_lines(
-                args, shape(args) if shape else None, device, dist.world, total, requested
-            )
+            fit = memory.plan_lines(args, shape, device, dist.world, total, requested)
+            games = flags.items(args.games)
             print(costs.plan(args, out, games, device, engine, projection, fit))
         dist.close()
         return None
-    rng = seed(args.seed + dist.rank)  # rank 0 of N draws exactly what a single process draws
     # SPIRAL: none, unless shadowed; none either for a run with only its end-of-run work left
     judge = make_judge(args) if args.asked and dist.main and steps_left else None
     # a re-queued job ends cleanly, once the end of the run is done too (--keep-best's fresh games)
@@ -190,139 +212,159 @@ def start_run(args, load, make_env, seed, shape=None) -> Run | None:
         return None
     # --micro-batch-size auto: chosen for this device before the policy loads (its checkpointing
     # with it); rank 0's choice on every rank (a CPU's free memory differs between them)
-    known = shape(args) if shape and args.micro_batch_size == "auto" else None
+    known = shape if args.micro_batch_size == "auto" else None
     chose = memory.fit(args, known, device, dist.world, total, requested)
     args.micro_batch_size, args.gradient_checkpointing = dist.broadcast(
         (args.micro_batch_size, args.gradient_checkpointing)
     )
     if dist.main:
-        runfiles.check_writable_dir(
-            out, "--out"
-        )  # first: a file or a dangling link is said as such
-        if not args.resume and out.exists():
-            if (out / "config.json").exists():
-                raise UserError(
-                    f"{out} already exists; pass --resume to continue it, or choose another --out"
-                )
-            raise UserError(
-                f"{out} already exists and is no run folder (no config.json): choose another --out"
-            )
-        if judge is not None and args.judge_cache:
-            runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
-    reporter = watch.Reporter(args.report_to) if args.report_to != "none" and dist.main else None
-    if dist.main:
-        # the judge's probe first, before the run folder exists or anything is said of the run or paid
-        checked = judge.check_reachable() if isinstance(judge, OpenAIJudge) else None
-        runfiles.claim_run(
-            out, fresh=not args.resume
-        )  # one job per run folder; released by main() or finish_run()
-        structured = judge.structured if isinstance(judge, OpenAIJudge) else None
-        start = watch.start_line(args, out, device, engine, threads, dist.world, structured)
-        print(start + (f" | {chose}" if chose else ""), flush=True)  # auto: which and why
-        if projection is not None:
-            print("\n".join(costs.projection_lines(args, projection)), flush=True)
-        if checked:
-            print(checked, flush=True)
-        print(
-            f"loading the policy: {ckpt or (watch.tiny_model(args) if args.tiny else args.model)} ...",
-            flush=True,
-        )
-    t_load = time.perf_counter()
-    model, tokenizer, policy, reference, optimizer = load(args, ckpt, dist, device)
-    if dist.main:
-        print(
-            f"loaded in {time.perf_counter() - t_load:.1f}s; self-play begins (one line per step)",
-            flush=True,
-        )
-    run = Run(
-        args,
-        dist,
-        out,
-        device,
-        games,
-        eval_games,
-        rng,
-        model,
-        tokenizer,
-        policy,
-        optimizer,
-        reference,
+        check_out(args, out, judge)
+    start = Start(
+        dist, out, device, engine, threads, ckpt, steps_left, reproject, projection, judge
     )
+    start.chose = chose
+    if args.report_to != "none" and dist.main:  # before --out is touched: a missing package
+        start.reporter = watch.Reporter(args.report_to)
+    return start
+
+
+def judge_projector(args, pieces: Pieces, dist: Dist, steps_left: int):
+    """(steps, counts) -> the judge's projected requests and cost, where a judge is paid (or
+    --dry-run prices it); else None."""
+    paid = args.dry_run or (args.judge == "openai")
+    if not (args.asked and dist.main and steps_left and paid):
+        return None
+    return functools.partial(costs.judge_projection, args, flags.items(args.games), pieces.make_env)
+
+
+def measured_so_far(out: Path, done: int) -> dict | None:
+    """A resumed run projects from what its own policy played: its metrics up to the checkpoint."""
+    if not done or not (out / "metrics.jsonl").exists():
+        return None
+    lines = runfiles.read_jsonl(out / "metrics.jsonl")
+    return costs.measured([m for m in lines if m.get("step", math.inf) <= done])
+
+
+def check_out(args, out: Path, judge) -> None:
+    """--out is a folder this run may write (a fresh run's must not exist yet), and so is the judge's
+    cache."""
+    runfiles.check_writable_dir(out, "--out")  # first: a file or a dangling link is said as such
+    if not args.resume and out.exists():
+        if (out / "config.json").exists():
+            raise UserError(
+                f"{out} already exists; pass --resume to continue it, or choose another --out"
+            )
+        raise UserError(
+            f"{out} already exists and is no run folder (no config.json): choose another --out"
+        )
+    if judge is not None and args.judge_cache:
+        runfiles.check_writable_file(Path(args.judge_cache), "--judge-cache")
+
+
+def claim_and_announce(args, start: Start) -> None:
+    """Rank 0: the judge's probe first (before the run folder exists, anything is said or paid),
+    then the run folder claimed and the start lines printed."""
+    judge = start.judge
+    checked = judge.check_reachable() if judge is not None and judge.requests else None
+    runfiles.claim_run(start.out, fresh=not args.resume)  # released by main() or finish_run()
+    structured = judge.structured if judge is not None and judge.requests else None
+    line = watch.start_line(
+        args, start.out, start.device, start.engine, start.threads, start.dist.world, structured
+    )
+    print(line + (f" | {start.chose}" if start.chose else ""), flush=True)  # auto: which and why
+    if start.projection is not None:
+        print("\n".join(costs.projection_lines(args, start.projection)), flush=True)
+    if checked:
+        print(checked, flush=True)
+    what = start.ckpt or (watch.tiny_model(args) if args.tiny else args.model)
+    print(f"loading the policy: {what} ...", flush=True)
+
+
+def load_run(args, start: Start, pieces: Pieces) -> Run:
+    """The policy, its engine and optimizer loaded, and the Run that carries them, its hooks set:
+    every update checked, a stop held during the update and saved after it."""
+    t_load = time.perf_counter()
+    loaded = pieces.load(args, start.ckpt, start.dist, start.device)
+    if start.dist.main:
+        took = time.perf_counter() - t_load
+        print(f"loaded in {took:.1f}s; self-play begins (one line per step)", flush=True)
+    model, tokenizer, policy, reference, optimizer = loaded
+    where = (start.dist, start.out, start.device)
+    games = flags.items(args.games)  # checked by the trainer's validate()
+    eval_games = flags.items(args.eval_games) if args.eval_every else []
+    rng = pieces.seed(args.seed + start.dist.rank)  # rank 0 of N draws what one process draws
+    run = Run(args, *where, games, eval_games, rng, model, tokenizer, policy, optimizer, reference)
+    run.spot = pieces.spot
     run.beta = adaptive_beta.first(args)
-    run.reproject = reproject
+    run.reproject = start.reproject
     optimizer.register_step_post_hook(functools.partial(check_update, run))
     optimizer.register_step_pre_hook(lambda *_: held(run))  # from here, a stop waits for the save
     distributed.ON_STOP[:] = [functools.partial(keep_step, run)]  # cli.main, on a stop
-    run.distiller = (
-        distill.Distiller(model.config.hidden_size, args) if args.distill and dist.main else None
-    )
-    judge_totals = None
-    if ckpt is not None:
-        state = load_finite(ckpt / "trainer_state.pt", runfiles.TRAINER_STATE)
-        own = load_finite(ckpt / f"rank{dist.rank}.pt", runfiles.RANK_STATE)
-        run.baselines, run.start, run.elapsed, judge_totals = (
-            state["baselines"],
-            state["step"],
-            state["elapsed"],
-            state["judge_totals"],
-        )
-        recent = state.get("recent", [])  # a checkpoint written before it was kept has none
-        run.recent = [
-            dict(zip(("phi", "psi"), r)) if isinstance(r, list) else r for r in recent
-        ]  # old: pairs
-        run.lengths = own["lengths"]
-        run.first_spots = state.get("first_spots")
-        run.beta = adaptive_beta.resumed(args, state.get("beta"))
-        try:  # what the schema cannot see: an optimizer or heads' state of another shape
-            load_optimizer_state(model, optimizer, state["optimizer"])
-            if run.distiller is not None:
-                run.distiller.load_state_dict(state["distill"])
-        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-            why = " ".join(str(e).split())[:160]
-            raise UserError(
-                f"--resume: {ckpt} does not fit this run ({type(e).__name__}: {why}); restore it"
-            ) from None
-        runfiles.set_rng_states(rng, own["rng"])
-        policy.sync(model)
-    elif dist.main:
-        (out / "checkpoints").mkdir(exist_ok=True)
-    run.versus = opponents.Versus(run, state.get("past_pool") if ckpt is not None else None)
-    if not dist.main:
-        return run
-    if args.resume:  # lines logged after the checkpoint are replayed; without one, from step 0 with the saved config
-        for name in (
-            "metrics.jsonl",
-            "trajectories.jsonl",
-        ):  # no checkpoint: step 0's evaluation is played again
-            runfiles.truncate_jsonl(out / name, run.start if ckpt else -1)
+    if args.distill and start.dist.main:
+        run.distiller = distill.Distiller(model.config.hidden_size, args)
+    return run
+
+
+def restore(run: Run, ckpt: Path) -> dict:
+    """A resumed run's state read back from its checkpoint (the baselines, the step, the optimizer,
+    the random streams, ...), its engine synced to the weights. Returns trainer_state.pt."""
+    args, model = run.args, run.model
+    state = load_finite(ckpt / "trainer_state.pt", runfiles.TRAINER_STATE)
+    own = load_finite(ckpt / f"rank{run.dist.rank}.pt", runfiles.RANK_STATE)
+    run.baselines, run.start, run.elapsed = state["baselines"], state["step"], state["elapsed"]
+    recent = state.get("recent", [])  # a checkpoint written before it was kept has none
+    run.recent = [dict(zip(("phi", "psi"), r)) if isinstance(r, list) else r for r in recent]
+    run.lengths = own["lengths"]
+    run.first_spots = state.get("first_spots")
+    run.beta = adaptive_beta.resumed(args, state.get("beta"))
+    try:  # what the schema cannot see: an optimizer or heads' state of another shape
+        load_optimizer_state(model, run.optimizer, state["optimizer"])
+        if run.distiller is not None:
+            run.distiller.load_state_dict(state["distill"])
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        why = " ".join(str(e).split())[:160]
+        raise UserError(
+            f"--resume: {ckpt} does not fit this run ({type(e).__name__}: {why}); restore it"
+        ) from None
+    runfiles.set_rng_states(run.rng, own["rng"])
+    run.policy.sync(model)
+    return state
+
+
+def open_run_files(run: Run, start: Start, state: dict | None) -> None:
+    """Rank 0: the logs replayed to the checkpoint on a resume, the reporter, config.json, and the
+    judge's runner with its cache and ledger."""
+    args, out = run.args, run.out
+    if args.resume:  # lines logged after the checkpoint are replayed (none: step 0's evaluation)
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            runfiles.truncate_jsonl(out / name, run.start if start.ckpt else -1)
         print(
             f"resuming {out} from step {run.start}"
-            if ckpt
-            else f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 with its saved config"
+            if start.ckpt
+            else f"resuming {out}: it has no checkpoint yet, so it starts again from step 0 "
+            "with its saved config"
         )
-    if reporter is not None:
-        reporter.open(
-            out, args, run.start
-        )  # if it fails, a fresh --out goes with it (release_runs)
-    run.reporter = reporter
+    if start.reporter is not None:
+        start.reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it
+    run.reporter = start.reporter
     if changes := runfiles.write_config(out, dataclasses.asdict(args), run.start):
         print(changes, flush=True)
-    if judge is not None:
-        cache = runfiles.JudgeCache(
-            Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl"
+    if start.judge is None:
+        return
+    cache_path = Path(args.judge_cache) if args.judge_cache else out / "judge_cache.jsonl"
+    cache = runfiles.JudgeCache(cache_path)
+    if cache.skipped:
+        print(
+            f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
+            "their requests are made again",
+            file=sys.stderr,
         )
-        if cache.skipped:
-            print(
-                f"judge cache: skipped {cache.skipped} unreadable or invalid line(s) of {cache.path}; "
-                "their requests are made again",
-                file=sys.stderr,
-            )
-        ledger = out / "judge_ledger.jsonl" if judge.requests else None
-        run.runner = JudgeRunner(judge, args, cache, ledger, judge_totals)
-        if run.runner.budget_exhausted():
-            watch.announce_budget(run.runner.totals["cost"], args.judge_budget, run.start)
-            run.announced = True
-    return run
+    ledger = out / "judge_ledger.jsonl" if start.judge.requests else None
+    totals = state["judge_totals"] if state is not None else None
+    run.runner = JudgeRunner(start.judge, args, cache, ledger, totals)
+    if run.runner.budget_exhausted():
+        watch.announce_budget(run.runner.totals["cost"], args.judge_budget, run.start)
+        run.announced = True
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -558,7 +600,7 @@ def step_metrics(
         ),
         "baselines": dict(run.baselines),
         **({"opponents": versus} if versus is not None else {}),
-        "coverage": coverage.of_step(played),
+        "coverage": coverage.of_step(played, run.spot),
         **({"eval": evaluation} if evaluation else {}),
         **({"distill": run.distiller.report} if run.distiller else {}),
         **(extra or {}),  # spyrl.py: its "spy" metrics

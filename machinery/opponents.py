@@ -20,7 +20,6 @@ import torch
 from machinery import UserError
 from machinery.flags import items
 from machinery.matches import RandomPlayer
-from machinery.vllm_engine import VLLMPolicy
 
 KINDS = ("self", "past", "random")
 PAST_EVERY, PAST_POOL = 10, 3  # what --past-every 0 and --past-pool 0 stand for
@@ -141,7 +140,7 @@ class Versus:
             self.frozen = copy.deepcopy(run.model).requires_grad_(False)
             self.engine = (
                 Swapped(run.policy, self.frozen, run.model)
-                if isinstance(run.policy, VLLMPolicy)
+                if getattr(run.policy, "own_weights", False)  # vLLM: its engine holds a copy
                 else type(run.policy)(self.frozen, run.tokenizer, args, run.device)
             )
             self.pool = restored(state, run.model) if state else [(0, trainable(run.model))]

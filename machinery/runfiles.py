@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 
 import judge_prompts
-from machinery import UserError, visible
+from machinery import UserError, flags, visible
 from machinery.distributed import full_weights, optimizer_state
 
 
@@ -338,8 +338,6 @@ def _numbers(v) -> bool:
 
 def _beta(v) -> bool:
     """--beta-share's beta as a checkpoint keeps it: null (beta fixed), or a number --beta takes."""
-    from machinery import flags  # not at the top: flags imports this module
-
     return v is None or (_number(v) and flags.broken("beta", v, flags.BOUNDS) is None)
 
 

@@ -54,6 +54,8 @@ class VLLMPolicy:
     VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV cache. Under torchrun each rank runs its own engine
     (external_launcher) on its share of the games and receives the full weights after each update."""
 
+    own_weights = True  # the engine plays its own copy, synced after each update
+
     def __init__(
         self,
         model_dir: str,

@@ -8,6 +8,7 @@ import json
 import math
 
 import stratagem as S
+from games.spots import spot
 from machinery import coverage
 from machinery.matches import summarize_matches
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
@@ -32,7 +33,7 @@ def played(game: str, moves: list[str], seed: int = 3, retries: int = 0, first_l
 
 
 def spots(game: str, observations: list[str]) -> list[str | None]:
-    return [coverage.spot(game, o) for o in observations]
+    return [spot(game, o) for o in observations]
 
 
 # ---- spot
@@ -94,8 +95,8 @@ def test_spot_of_simple_negotiation_is_whether_an_offer_to_the_mover_stands():
 
 
 def test_spot_of_an_untracked_game_or_an_unreadable_text_is_none():
-    assert coverage.spot("LiarsDice-v1", played("LiarsDice-v1", ["[Bid: 1, 2]"])[0]) is None
-    assert [coverage.spot(game, "hello") for game in (KUHN, TICTACTOE, NEGOTIATION)] == [None] * 3
+    assert spot("LiarsDice-v1", played("LiarsDice-v1", ["[Bid: 1, 2]"])[0]) is None
+    assert [spot(game, "hello") for game in (KUHN, TICTACTOE, NEGOTIATION)] == [None] * 3
 
 
 # ---- of_step
@@ -113,7 +114,7 @@ def test_of_step_shares_entropy_and_turns_per_game_and_spot():
         trajectory(TICTACTOE, [(board, "[4]"), (board, "[4]"), (board, "")]),  # "": no move read
         trajectory("LiarsDice-v1", [(board, "[4]")]),  # not tracked
     ]
-    out = coverage.of_step(trajectories)
+    out = coverage.of_step(trajectories, spot)
     assert out == {
         KUHN: {
             "K": {"share": 0.6667, "entropy": 1.0, "n": 4},  # bet twice, check twice
@@ -122,7 +123,7 @@ def test_of_step_shares_entropy_and_turns_per_game_and_spot():
         TICTACTOE: {"move 1": {"share": 1.0, "entropy": 0.9183, "n": 3}},  # 2/3 and 1/3
     }
     assert list(out) == sorted(out) and json.loads(json.dumps(out)) == out
-    assert coverage.of_step([]) == {} and coverage.entropy(coverage.Counter()) == 0.0
+    assert coverage.of_step([], spot) == {} and coverage.entropy(coverage.Counter()) == 0.0
     assert math.isclose(coverage.entropy(coverage.Counter(a=1, b=1, c=1, d=1)), 2.0)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import stratagem as S
-import tools
+from machinery.cli import TOOLS
 from machinery.flags import field_docs
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     HERE,
@@ -168,7 +168,7 @@ def shipped_text() -> dict[str, str]:
     }
     texts["stratagem.py --help"] = S.build_parser().format_help()
     texts["spyrl.py --help"] = spyrl.build_parser().format_help()
-    for command in tools.COMMANDS:
+    for command in TOOLS:
         help_text = io.StringIO()
         with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
             S.main([command, "--help"])
@@ -278,51 +278,7 @@ def test_main_prints_what_the_readme_shows(tmp_path):
     assert shapes(printed) == shapes(shown), "\n".join(["the main job now prints:", *printed])
 
 
-# ---- The code's shape: the import graph, the test names
-def test_main_imports_walk_one_way_tools_then_stratagem_then_machinery():
-    def imported(path: Path) -> set[str]:
-        return set(re.findall(r"^\s*(?:from|import) (\w+)", path.read_text(), re.MULTILINE))
-
-    import ast
-
-    tree = ast.parse((HERE / "stratagem.py").read_text())
-    top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
-    top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
-    assert not top & {
-        "tools",
-        "spyrl",
-    }  # the commands are imported by the entry points alone, as they run
-    inner = {
-        f.name
-        for f in tree.body
-        if isinstance(f, ast.FunctionDef)
-        for n in ast.walk(f)
-        if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] in ("tools", "spyrl")
-    }
-    assert inner == {"main", "build_parser"} and "importlib" not in imported(HERE / "stratagem.py")
-    assert "tools" not in imported(HERE / "spyrl.py") and "stratagem" in imported(HERE / "spyrl.py")
-    for module in [
-        *(HERE / "machinery").glob("*.py"),
-        *(HERE / "games").glob("*.py"),
-        HERE / "judge_prompts.py",
-    ]:
-        assert not imported(module) & {"stratagem", "spyrl", "tools"}, module
-    modules = {f.__module__.removeprefix("tools.") for f in tools.COMMANDS.values()}
-    assert sorted(p.stem for p in (HERE / "tools").glob("*.py")) == sorted(
-        ["__init__", "runs", *modules]
-    )
-
-
-def test_games_import_neither_the_trainer_nor_the_tools():
-    for module in (HERE / "games").glob("*.py"):
-        assert not set(
-            re.findall(r"^\s*(?:from|import) (\w+)", module.read_text(), re.MULTILINE)
-        ) & {
-            "stratagem",
-            "tools",
-        }
-
-
+# ---- The code's shape: the test names (the import graph is .ci/imports.py's, checked by CI)
 def test_main_every_test_name_starts_with_a_name_it_tests():
     """Every test is named after what it tests, that name first (test_<name>_<what it asserts>), so that
     `pytest -k <name>` finds the tests of <name>. A name is a top-level function or class of the project's code
@@ -337,7 +293,7 @@ def test_main_every_test_name_starts_with_a_name_it_tests():
     code = [HERE / "stratagem.py", HERE / "spyrl.py", HERE / "judge_prompts.py"]
     for folder in ("machinery", "games", "tools"):
         code += sorted((HERE / folder).glob("*.py"))
-    names = {"main", "train"} | {command.replace("-", "_") for command in tools.COMMANDS}
+    names = {"main", "train"} | {command.replace("-", "_") for command in TOOLS}
     names |= {f.name for args in (S.Args, spyrl.Args) for f in dataclasses.fields(args)}
     for path in code:
         for node in ast.parse(path.read_text()).body:

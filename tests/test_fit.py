@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stratagem as S
-from machinery import UserError, distributed, flags, lifecycle, memory
+from machinery import UserError, distributed, flags, lifecycle, memory, saved_config
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     error_of,
     fresh,
@@ -230,7 +230,10 @@ def test_micro_batch_size_is_auto_or_a_number_in_a_saved_config_and_a_resume_may
         ("2", "an integer or auto"),
         (True, "an integer or auto"),
     ):
-        assert flags.flaw("micro_batch_size", value, S.Args, flags.CHOICES, flags.BOUNDS) == wording
+        assert (
+            saved_config.flaw("micro_batch_size", value, S.Args, flags.CHOICES, flags.BOUNDS)
+            == wording
+        )
     saved = dataclasses.asdict(S.Args(micro_batch_size=2, out="runs/x"))  # what config.json records
     resumed = {"resume": True, "out": "runs/x"}
     assert S.resolve_args(resumed, saved).micro_batch_size == 2

@@ -1,4 +1,4 @@
-"""Tests of the perfect players (machinery/perfect.py) and `eval --opponent minimax|best-response`:
+"""Tests of the perfect players (games/perfect.py) and `eval --opponent minimax|best-response`:
 minimax on TicTacToe, the information sets of Kuhn Poker's deciding round read from real games, the
 exact best response to hand-made strategies (worked out by hand), its bootstrap interval."""
 
@@ -10,8 +10,8 @@ import types
 from fractions import Fraction
 
 import stratagem as S
-from machinery import matches, perfect
-from machinery.perfect import (
+from games import perfect
+from games.perfect import (
     INFOSETS,
     MinimaxPlayer,
     best_response,
@@ -22,6 +22,7 @@ from machinery.perfect import (
     minimax_value,
     strategy_counts,
 )
+from machinery import matches
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     error_of,
     no_process_left_behind,

@@ -1,5 +1,5 @@
 """The commands a training run never executes, one module each, run as `python stratagem.py COMMAND`
-(stratagem.py's main() imports COMMANDS below):
+(machinery/cli.py's TOOLS names them; a command's module is imported when it is run):
 
     eval          tools/eval.py          a model against a fixed opponent, per game and seat
     plot          tools/plot.py          PNG figures of runs over steps
@@ -16,37 +16,6 @@
     refresh-docs  tools/refresh_docs.py  every captured example and figure of the docs, rebuilt from its commands
 
 tools/runs.py holds what several of them read from a run directory. Each imports `stratagem` for the
-pieces it shares with the trainer; nothing in stratagem.py imports from here.
+pieces it shares with the trainer (the module already loaded when run through it); nothing in
+stratagem.py imports from here, so --help and a training run load no tool.
 """
-
-from tools import (
-    ablation,
-    agree,
-    bench,
-    eval,
-    merge_lora,
-    plot,
-    random_model,
-    real_model,
-    refresh_docs,
-    serve_judge,
-    show,
-    sync_check,
-    warmstart,
-)
-
-COMMANDS = {
-    "eval": eval.main,
-    "plot": plot.main,
-    "show": show.main,
-    "agree": agree.main,
-    "serve-judge": serve_judge.main,
-    "bench": bench.main,
-    "random-model": random_model.main,
-    "sync-check": sync_check.main,
-    "merge-lora": merge_lora.main,
-    "real-model": real_model.main,
-    "warmstart": warmstart.main,
-    "ablation": ablation.main,
-    "refresh-docs": refresh_docs.main,
-}

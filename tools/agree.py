@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import judge_prompts
-from machinery import UserError, distill, flags, watch
+from machinery import UserError, distill, flags, saved_config, watch
 from machinery.distill import cohen_kappa, spearman
 from machinery.distributed import Dist, pick_device
 from machinery.flags import FriendlyParser, field_docs
@@ -60,7 +60,7 @@ class DistilledJudge:
         if state is None:
             raise UserError(f"{spec}: {run} was trained without --distill; it has no heads to ask")
         config = read_config(run, Args.__dataclass_fields__)
-        flags.check_recorded(run / "config.json", config, Args, flags.CHOICES, flags.BOUNDS)
+        saved_config.check_recorded(run / "config.json", config, Args, flags.CHOICES, flags.BOUNDS)
         args = Args(**config)
         device = pick_device("auto")
         model, tok = load_policy(str(ckpt), device)

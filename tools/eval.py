@@ -11,13 +11,13 @@ import random
 import time
 from pathlib import Path
 
-from games import check_ids, first_last_ids
-from machinery import UserError, flags, lora, perfect, watch
+from games import check_ids, first_last_ids, perfect
+from games.perfect import INFOSETS
+from machinery import UserError, flags, lora, saved_config, watch
 from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser, field_docs, number_pair
 from machinery.matches import wilson
 from machinery.openai_api import check_base_url, check_reachable, concurrently, openai_client
-from machinery.perfect import INFOSETS
 from machinery.runfiles import check_writable_file, latest_checkpoint
 from machinery.vllm_engine import VLLMPolicy
 from machinery.watch import quiet_transformers
@@ -204,7 +204,7 @@ def settings(ns, run: Path | None) -> list[str]:
     a run (its generation settings, how it reads and pays moves, its --eval-* games), else the trainer's
     defaults. Returns the flags taken from the run, or from the defaults where there is no run, as
     `--flag value`, to be said."""
-    config = flags.run_config(run, Args) if run is not None else {}
+    config = saved_config.run_config(run, Args) if run is not None else {}
     taken = []
     for flag, key in FROM_RUN.items():
         if getattr(ns, flag) is None:
@@ -358,7 +358,9 @@ def main(argv: list[str]) -> int:
         opponent = LLMPlayer(*openai_spec(ns.opponent, "random, minimax, best-response"), args)
     path = resolve_model_path(ns.model)
     trained = flags.items(
-        flags.run_config(run, Args).get("games", Args.games) if run is not None else Args.games
+        saved_config.run_config(run, Args).get("games", Args.games)
+        if run is not None
+        else Args.games
     )
     unseen = [g for g in games if g not in trained]
     said = f"{', '.join(taken)}; " if taken else ""

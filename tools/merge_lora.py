@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from machinery import UserError, flags, lora, modelfiles
+from machinery import UserError, lora, modelfiles, saved_config
 from machinery.flags import FriendlyParser
 from machinery.runfiles import check_writable_dir, latest_checkpoint
 from machinery.watch import quiet_transformers
@@ -32,7 +32,7 @@ def merged_model(ckpt: Path, run: Path | None, base: str = ""):
     """(model, tokenizer, base): the run's base model (`base`, else the run's --model; --tiny's is the shipped warm
     start, or with --tiny-init random rebuilt offline from the run's seed) with the adapter of `ckpt` merged in,
     W + (alpha / R) B A in fp32, in memory; the tokenizer is the base's, as load_policy reads it."""
-    config = flags.run_config(run, Args) if run is not None else {}
+    config = saved_config.run_config(run, Args) if run is not None else {}
     if not base and not config:
         raise UserError(f"{ckpt} is not inside a run directory: name its base model with --base")
     quiet_transformers()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from machinery import UserError, flags
+from machinery import UserError, saved_config
 from machinery.runfiles import read_jsonl, warn
 from stratagem import Args, Trajectory, Turn
 
@@ -71,7 +71,7 @@ def read_trajectories(run: Path) -> list[Trajectory]:
 
 def run_config(run: Path) -> dict:
     """The run's config.json ({} where it has none), each value checked as a resume checks it."""
-    return flags.run_config(run, Args)
+    return saved_config.run_config(run, Args)
 
 
 def run_mode(run: Path) -> str:

@@ -20,7 +20,8 @@ import re
 from collections import Counter
 
 from games.spiral import CARD, KuhnPokerV1, TicTacToeV0
-from machinery import UserError, coverage
+from games.spots import invalid_spots
+from machinery import UserError
 from machinery.matches import RandomPlayer, summarize_matches
 
 # ----------------------------------------------------------------------------------- TicTacToe
@@ -285,7 +286,7 @@ def player(opponent: str, rng: random.Random):
 def report(records: list[dict], opponent: str, rng: random.Random) -> dict:
     """An evaluation's summary (summarize_matches) with the spots of its invalid moves (the
     coverage guard names them) and, for best-response, the exploitability of the model's play."""
-    spots = coverage.invalid_spots(records)
+    spots = invalid_spots(records)
     played = "minimax" if opponent == "minimax" else "random"  # best-response's games: random's
     summary = summarize_matches(records) | {"opponent": played, "spots": spots}
     if opponent == "best-response":

@@ -1,0 +1,77 @@
+"""stratagem.py's flags checked before any work: each in its range and consistent with the others,
+else one line naming it. The games' own flags (ids, the perfect players' games) are checked in
+games/ (check_flags), which the trainer calls beside this."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from machinery import UserError, flags, opponents
+from machinery.distributed import pick_device
+from machinery.openai_api import check_base_url
+
+
+def validate(args, context: int | None, warm_start: Path) -> None:
+    """Every flag of a run's Args in its range and consistent with the others, else one line naming
+    it (UserError); the games' flags are the games' to check (games.check_flags). `context`: the
+    policy's context length, if known; `warm_start`: --tiny's weights."""
+    if args.tiny and args.model != "tiny":
+        raise UserError("--tiny builds its own model; drop --model")
+    if context is not None and args.max_new_tokens >= context:
+        raise UserError(
+            f"--max-new-tokens must be < {context}, the model's context, got {args.max_new_tokens}"
+        )
+    flags.check_bounds(args, flags.BOUNDS)
+    for name in ("invalid_rewards", "rejected_rewards"):  # not two numbers: number_pair's UserError
+        text, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        if not all(-1000 <= r <= 1000 for r in flags.number_pair(text, flag)):
+            raise UserError(f"{flag} must be two numbers in [-1000, 1000], got {text!r}")
+    opponents.check(args)
+    if not all(0 <= b < 1 for b in args.betas):
+        raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
+    if args.distill and args.mode != "stratagem":
+        raise UserError(
+            f"--distill learns the judge of --mode stratagem; --mode {args.mode} has none"
+        )
+    lora_flags = {"lora_alpha": 0.0, "lora_dropout": 0.0, "lora_targets": type(args).lora_targets}
+    if not args.lora_rank and any(getattr(args, k) != v for k, v in lora_flags.items()):
+        raise UserError(
+            "--lora-alpha, --lora-dropout and --lora-targets shape LoRA's adapters: give --lora-rank R"
+        )
+    if args.lora_rank and not all(
+        re.fullmatch(r"[A-Za-z_][\w.]*", t) for t in args.lora_targets.split(",")
+    ):
+        raise UserError(
+            f"--lora-targets must be comma-separated layer names, got {args.lora_targets!r}"
+        )
+    if args.judge_budget and not args.judge_price_in + args.judge_price_out:
+        raise UserError(
+            "--judge-budget needs --judge-price-in and/or --judge-price-out to estimate the cost"
+        )
+    if args.beta_share and not args.beta_min <= args.beta <= args.beta_max:
+        raise UserError(
+            f"--beta {args.beta} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
+        )
+    if args.keep_best and not args.eval_every:
+        raise UserError("--keep-best keeps the best evaluated policy: give --eval-every N")
+    if args.best_eval_n and not args.keep_best:
+        raise UserError("--best-eval-n sizes the kept best's fresh evaluation: give --keep-best")
+    if args.keep_best and args.lora_rank:
+        raise UserError(
+            "--keep-best keeps whole models; with --lora-rank, merge a checkpoint: stratagem.py merge-lora"
+        )
+    if args.judge_shadow and not (args.mode == "spiral" or args.no_psi):
+        raise UserError(
+            "--judge-shadow scores what does not enter A_mod: give --mode spiral or --no-psi"
+        )
+    if args.centre_psi and (args.mode == "spiral" or args.no_psi):
+        raise UserError(
+            "--centre-psi centres psi in A_mod, which --mode spiral and --no-psi leave out"
+        )
+    if args.tiny and args.tiny_init == "warm" and not (warm_start / "config.json").is_file():
+        raise UserError(
+            f"the warm start {warm_start} is missing: python stratagem.py warmstart {warm_start}"
+        )
+    check_base_url(args.judge_base_url, "--judge-base-url")
+    pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
