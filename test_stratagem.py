@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,7 +143,14 @@ def test_field_docs_give_every_flag_its_help_text():
     assert set(docs) == {f.name for f in S.dataclasses.fields(S.Args)} and all(
         len(d) > 10 for _, d in docs.values()
     )
-    assert docs["beta"][0] == "RAE and modulation" and docs["lr"][0] == "optimisation"
+    paper, spiral = (
+        "the paper's (STRATAGEM, Algorithm 1)",
+        "SPIRAL's (the base; its paper and code)",
+    )
+    assert docs["beta"][0] == docs["lr"][0] == paper and docs["ppo_epochs"][0] == spiral
+    assert docs["judge_timeout"][0] == "judge" and docs["lora_rank"][0] == "LoRA"
+    groups = list(dict.fromkeys(group for group, _ in docs.values()))
+    assert groups[:2] == [paper, spiral]  # --help opens on the paper's hyperparameters
     text = S.build_parser().format_help()
     assert "--judge-sample-rate" in text and "(default: 0.25)" in text and "--no-psi" in text
 
@@ -378,10 +386,10 @@ def test_make_env_takes_the_new_game_of_hacking_md_which_plays_trains_and_is_eva
     repo = project_copy(tmp_path)
     (repo / "games" / "pile.py").write_text(hacking_blocks()[0])
     init = repo / "games" / "__init__.py"
-    assert init.read_text().count("from games import spiral, spy") == 1
+    assert init.read_text().count("from games import perfect, spiral, spy") == 1
     init.write_text(
         init.read_text().replace(
-            "from games import spiral, spy", "from games import pile, spiral, spy"
+            "from games import perfect, spiral, spy", "from games import perfect, pile, spiral, spy"
         )
     )
     played = python_in(
@@ -463,8 +471,25 @@ def replace_function(path: Path, name: str, block: str) -> None:
     path.write_text(text[:start] + block.rstrip("\n") + text[end:])
 
 
+def test_validate_refuses_a_flag_the_advantage_estimator_no_longer_reads(monkeypatch):
+    """A fork whose step 2 reads neither --ema nor --opponent-baselines (ADVANTAGE_FLAGS emptied) refuses
+    them in one line, and only when they are given away from their defaults."""
+    monkeypatch.setattr(S, "ADVANTAGE_FLAGS", ())
+    assert S.parse_args(["--tiny", "--dry-run"]).ema == 0.95  # the default is no choice
+    mix = ["--opponents", "self=0.8,random=0.2"]
+    for given in (["--ema", "0.9"], [*mix, "--opponent-baselines"]):
+        with pytest.raises(S.UserError) as e:
+            S.parse_args(["--tiny", *given])
+        assert str(e.value) == (
+            f"--{given[-1].lstrip('-') if given[-1].startswith('--') else 'ema'} does nothing here: "
+            "step 2's estimator does not read it (stratagem.ADVANTAGE_FLAGS); drop it"
+        )
+    monkeypatch.setattr(S, "ADVANTAGE_FLAGS", ("ema", "opponent_baselines"))
+    assert S.parse_args(["--tiny", *mix, "--opponent-baselines", "--ema", "0.9"]).ema == 0.9
+
+
 @pytest.mark.slow
-def test_group_advantages_in_the_grpo_fork_of_hacking_md_touch_three_places_and_train(tmp_path):
+def test_group_advantages_in_the_grpo_fork_of_hacking_md_touch_four_places_and_train(tmp_path):
     """The recipe as written: step 2's call replaced by the first block, token_weights and normaliser by the
     next two; a SPIRAL run of the warm start on Kuhn Poker, whose games have varied outcomes. Its advantages are
     group-relative, and its loss is the mean over responses of each response's mean token term."""
@@ -472,10 +497,24 @@ def test_group_advantages_in_the_grpo_fork_of_hacking_md_touch_three_places_and_
     source = repo / "stratagem.py"
     said = re.search(r"replace the line `([^`]+)`", (HERE / "docs" / "hacking.md").read_text())[1]
     (call,) = [x for x in source.read_text().splitlines(keepends=True) if said in x]  # once
-    grouped, weights, divisor = hacking_blocks()[3:6]
+    grouped, weights, divisor, reads = hacking_blocks()[3:7]
     source.write_text(source.read_text().replace(call, grouped))
     replace_function(source, "token_weights", weights)
     replace_function(source, "normaliser", divisor)
+    line = 'ADVANTAGE_FLAGS = ("ema", "opponent_baselines")\n'
+    assert source.read_text().count(line) == 1
+    source.write_text(source.read_text().replace(line, reads))
+    for unread in (["--ema", "0.9"], ["--opponent-baselines"]):  # the README's anti-collapse flag
+        proc = subprocess.run(
+            [sys.executable, "stratagem.py", "--tiny", "--mode", "spiral", *unread, "--dry-run"],
+            capture_output=True,
+            text=True,
+            cwd=repo,
+        )
+        assert proc.returncode == 2 and proc.stderr == (
+            f"stratagem: error: {unread[0]} does nothing here: step 2's estimator does not read it "
+            "(stratagem.ADVANTAGE_FLAGS); drop it\n"
+        )
     flags = [
         "--tiny",
         "--games",
@@ -487,7 +526,8 @@ def test_group_advantages_in_the_grpo_fork_of_hacking_md_touch_three_places_and_
         "--batch-size",
         "24",
     ]
-    python_in(repo, "stratagem.py", *flags, "--num-envs", "8", "--out", "run")
+    kept = ["--opponents", "self=0.6,past=0.2,random=0.2", "--kl-coef", "0.05"]  # they still act
+    python_in(repo, "stratagem.py", *flags, *kept, "--num-envs", "8", "--out", "run")
     groups: dict = {}
     for r in read_jsonl(repo / "run" / "trajectories.jsonl"):
         if r["turns"]:
@@ -607,7 +647,8 @@ def test_centre_psi_centres_beta_psi_on_its_judged_mean():
         0.0,
         1.0,
     )  # as --distill's trusted heads set them: psi 1, not the mean
-    info |= modulation.centre_psi(args, trajs, args.beta, S.PAPER)
+    run = SimpleNamespace(args=args, runner=None, recent=[], distiller=None)
+    info |= S.final_a_mod(run, trajs, [None] * 3, {}, args.beta)
     centre = (1.0 - 0.35) / 2  # over the judged: the heads' own levels are not a verdict
     assert info["psi_centre"] == pytest.approx(centre) and info["psi_mean"] == pytest.approx(centre)
     assert [t.psi for t in trajs] == pytest.approx(
@@ -619,7 +660,7 @@ def test_centre_psi_centres_beta_psi_on_its_judged_mean():
     assert sum(t.a_mod - t.a_game * t.phi for t in trajs[:2]) == pytest.approx(
         0.0
     )  # the term adds nothing on average
-    assert modulation.centre_psi(S.Args(), trajs, 0.5, S.PAPER) == {}  # off: nothing changes
+    assert modulation.psi_centre(S.Args(), trajs) is None  # off: psi is the paper's
 
 
 def test_judge_shadow_logs_the_scores_and_leaves_a_game_alone():
@@ -628,7 +669,7 @@ def test_judge_shadow_logs_the_scores_and_leaves_a_game_alone():
     trajs = [S.Trajectory("G", 0, [], 1.0, a_game=0.7), S.Trajectory("G", 1, [], -1.0, a_game=-0.7)]
     ok = J.Judgement({"alpha": 1, "sigma": 0, "rho": 0, "d": 1, "a": 1, "c": 1}, None)
     info = S.modulate(trajs, {0: ok}, args.entering, args.beta)
-    info |= modulation.rubric_scores(args, trajs, info, S.PAPER)
+    info |= modulation.rubric_scores(args, trajs, None, S.impute)
     assert info == {"modulated": False, "phi_mean": 0.35, "psi_mean": 1.0}
     assert [(t.phi, t.psi, t.a_mod) for t in trajs] == [(1.0, 0.0, 0.7), (1.0, 0.0, -0.7)]
     assert [t.logged for t in trajs] == [
@@ -748,7 +789,7 @@ def test_next_beta_converges_to_the_share_moves_within_its_clip_and_holds_withou
     args = S.dataclasses.replace(
         S.Args(), beta_share=0.3, beta_horizon=5.0, beta_min=0.01, beta_max=2.0
     )
-    run_, shares, fixed = S.SimpleNamespace(args=args, beta=0.2), [], []
+    run_, shares, fixed = SimpleNamespace(args=args, beta=0.2), [], []
     for step in range(400):
         scale = 1.0 / (1 + step / 50)  # |A_game| shrinks over the run
         batch = judged_batch([scale, -scale, 0.5 * scale], [0.6, 0.8, 0.7], [0.5, -0.5, 1.0])
@@ -773,7 +814,7 @@ def test_next_beta_converges_to_the_share_moves_within_its_clip_and_holds_withou
         adaptive_beta.next_beta(1.99, 0.01, 0.3, 1.0, 0.05, 2.0) == 2.0
         and adaptive_beta.next_beta(0.06, 0.9, 0.3, 1.0, 0.05, 2.0) == 0.05
     )
-    off = S.SimpleNamespace(
+    off = SimpleNamespace(
         args=S.Args(), beta=None
     )  # --beta-share 0: beta fixed, the share measured all the same
     assert adaptive_beta.step(off, batch, 0.2) == {"value": 0.2, "share": fixed[-1], "target": None}
@@ -909,7 +950,8 @@ def test_modulate_logs_the_third_rubric_of_hacking_md_and_every_tool_sees_it(tmp
         "--batch-size",
         "24",
     ]
-    python_in(repo, "stratagem.py", *flags, "--num-envs", "8", "--out", "run")
+    kept = ["--opponents", "self=0.6,past=0.2,random=0.2", "--kl-coef", "0.05"]  # they still act
+    python_in(repo, "stratagem.py", *flags, *kept, "--num-envs", "8", "--out", "run")
     rows = [r for r in read_jsonl(repo / "run" / "trajectories.jsonl") if r["scores"]]
     assert rows and all(r["scores"]["m"] == 0.5 and r["logged"] == {"f": 0.5} for r in rows)
     for r in rows:  # phi and psi as the paper's table makes them; A_mod ignores f
@@ -1343,16 +1385,65 @@ def test_play_matches_alternates_seats_and_scores_from_the_models_seat(tiny):
 
 
 # ==== train(): Algorithm 1 as a whole run ====
-def test_train_holds_the_four_banners_of_algorithm_1_in_order():
-    """train() is Algorithm 1: its four steps, each under its banner, in order."""
-    import ast
+def test_train_runs_the_four_steps_of_algorithm_1_in_order_and_step_4_learns_step_3s_a_mod(
+    tmp_path, monkeypatch, talkers
+):
+    """train() is Algorithm 1: every step of a tiny run calls self-play (1), RAE (2), the judge and the modulation
+    (3) and REINFORCE (4) in that order, each on what the one before made: RAE, the judge and REINFORCE take the
+    trajectories self-play played, modulate takes the judge's verdicts, and step 4's loss weighs each turn of a
+    player by the A_mod = A_game * phi + beta * psi that step 3 gave its trajectory, not by A_game (games of ten
+    turns give psi a say). The real functions run, each wrapped only to see what it is given and gives."""
+    calls, seen = [], {}
 
-    source = (HERE / "stratagem.py").read_text()
-    train = next(
-        n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "train"
-    )
-    banners = re.findall(r"# ---- Algorithm 1, step (\d)", ast.get_source_segment(source, train))
-    assert banners == ["1", "2", "3", "4"]
+    def watch_calls(name, check):
+        original = getattr(S, name)
+
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            out = original(*args, **kwargs)
+            check(out, *args)
+            return out
+
+        monkeypatch.setattr(S, name, wrapped)
+
+    def played(out, *args):
+        seen.update(played=list(out[0]), weighed=[])
+
+    def takes_the_played(trajs):
+        assert [id(t) for t in trajs] == [id(t) for t in seen["played"]]
+
+    def judged(out, run, trajs, *args):
+        takes_the_played(trajs)
+        seen["judged"] = out[0]
+
+    def modulated(out, trajs, judgements, rubrics, beta):
+        assert judgements is seen["judged"]
+        assert all(t.a_mod == pytest.approx(t.a_game * t.phi + beta * t.psi) for t in trajs)
+        # each turn of a trajectory weighs the trajectory's A_mod
+        seen["a_mod"] = sorted(t.a_mod for t in trajs for _ in t.turns)
+
+    def learned(out, run, mine, *args):
+        takes_the_played(mine)
+        assert seen["a_mod"] and sorted(seen["weighed"]) == pytest.approx(seen["a_mod"], abs=1e-6)
+
+    watch_calls("self_play", played)
+    watch_calls("rae_advantages", lambda out, trajs, *args: takes_the_played(trajs))
+    watch_calls("judge_sample", judged)
+    watch_calls("modulate", modulated)
+    watch_calls("reinforce", learned)
+    token_weights = S.token_weights
+
+    def weighed(advantages, mask):
+        seen["weighed"] += advantages.tolist()
+        return token_weights(advantages, mask)
+
+    monkeypatch.setattr(S, "token_weights", weighed)
+    out = tmp_path / "run"
+    flags = ["--steps", "2", "--judge-sample-rate", "0.5", "--out", str(out)]
+    assert run(SMALL + talkers + flags) == 0
+    assert calls == ["self_play", "rae_advantages", "judge_sample", "modulate", "reinforce"] * 2
+    trajs = read_jsonl(out / "trajectories.jsonl")
+    assert any(t["a_mod"] != pytest.approx(t["a_game"]) for t in trajs if t["turns"])
 
 
 GOOD_PHI, GOOD_PSI = 0.35 * 1 + 0.35 * 0.5 + 0.30 * 0, 0.35 * 1 + 0.25 * 0 + 0.40 * -1

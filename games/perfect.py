@@ -52,13 +52,6 @@ def _place(board: tuple[str, ...], cell: int, mark: str) -> tuple[str, ...]:
     return board[:cell] + (mark,) + board[cell + 1 :]
 
 
-def minimax_value(board, to_move: str) -> int:
-    """1, 0 or -1: whether `to_move` ("O" or "X") wins, draws or loses `board` (9 cells: "", "O",
-    "X") under best play of both sides."""
-    score = _score(tuple(board), to_move)
-    return (score > 0) - (score < 0)
-
-
 def minimax_moves(board, to_move: str) -> list[int]:
     """The best cells for `to_move`: the quickest win, else a draw, else the slowest loss."""
     board = tuple(board)

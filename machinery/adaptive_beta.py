@@ -7,6 +7,25 @@ imputed ones carry the batch mean. docs/judge.md#adaptive-beta has the figures."
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+
+@dataclass
+class AdaptiveBetaFlags:
+    """--beta-share, the controller that moves beta: stratagem.Args's adaptive beta flags."""
+
+    # --- adaptive beta ---
+    beta_share: float = 0.0
+    """adaptive beta (0: off, the paper's fixed beta): beta moves so that
+    the share of beta*psi in A_mod, RMS(beta*psi) / (RMS(A_game*phi) +
+    RMS(beta*psi)), nears this (docs/judge.md#adaptive-beta)"""
+    beta_horizon: float = 10.0
+    """with --beta-share: the controller's horizon in steps (a step moves
+    beta by 1 - e/horizon)"""
+    beta_min: float = 0.01
+    """with --beta-share: the lowest beta the controller may set"""
+    beta_max: float = 1.0
+    """with --beta-share: the highest beta the controller may set"""
 
 
 def evolution_share(trajs: list, beta: float) -> float | None:

@@ -75,3 +75,15 @@ def validate(args, context: int | None, warm_start: Path) -> None:
         )
     check_base_url(args.judge_base_url, "--judge-base-url")
     pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
+
+
+def unread(args, names: set[str], reader: str) -> None:
+    """A flag among `names` given away from its default is refused in one line: `reader` (a fork's
+    replacement of a step) does not read it, so it would do nothing."""
+    for name in sorted(names):
+        default = type(args).__dataclass_fields__[name].default
+        if getattr(args, name) != default:
+            raise UserError(
+                f"--{name.replace('_', '-')} does nothing here: {reader} does not read it "
+                "(stratagem.ADVANTAGE_FLAGS); drop it"
+            )

@@ -22,23 +22,9 @@ import random
 
 import judge_prompts
 from machinery import opponents, watch
+from machinery.judge import PRICES, PRICES_DATE
 from machinery.matches import accepts, candidate_actions
 
-PRICES_DATE = "2025-06"
-# USD per million (prompt, completion) tokens: the providers' list prices as of PRICES_DATE.
-# --judge-price-in / --judge-price-out override them; a model not listed has no money shown.
-PRICES = {
-    "gpt-4o": (2.50, 10.00),
-    "gpt-4o-2024-08-06": (2.50, 10.00),
-    "gpt-4o-2024-11-20": (2.50, 10.00),
-    "gpt-4o-mini": (0.15, 0.60),
-    "gpt-4.1": (2.00, 8.00),
-    "gpt-4.1-mini": (0.40, 1.60),
-    "gpt-4-turbo": (10.00, 30.00),
-    "gpt-4": (30.00, 60.00),
-    "claude-3-5-sonnet-20241022": (3.00, 15.00),
-    "gemini-2.0-flash": (0.10, 0.40),
-}
 CHARS_PER_TOKEN = 4  # English text in GPT-4-class tokenizers; the judge's tokenizer is not at hand
 EXAMPLE = (
     1000,
@@ -154,7 +140,7 @@ def judge_projection(
     if counts is not None:  # what this run's policy played replaces the random players' counts
         turns, per_step = counts["turns"], counts["trajectories"]
         one_turn = one_turn if counts["one_turn"] is None else counts["one_turn"]
-    prices = (args.judge_price_in, args.judge_price_out) if args.judge == "openai" else (0.0, 0.0)
+    prices = args.judge_kind.prices(args)
     common = (
         steps,
         args.batch_size,
@@ -213,8 +199,8 @@ def projection_lines(args, p: dict) -> list[str]:
         f"with {p['example_tokens'][0]:,}-token responses; "
         f"replies at most {args.judge_max_tokens:,} (--judge-max-tokens)",
     ]
-    if args.judge != "openai":
-        return lines + ["judge money: none (the heuristic stand-in is free and offline)"]
+    if not args.judge_kind.requests:
+        return lines + [f"judge money: none (the {args.judge_kind.title} is free and offline)"]
     if not sum(p["prices"]):
         return lines + [
             f"judge money: {args.judge_model} is not in the price table of {PRICES_DATE}; "
@@ -240,13 +226,7 @@ def plan(
 ) -> str:
     """--dry-run: what the run would do and cost, and the memory it would take (`memory`, machinery/memory.py's
     lines). Nothing is loaded, run or written."""
-    judge = (
-        "none (--mode spiral)"
-        if not args.asked
-        else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
-        if args.judge == "openai"
-        else "heuristic stand-in (offline, NOT the paper's judge)"
-    )
+    judge = "none (--mode spiral)" if not args.asked else args.judge_kind.words(args)
     judge += " (--judge-shadow: scores logged only)" if args.judge_shadow else ""
     lines = [
         "stratagem --dry-run: the plan; nothing is loaded, run or written",

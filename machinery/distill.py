@@ -29,10 +29,34 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 import judge_prompts
+
+
+@dataclass
+class DistillFlags:
+    """--distill, the learned judge: stratagem.Args's distillation flags."""
+
+    # --- distilled judge ---
+    distill: bool = False
+    """learn the judge: heads on the policy's hidden states predict its
+    levels and, trusted, score the unjudged in place of the batch mean
+    (docs/distill.md)"""
+    distill_kappa: float = 0.6
+    """trust the heads while every used dimension reaches this Cohen's kappa
+    on held-out verdicts"""
+    distill_audit_rate: float = 0.0
+    """the judge's sample rate while the heads are trusted (0:
+    --judge-sample-rate throughout)"""
+    distill_window: int = 100
+    """held-out (heads, judge) pairs kept per dimension; the heads train on
+    the last 3N others"""
+    distill_lr: float = 1e-3
+    """Adam learning rate of the heads"""
+
 
 RUBRIC_OF = judge_prompts.RUBRIC_OF  # "alpha" -> "transferability"
 KEYS = judge_prompts.ALL_KEYS  # every key of the rubric table, in its order: the heads' order
@@ -182,20 +206,14 @@ def features_of(run, mine: list, collate, timer) -> list | None:
     )
 
 
-def use_heads(run, trajs: list, feats: list | None, judged: dict, beta: float, paper) -> dict:
-    """--distill's call in step 3: the heads predict every played trajectory, learn from this step's
-    verdicts and, while trusted, score the unjudged with levels of their own in place of the batch
-    mean (A_mod recomputed with the paper's phi, psi and a_mod). Returns nothing for metrics.jsonl:
-    the heads' report is the run's distill entry."""
+def use_heads(run, trajs: list, feats: list | None, judged: dict) -> dict[int, dict]:
+    """--distill's call in step 3: the heads predict every played trajectory and learn from this
+    step's verdicts. Returns {index: levels} of the unjudged that the trusted heads score in place
+    of the batch mean (stratagem.final_a_mod turns them into phi and psi); {} otherwise. The heads'
+    report is the run's distill entry."""
     if run.distiller is None:
         return {}
-    estimates = run.distiller.step(trajs, feats, judged)
-    rubrics = run.args.entering
-    for i, levels in estimates.items():
-        t = trajs[i]
-        t.phi, t.psi = paper.phi(levels, rubrics), paper.psi(levels, rubrics)
-        t.a_mod = paper.a_mod(t.a_game, t.phi, t.psi, beta)
-    return {}
+    return run.distiller.step(trajs, feats, judged)
 
 
 class OrdinalHeads(torch.nn.Module):

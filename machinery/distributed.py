@@ -34,7 +34,7 @@ def collective_timeout(args, world: int) -> float:
     requests = math.ceil(args.judge_sample_rate * most) * len(args.asked) * args.judge_samples
     judging = (
         judge_seconds(requests, args.judge_concurrency, args.judge_timeout, args.judge_retries)
-        if args.asked and args.judge == "openai"
+        if args.asked and args.judge_kind.requests
         else 0.0
     )
     if world > 1 and 0 < args.dist_timeout < judging:

@@ -9,6 +9,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import os
@@ -18,10 +19,13 @@ import time
 from machinery import UserError
 
 
+@functools.cache
 def field_docs(cls) -> dict[str, tuple[str, str]]:
-    """{field: (group, help)} of a dataclass, read from its source; a subclass (spyrl.py's Args) adds its own
-    fields and may re-document its parents' (their order is kept)."""
+    """{field: (group, help)} of a dataclass, read from its source, the class's own fields first and then
+    each base's in turn (stratagem.Args: the paper's, then the machinery's groups); a subclass (spyrl.py's
+    Args) adds its own fields and may re-document its parents' (their place is kept)."""
     docs: dict[str, tuple[str, str]] = {}
+    order: list[str] = []
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         source = inspect.getsource(klass)
         body = ast.parse(source).body[0].body
@@ -30,14 +34,25 @@ def field_docs(cls) -> dict[str, tuple[str, str]]:
             if m := re.fullmatch(r"\s*# --- (.+) ---", line):
                 group = m.group(1)
             groups[number] = group
+        own = []
         for node, nxt in zip(body, body[1:]):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant)
             ):
-                docs[node.target.id] = (groups[node.lineno], " ".join(nxt.value.value.split()))
-    return docs
+                name = node.target.id
+                docs[name] = (groups[node.lineno], " ".join(nxt.value.value.split()))
+                own += [] if name in order else [name]
+        order = own + order
+    return {name: docs[name] for name in order}
+
+
+def as_config(args) -> dict:
+    """A run's arguments as config.json keeps them: every field, in --help's order (the paper's
+    hyperparameters first)."""
+    values = dataclasses.asdict(args)
+    return {name: values[name] for name in [*field_docs(type(args)), *values]}
 
 
 class FriendlyParser(argparse.ArgumentParser):

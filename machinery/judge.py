@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import judge_prompts
-from machinery import UserError, runfiles, watch
+from machinery import UserError, runfiles
 from machinery.openai_api import (
     JudgeFailure,
     chat,
@@ -33,6 +33,88 @@ from machinery.openai_api import (
     concurrently,
     openai_client,
 )
+
+
+@dataclass
+class JudgeFlags:
+    """Which judge, how its requests travel, what they cost and where verdicts are kept: stratagem.Args's
+    judge flags (the paper's model, sample rate and temperature are stratagem.Args's own)."""
+
+    # --- judge ---
+    judge: str = "openai"
+    """openai (any OpenAI-compatible server) or heuristic (offline stand-in,
+    NOT the paper's)"""
+    judge_base_url: str = ""
+    """OpenAI-compatible base URL, e.g. http://localhost:8000/v1 (default:
+    api.openai.com); the key comes from OPENAI_API_KEY"""
+    judge_max_tokens: int = 1024
+    """longest judge reply (leave room for models that think before the
+    JSON)"""
+    judge_concurrency: int = 64
+    """judge requests in flight at once"""
+    judge_timeout: float = 60.0
+    """seconds one judge request may take, connect to last byte, per attempt"""
+    judge_retries: int = 3
+    """retries with backoff on timeouts, 429 and 5xx before a judgement
+    counts as failed"""
+    judge_samples: int = 1
+    """verdicts asked per trajectory and rubric, combined by
+    --judge-aggregate"""
+    judge_aggregate: str = "majority"
+    """how several verdicts combine: majority (per key; ties go to the lower
+    level) or mean"""
+    judge_price_in: float = -1.0
+    """USD per million prompt tokens (cost, --judge-budget); -1: the dated
+    price table's for a known --judge-model (machinery/costs.py), else 0"""
+    judge_price_out: float = -1.0
+    """USD per million completion tokens, as --judge-price-in"""
+    judge_budget: float = 0.0
+    """stop judging once the estimated cost reaches this (0: no limit);
+    imputation goes on"""
+    judge_cache: str = ""
+    """verdict cache, append-only JSONL (default <out>/judge_cache.jsonl);
+    runs may share one"""
+    judge_structured: str = "auto"
+    """verdicts held to each rubric's JSON schema by the server
+    (response_format): auto (where it takes one, as the start-up check
+    finds), on, or off (free text, parsed)"""
+    judge_shadow: bool = False
+    """a judged control for --mode spiral or --no-psi: every rubric is
+    asked, and what does not enter A_mod is only logged, on the scale of
+    STRATAGEM's runs (priced by --dry-run)"""
+
+    @property
+    def judge_kind(self) -> type:
+        """The class --judge names: it says what it is (title, words), whether it makes requests
+        and its prices, so that nothing compares --judge as a string."""
+        return JUDGES[self.judge]
+
+
+PRICES_DATE = "2025-06"
+# USD per million (prompt, completion) tokens: the providers' list prices as of PRICES_DATE.
+# --judge-price-in / --judge-price-out override them; a model not listed has no money shown.
+PRICES = {
+    "gpt-4o": (2.50, 10.00),
+    "gpt-4o-2024-08-06": (2.50, 10.00),
+    "gpt-4o-2024-11-20": (2.50, 10.00),
+    "gpt-4o-mini": (0.15, 0.60),
+    "gpt-4.1": (2.00, 8.00),
+    "gpt-4.1-mini": (0.40, 1.60),
+    "gpt-4-turbo": (10.00, 30.00),
+    "gpt-4": (30.00, 60.00),
+    "claude-3-5-sonnet-20241022": (3.00, 15.00),
+    "gemini-2.0-flash": (0.10, 0.40),
+}
+
+
+def fill_prices(args) -> None:
+    """--judge-price-in/out of -1: the price table's for a known paid --judge-model, else 0."""
+    table = PRICES.get(args.judge_model, (0.0, 0.0)) if args.judge_kind.requests else (0, 0)
+    if args.judge_price_in == -1:
+        args.judge_price_in = table[0]
+    if args.judge_price_out == -1:
+        args.judge_price_out = table[1]
+
 
 # Numbers as models write them but JSON forbids: a leading "+" ("d": +1, the rubric's own spelling)
 # and a bare decimal point ("alpha": .5, -.5). Rewritten to JSON before decoding; only a number right
@@ -91,12 +173,26 @@ class HeuristicJudge:
     features (general vocabulary, structure, stated reasons, change across turns, actions given) per turn and
     answers in the rubrics' JSON, keeping their rules (judge_prompts: typical_level, evolution_rules; c = 0
     for a repaired lapse), so it exercises the rendering, caching and parsing path of a real judge. Its keys
-    are the table's: a dimension it has no feature for gets the rubric's middle level."""
+    are the table's: a dimension it has no feature for (FEATURED) gets its rubric's middle level, and the first
+    stand-in made after such a key enters the table names it in one warning line, so a fork's run still runs
+    offline but is told that the new dimension grades nothing."""
 
     name = "heuristic"
     cacheable = False  # free and deterministic: caching it would only grow the file
     requests = False  # it answers in process: nothing is sent, so a run keeps no ledger
     structured = False  # its replies are the rubric's JSON by construction
+    title = "heuristic stand-in"
+
+    @staticmethod
+    def words(args) -> str:
+        """What the start line and the plan call this judge."""
+        return "heuristic stand-in (offline, NOT the paper's judge)"
+
+    @staticmethod
+    def prices(args) -> tuple[float, float]:
+        """USD per million (prompt, completion) tokens: none, nothing is sent."""
+        return 0.0, 0.0
+
     _ABSTRACT = re.compile(
         r"\b(probab\w*|expect\w*|value|cases?|general\w*|strateg\w*|optimal|risk|payoff|"
         r"outcome\w*|if|then|compare\w*)\b",
@@ -115,6 +211,25 @@ class HeuristicJudge:
         "sigma": lambda x: len(HeuristicJudge._STRUCTURE.findall(x)),
         "rho": lambda x: len(HeuristicJudge._REASON.findall(x)),
     }
+    FEATURED = {"transferability": tuple(_COUNTS), "evolution": ("d", "a", "c")}  # what it scores
+    _named: set[tuple[str, str]] = set()  # (rubric, key) it has warned of: each once a process
+
+    def __init__(self):
+        unfeatured = [
+            (rubric, k)
+            for rubric in judge_prompts.RUBRICS
+            for k in judge_prompts.keys(rubric)
+            if k not in self.FEATURED.get(rubric, ()) and (rubric, k) not in self._named
+        ]
+        if unfeatured:
+            self._named.update(unfeatured)
+            names = ", ".join(f"{k} ({rubric})" for rubric, k in unfeatured)
+            levels = ", ".join(f"{k} = {self._middle(rubric):g}" for rubric, k in unfeatured)
+            runfiles.warn(
+                f"the stand-in judge (heuristic) has no feature for {names}: each gets its rubric's "
+                f"middle level on every trajectory ({levels}), which grades nothing; teach "
+                "HeuristicJudge in machinery/judge.py to score each, or use --judge openai"
+            )
 
     @staticmethod
     def _level(count: int) -> float:
@@ -280,6 +395,17 @@ class OpenAIJudge:
 
     cacheable = True
     requests = True  # each verdict is a request, a line of the run's money ledger
+    title = "OpenAI-compatible judge"
+
+    @staticmethod
+    def words(args) -> str:
+        """What the start line and the plan call this judge: its model and where it is asked."""
+        return f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
+
+    @staticmethod
+    def prices(args) -> tuple[float, float]:
+        """USD per million (prompt, completion) tokens: --judge-price-in/out, or the table's."""
+        return args.judge_price_in, args.judge_price_out
 
     def __init__(self, model: str, base_url: str, args):
         self.name, self.base_url, self.args = model, base_url, args
@@ -412,12 +538,14 @@ class OpenAIJudge:
         )
 
 
+JUDGES = {"openai": OpenAIJudge, "heuristic": HeuristicJudge}  # --judge's choices
+
+
 def make_judge(args) -> HeuristicJudge | OpenAIJudge:
-    return (
-        HeuristicJudge()
-        if args.judge == "heuristic"
-        else OpenAIJudge(args.judge_model, args.judge_base_url, args)
-    )
+    """The judge --judge names, made for this run."""
+    if args.judge_kind is HeuristicJudge:
+        return HeuristicJudge()
+    return OpenAIJudge(args.judge_model, args.judge_base_url, args)
 
 
 def render_for_judge(traj) -> str:
@@ -524,7 +652,7 @@ class JudgeRunner:
                 step[k] = step.get(k, 0) + v
 
     def judge(
-        self, trajs: list, rubrics: list[str], verdict, progress: watch.Progress | None = None
+        self, trajs: list, rubrics: list[str], verdict, progress=None
     ) -> tuple[list[Judgement], dict]:
         """One Judgement per trajectory, and this call's usage (requests, tokens, cost, cache hits). Each
         trajectory is asked each rubric it has the turns for (evolution needs two), --judge-samples times, the

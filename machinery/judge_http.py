@@ -11,14 +11,22 @@ refused unread (ReplyEncoded, not retried).
 
 A redirect is never followed (the key and the trajectories go only where the base URL says): a 3xx is an error
 answer like a 4xx. No connection is used twice: a reply a server leaves behind on a kept-alive connection (a
-second answer to one request) cannot be read as the answer to the next. And the client waits at most
-RETRY_WAIT_MAX before a retry, whatever Retry-After asks (CappedRetries).
+second answer to one request) cannot be read as the answer to the next.
+
+The retries are made here, not by openai (its client gets max_retries=0, so that no release of
+it changes them): after a timeout, a connection error or an answer worth asking again (see
+worth_retrying), up to `retries` times, each after an exponential backoff or the wait that a
+server's Retry-After asks, cut to `wait_max` (openai_api passes RETRY_WAIT_MAX, the bound that
+judge_seconds and --dist-timeout count on).
 
 Imported only when an OpenAI-compatible server is used (it imports httpx, httpcore and openai).
 """
 
 from __future__ import annotations
 
+import contextlib
+import email.utils
+import random
 import threading
 import time
 
@@ -26,11 +34,10 @@ import httpcore
 import httpx
 import openai
 
-from machinery.openai_api import RETRY_WAIT_MAX
-
-_attempt = (
-    threading.local()
-)  # .deadline: time.monotonic() by which this thread's current attempt ends
+# .deadline: time.monotonic() by which this thread's current attempt ends;
+# .once: this thread's requests are not retried (tried_once)
+_attempt = threading.local()
+_jitter = random.Random()  # its own generator: retries leave the seeded global one as it was
 
 
 def _wait(timeout: float | None, late: type[Exception]) -> float | None:
@@ -97,8 +104,8 @@ class _BoundedBackend(httpcore.NetworkBackend):
 
 
 class ReplyTooLarge(openai.APIConnectionError):
-    """A reply body over the cap; an openai error the client passes on without retrying (openai >= 2) or
-    wraps after its retries (older), either way never an exception that ends a run."""
+    """A reply body over the cap, never retried; an openai error the client passes on as it is
+    (openai >= 2) or wraps (older), either way never an exception that ends a run."""
 
     def __init__(self, request, max_bytes: int):
         super().__init__(message=f"the reply is larger than {max_bytes} bytes", request=request)
@@ -131,22 +138,67 @@ class _CappedBody(httpx.SyncByteStream):
         self.stream.close()
 
 
-class BoundedClient(httpx.Client):
-    """An httpx client (proxies and TLS as httpx sets them up from the environment) whose every send() is one
-    bounded attempt on a connection of its own that follows no redirect, see the module's docstring. The body
-    is read inside send(), as openai reads a reply that is not streamed. The server is asked not to compress,
-    and a compressed reply is refused unread (ReplyEncoded), so the cap counts the bytes as they will be parsed.
-    (Decoding it as it streams, with a running count, would need a bounded output from every decoder httpx may
-    use, gzip, deflate, br, zstd; a server that honours Accept-Encoding: identity, as HTTP asks of it, never
-    needs one.)"""
+def worth_retrying(response: httpx.Response) -> bool:
+    """Whether an answer is one to ask again, as openai's own client judges: an error that the
+    server's x-should-retry header says is, or else a request timeout (408), a lock timeout (409),
+    a rate limit (429) or a server error (5xx)."""
+    if response.is_success:
+        return False
+    said = response.headers.get("x-should-retry")
+    if said in ("true", "false"):
+        return said == "true"
+    return response.status_code in (408, 409, 429) or response.status_code >= 500
 
-    def __init__(self, max_bytes: int):
+
+def retry_after(headers: httpx.Headers) -> float | None:
+    """The seconds a server asks to wait before a retry: Retry-After-Ms (OpenAI's), or Retry-After
+    in seconds or as an HTTP date; None where it asks for nothing readable."""
+    for name, unit in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            return float(headers[name]) * unit
+        except (KeyError, ValueError):
+            continue
+    date = email.utils.parsedate_tz(headers.get("retry-after", ""))
+    try:
+        return None if date is None else email.utils.mktime_tz(date) - time.time()
+    except (OverflowError, ValueError):  # a date no clock can hold
+        return None
+
+
+def backoff(retry: int) -> float:
+    """The wait before retry number `retry` + 1 where the server asks for none: 0.5 s doubling, at
+    most 8 s, less up to a quarter at random (clients that failed together come back apart)."""
+    return min(0.5 * 2.0**retry, 8.0) * (1 - 0.25 * _jitter.random())
+
+
+@contextlib.contextmanager
+def tried_once():
+    """Inside, the requests this thread sends are tried once, whatever the client's retries (the
+    start-up check: a server that cannot be reached is said so at once)."""
+    _attempt.once = True
+    try:
+        yield
+    finally:
+        _attempt.once = False
+
+
+class BoundedClient(httpx.Client):
+    """An httpx client (proxies and TLS as httpx sets them up from the environment) whose every
+    send() is up to `retries` + 1 bounded attempts, each on a connection of its own, following no
+    redirect, see the module's docstring. The body is read inside send(), as openai reads a reply
+    that is not streamed. The server is asked not to compress, and a compressed reply is refused
+    unread (ReplyEncoded), so the cap counts the bytes as they will be parsed. (Decoding it as it
+    streams, with a running count, would need a bounded output from every decoder httpx may use,
+    gzip, deflate, br, zstd; a server that honours Accept-Encoding: identity, as HTTP asks of it,
+    never needs one.)"""
+
+    def __init__(self, max_bytes: int, retries: int, wait_max: float):
         super().__init__(
             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0),
             follow_redirects=False,
             headers={"Accept-Encoding": "identity"},
         )  # openai's own limit on connections; none kept alive: a connection a request of its own
-        self.max_bytes = max_bytes
+        self.max_bytes, self.retries, self.wait_max = max_bytes, retries, wait_max
         for transport in [
             self._transport,
             *self._mounts.values(),
@@ -156,9 +208,31 @@ class BoundedClient(httpx.Client):
                 pool._network_backend = _BoundedBackend(pool._network_backend)
 
     def send(self, request: httpx.Request, *, stream: bool = False, **kwargs) -> httpx.Response:
+        """The answer to `request`, retried as the module's docstring says: the last attempt's
+        answer (an error answer among them) or its exception."""
+        kwargs["follow_redirects"] = False  # whatever a caller's options say
+        retries = 0 if getattr(_attempt, "once", False) else self.retries
+        retry = 0
+        while True:
+            try:
+                response = self._one_attempt(request, stream, kwargs)
+            except httpx.TransportError:  # a timeout, a refused or broken connection, ...
+                if retry == retries:
+                    raise
+                wait = backoff(retry)
+            else:
+                if retry == retries or not worth_retrying(response):
+                    return response
+                response.close()
+                # NaN, or a time already past, is no wait asked; an endless one is cut to wait_max.
+                asked = retry_after(response.headers)
+                wait = asked if asked is not None and asked > 0 else backoff(retry)
+            time.sleep(min(wait, self.wait_max))
+            retry += 1
+
+    def _one_attempt(self, request: httpx.Request, stream: bool, kwargs: dict) -> httpx.Response:
         waits = [t for t in (request.extensions.get("timeout") or {}).values() if t is not None]
         _attempt.deadline = time.monotonic() + max(waits) if waits else None
-        kwargs["follow_redirects"] = False  # whatever a caller's options say
         try:
             response = super().send(request, stream=True, **kwargs)
             try:
@@ -183,11 +257,3 @@ def max_reply_bytes(max_tokens: int) -> int:
     """The cap on a judge reply's body: 4 MiB, or 32 bytes a token of --judge-max-tokens if that is more (a
     token is about 4 characters, at most 6 bytes each as JSON escapes them; the rest is room to spare)."""
     return max(4 << 20, 32 * max_tokens)
-
-
-class CappedRetries(openai.OpenAI):
-    """openai's client, its wait before a retry cut to RETRY_WAIT_MAX: openai honours a Retry-After of up to
-    120 s (60 s in older releases), which would break the bound judge_seconds and --dist-timeout count on."""
-
-    def _calculate_retry_timeout(self, *args, **kwargs) -> float:
-        return min(super()._calculate_retry_timeout(*args, **kwargs), RETRY_WAIT_MAX)

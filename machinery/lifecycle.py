@@ -17,7 +17,6 @@ policy is loaded, how an env is made, how everything is seeded) is passed in: no
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import gc
 import json
@@ -55,6 +54,30 @@ from machinery.distributed import (
     pick_threads,
 )
 from machinery.judge import JudgeRunner, make_judge
+
+
+@dataclass
+class RunFlags:
+    """A run's folder, its saving, seeding aside, and how it is watched: stratagem.Args's run flags."""
+
+    # --- run ---
+    out: str = ""
+    """run directory (default runs/<mode>-s<seed>-<date>); an existing one
+    needs --resume"""
+    resume: bool = False
+    """continue the run in --out from its last checkpoint, exactly where it
+    stopped"""
+    save_every: int = 50
+    """write a checkpoint every N steps (the last step is always saved)"""
+    report_to: str = "none"
+    """also stream every scalar of metrics.jsonl to tensorboard
+    (<out>/tensorboard) or wandb"""
+    dry_run: bool = False
+    """print the plan (model, engine, games, judge requests, money, memory)
+    and exit; nothing is loaded or written"""
+    dist_timeout: float = 0.0
+    """torchrun: seconds a rank waits in a collective before the run fails;
+    0: 30 min + the longest a step's judging can take"""
 
 
 @dataclass
@@ -231,7 +254,7 @@ def preflight(args, pieces: Pieces) -> Start | None:
 def judge_projector(args, pieces: Pieces, dist: Dist, steps_left: int):
     """(steps, counts) -> the judge's projected requests and cost, where a judge is paid (or
     --dry-run prices it); else None."""
-    paid = args.dry_run or (args.judge == "openai")
+    paid = args.dry_run or args.judge_kind.requests
     if not (args.asked and dist.main and steps_left and paid):
         return None
     return functools.partial(costs.judge_projection, args, flags.items(args.games), pieces.make_env)
@@ -347,7 +370,7 @@ def open_run_files(run: Run, start: Start, state: dict | None) -> None:
     if start.reporter is not None:
         start.reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it
     run.reporter = start.reporter
-    if changes := runfiles.write_config(out, dataclasses.asdict(args), run.start):
+    if changes := runfiles.write_config(out, flags.as_config(args), run.start):
         print(changes, flush=True)
     if start.judge is None:
         return
@@ -411,7 +434,7 @@ def halve_on_oom(update, run: Run, trajs: list, normaliser: float, step: int) ->
                 f"{now // 2}, kept for the steps after (config.json)",
                 flush=True,
             )
-            runfiles.write_config(run.out, dataclasses.asdict(run.args), step)
+            runfiles.write_config(run.out, flags.as_config(run.args), step)
     if now != size:
         why = f"again at micro-batch {now} (after {size})"
     elif run.dist.world > 1:
@@ -517,62 +540,83 @@ def ppo_summary(epochs_by_rank: list[list[dict]], world: int) -> dict:
     return out
 
 
-def step_metrics(
-    run: Run,
-    step: int,
-    trajs: list,
-    ranks: list[tuple],
-    judged: dict,
-    usage: dict,
-    mod: dict,
-    grad_norm: float,
-    evaluation: dict | None,
-    timer: watch.Timer,
-    step_time: float,
-    extra: dict | None = None,
-) -> dict:
-    """The step's metrics.jsonl line; `ranks` holds every rank's (outcomes, generate calls, loss, PPO epochs),
-    `extra` what a trainer adds of its own."""
+@dataclass
+class Step:
+    """What one step of Algorithm 1 produced, for its bookkeeping (end_step): its number and timer,
+    the batch's trajectories, this rank's (outcome counts, generate calls), the judge's verdicts and
+    usage, step 3's means (mod), this rank's policy_update() result, and --eval-every's evaluation
+    and a trainer's own metrics where there are some."""
+
+    number: int
+    timer: watch.Timer
+    trajs: list
+    played: tuple[dict, int]
+    judged: dict
+    usage: dict
+    mod: dict
+    update: dict
+    evaluation: dict | None = None
+    extra: dict | None = None  # spyrl.py: its "spy" metrics
+
+
+def step_metrics(run: Run, done: Step, ranks: list[tuple], step_time: float) -> dict:
+    """The step's metrics.jsonl line; `ranks` holds every rank's (outcomes, generate calls, loss, PPO
+    epochs)."""
+    return {
+        "step": done.number,
+        "time_s": round(step_time, 3),
+        "elapsed_s": round(run.elapsed, 3),
+        "time_split_s": {k: round(v, 3) for k, v in done.timer.totals.items()},
+        **game_metrics(run, done.trajs, ranks),
+        **judge_metrics(run, done.trajs, done.judged, done.usage),
+        **done.mod,
+        **learn_metrics(run, done.trajs, ranks, done.update["grad_norm"]),
+        **({"eval": done.evaluation} if done.evaluation else {}),
+        **({"distill": run.distiller.report} if run.distiller else {}),
+        **(done.extra or {}),
+    }
+
+
+def game_metrics(run: Run, trajs: list, ranks: list[tuple]) -> dict:
+    """Step 1's part of the line: the games' results, the trajectories and transitions, the tokens
+    written, the opponents' results and the coverage guard's spots."""
     outcomes = merge_counts([r[0] for r in ranks])
     versus = run.versus.results if run.versus and run.versus.mixed else None
     played = [t for t in trajs if t.turns]  # the others: seats that never moved (RAE only)
-    a_game_mean, a_game_std = summarize([t.a_game for t in played])
-    a_mod_mean, a_mod_std = summarize([t.a_mod for t in played])
     resp_tokens = [len(turn.response_ids) for t in trajs for turn in t.turns]
-    failures = Counter(j.failure for j in judged.values() if j.failure)
-    runner = run.runner
+    first_seat = sum(
+        c[next(iter(c))][k] for c in outcomes.values() for k in ("win", "draw", "loss")
+    )  # 1 a game
+    fixed = sum(
+        c[k] for g in (versus or {}).values() for c in g.values() for k in ("win", "draw", "loss")
+    )  # the games against fixed opponents
     return {
-        "step": step,
-        "time_s": round(step_time, 3),
-        "elapsed_s": round(run.elapsed, 3),
-        "time_split_s": {k: round(v, 3) for k, v in timer.totals.items()},
         "games": outcomes,
-        "episodes": sum(
-            c[next(iter(c))][k] for c in outcomes.values() for k in ("win", "draw", "loss")
-        )  # 1st seat: 1 a game; then the games against fixed opponents
-        + sum(
-            c[k]
-            for g in (versus or {}).values()
-            for c in g.values()
-            for k in ("win", "draw", "loss")
-        ),
+        "episodes": first_seat + fixed,
         "trajectories": len(played),
         "idle_seats": len(trajs) - len(played),
         "transitions": len(resp_tokens),
         "generate_calls": sum(r[1] for r in ranks),
         "response_tokens": sum(resp_tokens),
         "response_tokens_mean": sum(resp_tokens) / len(resp_tokens),
+        **({"opponents": versus} if versus is not None else {}),
+        "coverage": coverage.of_step(played, run.spot),
+    }
+
+
+def judge_metrics(run: Run, trajs: list, judged: dict, usage: dict) -> dict:
+    """Step 3's judge in the line: what was judged and failed, the levels, the requests and money."""
+    played = [t for t in trajs if t.turns]
+    failures = Counter(j.failure for j in judged.values() if j.failure)
+    runner = run.runner
+    return {
         "judge_judged": sum(not j.skipped for j in judged.values()),
         "judge_failed": sum(failures.values()),
         "judge_failures": failures,
         "judge_skipped_budget": sum(j.skipped for j in judged.values()),
         "judge_evolution_rules": Counter(j.rule for j in judged.values() if j.rule),
-        "judged_multi_turn": sum(
-            t.judged and len(t.turns) > 1 for t in played
-        ),  # psi has turns to compare
-        "psi_nonzero": sum(
-            t.judged and t.logged.get("psi", t.psi) != 0 for t in played
-        ),  # --judge-shadow: logged
+        "judged_multi_turn": sum(t.judged and len(t.turns) > 1 for t in played),  # psi can compare
+        "psi_nonzero": sum(t.judged and t.logged.get("psi", t.psi) != 0 for t in played),
         "levels_mean": levels_mean(played),
         **{
             f"judge_{k}": usage.get(k, 0)
@@ -581,83 +625,54 @@ def step_metrics(
         "judge_cost": usage.get("cost", 0.0),
         "judge_cost_total": runner.totals["cost"] if runner else 0.0,
         "judge_budget_exhausted": bool(runner and runner.budget_exhausted()),
-        **mod,
+    }
+
+
+def learn_metrics(run: Run, trajs: list, ranks: list[tuple], grad_norm: float) -> dict:
+    """Steps 2 and 4 in the line: the advantages, the loss and gradient norm, PPO's and the KL's
+    figures, the baselines."""
+    played = [t for t in trajs if t.turns]
+    a_game_mean, a_game_std = summarize([t.a_game for t in played])
+    a_mod_mean, a_mod_std = summarize([t.a_mod for t in played])
+    world, epochs = run.dist.world, [r[3] for r in ranks]
+    extras = {}
+    if run.args.ppo_epochs > 1:
+        extras["ppo"] = ppo_summary(epochs, world)
+    if run.reference is not None:
+        extras["kl"] = sum(e["kl"] for r in epochs for e in r) / (len(epochs[0]) * world)
+    return {
         "a_game_mean": a_game_mean,
         "a_game_std": a_game_std,
         "a_mod_mean": a_mod_mean,
         "a_mod_std": a_mod_std,
-        "loss": sum(r[2] for r in ranks) / run.dist.world,
+        "loss": sum(r[2] for r in ranks) / world,
         "grad_norm": grad_norm,
-        **(
-            {"ppo": ppo_summary([r[3] for r in ranks], run.dist.world)}
-            if run.args.ppo_epochs > 1
-            else {}
-        ),
-        **(
-            {"kl": sum(e["kl"] for r in ranks for e in r[3]) / (len(ranks[0][3]) * run.dist.world)}
-            if run.reference is not None
-            else {}
-        ),
+        **extras,
         "baselines": dict(run.baselines),
-        **({"opponents": versus} if versus is not None else {}),
-        "coverage": coverage.of_step(played, run.spot),
-        **({"eval": evaluation} if evaluation else {}),
-        **({"distill": run.distiller.report} if run.distiller else {}),
-        **(extra or {}),  # spyrl.py: its "spy" metrics
     }
 
 
-def end_step(
-    run: Run,
-    step: int,
-    timer: watch.Timer,
-    trajs: list,
-    played: tuple[dict, int],
-    judged: dict,
-    usage: dict,
-    mod: dict,
-    update: dict,
-    evaluation: dict | None,
-    extra: dict | None = None,
-) -> None:
-    """The step's bookkeeping: rank 0 logs it (metrics.jsonl, trajectories.jsonl, the step line, the judge's
-    budget banner once it is spent); every rank takes part in the checkpoint. `played`: this rank's (outcome
-    counts, generate calls); `update`: its policy_update() result."""
-    ranks = run.dist.gather((*played, update["loss"], update["epochs"]))
-    step_time = time.perf_counter() - timer.start
+def end_step(run: Run, done: Step) -> None:
+    """The step's bookkeeping: rank 0 logs it (metrics.jsonl, trajectories.jsonl, the step line, the
+    judge's budget banner once it is spent); every rank takes part in the checkpoint."""
+    ranks = run.dist.gather((*done.played, done.update["loss"], done.update["epochs"]))
+    step, step_time = done.number, time.perf_counter() - done.timer.start
     run.elapsed += step_time
     if run.dist.main:
-        if mod.get(
-            "modulated"
-        ):  # the judged means that modulation.after_budget averages once the budget is spent
-            means = {s: mod.get(f"{s}_mean") for s in judge_prompts.SCORES}
+        if done.mod.get("modulated"):  # the judged means after_budget averages once it is spent
+            means = {s: done.mod.get(f"{s}_mean") for s in judge_prompts.SCORES}
             run.recent.append({s: v for s, v in means.items() if v is not None})
-        metrics = step_metrics(
-            run,
-            step,
-            trajs,
-            ranks,
-            judged,
-            usage,
-            mod,
-            update["grad_norm"],
-            evaluation,
-            timer,
-            step_time,
-            extra,
-        )
+        metrics = step_metrics(run, done, ranks, step_time)
         if run.runner is not None and run.runner.budget_exhausted() and not run.announced:
             watch.announce_budget(run.runner.totals["cost"], run.args.judge_budget, step)
             run.announced = True
-        log_step(run, metrics, trajs)
+        log_step(run, metrics, done.trajs)
         guard(run, metrics)
-        if (
-            run.reproject is not None and step == 1 and step < run.args.steps
-        ):  # now on this policy's own counts
+        if run.reproject is not None and step == 1 and step < run.args.steps:  # its own counts now
             projection = run.reproject(run.args.steps - step, costs.measured([metrics]))
             print("\n".join(costs.projection_lines(run.args, projection)), flush=True)
-    if evaluation:
-        keep_best(run, step, evaluation)
+    if done.evaluation:
+        keep_best(run, step, done.evaluation)
     run.finished = (step, run.updates, state_of(run))  # what a stop in the next step saves
     distributed.hold(False)  # a stop held during the step stops here (keep_step saves it)
     if step % run.args.save_every == 0 or step == run.args.steps:

@@ -20,12 +20,34 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from machinery import UserError, modelfiles, runfiles
 from machinery.distributed import full_weights
+
+
+@dataclass
+class LoraFlags:
+    """--lora-rank and the adapters' shape: stratagem.Args's LoRA flags."""
+
+    # --- LoRA ---
+    lora_rank: int = 0
+    """rank R of LoRA adapters trained through PEFT, the base frozen; 0:
+    full fine-tuning, the paper's setting (docs/speed.md#one-48-gb-gpu-lora)
+    """
+    lora_alpha: float = 0.0
+    """LoRA's scale numerator: an adapter adds (alpha / R) B A to its
+    weight; 0: 2 x --lora-rank"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input while learning (the engine samples
+    without it)"""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """comma-separated names of the linear layers that get adapters
+    (default: all of them)"""
+
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
 FILES = ("adapter_config.json", "adapter_model.safetensors")  # what PEFT's save_pretrained writes

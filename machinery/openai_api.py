@@ -66,13 +66,22 @@ def check_base_url(url: str, what: str) -> None:
         )
 
 
+# The longest the client waits before a retry: a server's Retry-After is honoured up to this, and
+# the backoff without one is at most 8 s (machinery/judge_http.py, where the retries are made).
+# judge_seconds, and so --dist-timeout's default, count it.
+RETRY_WAIT_MAX = 60.0
+
+
 def openai_client(base_url: str, timeout: float, retries: int, what: str, max_tokens: int):
-    """An `openai` client, whose built-in retries back off exponentially on timeouts, connection errors,
-    429 (honouring Retry-After up to RETRY_WAIT_MAX) and 5xx. Each attempt takes at most `timeout` seconds as a
-    whole, on a connection of its own, follows no redirect, and a reply may not be larger than
-    judge_http.max_reply_bytes(max_tokens) (machinery/judge_http.py). Local servers usually take any key; the
-    client insists on one."""
-    from machinery.judge_http import BoundedClient, CappedRetries, max_reply_bytes
+    """An `openai` client whose HTTP is judge_http.BoundedClient, which makes up to `retries`
+    retries itself (openai's own are off), with exponential backoff, on timeouts, connection
+    errors, 429 (honouring Retry-After up to RETRY_WAIT_MAX) and 5xx. Each attempt takes at most
+    `timeout` seconds as a whole, on a connection of its own, follows no redirect, and a reply may
+    not be larger than judge_http.max_reply_bytes(max_tokens) (machinery/judge_http.py). Local
+    servers usually take any key; the client insists on one."""
+    import openai
+
+    from machinery.judge_http import BoundedClient, max_reply_bytes
 
     check_base_url(base_url, f"{what}: the base URL")
     key = os.environ.get("OPENAI_API_KEY")
@@ -80,19 +89,13 @@ def openai_client(base_url: str, timeout: float, retries: int, what: str, max_to
         raise UserError(
             f"{what} needs OPENAI_API_KEY in the environment or a base URL of a local server"
         )
-    return CappedRetries(
+    return openai.OpenAI(
         api_key=key or "EMPTY",
         base_url=base_url or None,
         timeout=timeout,
-        max_retries=retries,
-        http_client=BoundedClient(max_reply_bytes(max_tokens)),
+        max_retries=0,  # BoundedClient retries: openai's own retries change between its releases
+        http_client=BoundedClient(max_reply_bytes(max_tokens), retries, RETRY_WAIT_MAX),
     )
-
-
-# The longest the client waits before a retry: a server's Retry-After is honoured up to this (openai's own cap is
-# 60 s in older releases, 120 s in newer ones; judge_http.CappedRetries holds it here), and openai's backoff
-# without one is at most 8 s. judge_seconds, and so --dist-timeout's default, count it.
-RETRY_WAIT_MAX = 60.0
 
 
 def judge_seconds(requests: int, concurrency: int, timeout: float, retries: int) -> float:
@@ -107,10 +110,11 @@ def check_reachable(client, base_url: str, timeout: float, what: str) -> list[st
     models it lists (GET /models), or None when it lists none (some compatible servers have no such route)."""
     import openai
 
-    from machinery.judge_http import ReplyEncoded
+    from machinery.judge_http import ReplyEncoded, tried_once
 
     try:
-        listed = client.with_options(max_retries=0, timeout=timeout).models.list()
+        with tried_once():
+            listed = client.with_options(timeout=timeout).models.list()
         return [m.id for m in listed.data if isinstance(getattr(m, "id", None), str)] or None
     except ReplyEncoded as e:
         raise UserError(

@@ -14,12 +14,34 @@ from __future__ import annotations
 import copy
 import math
 import random
+from dataclasses import dataclass
 
 import torch
 
 from machinery import UserError
 from machinery.flags import items
 from machinery.matches import RandomPlayer
+
+
+@dataclass
+class OpponentFlags:
+    """Who the policy plays in self-play's games: stratagem.Args's opponents flags."""
+
+    # --- opponents ---
+    opponents: str = "self=1"
+    """shares of the games played against the policy itself, a past policy
+    and the random legal player, e.g. self=0.6,past=0.2,random=0.2 (the
+    paper: self=1; docs/learning.md#opponents)"""
+    past_every: int = 0
+    """with a past share: steps between snapshots of the learner joining
+    the past pool (0: 10)"""
+    past_pool: int = 0
+    """with a past share: the newest snapshots kept, one drawn per game
+    (0: 3)"""
+    opponent_baselines: bool = False
+    """with --opponents: RAE keeps a baseline per (game, role, fixed
+    opponent kind) beside self-play's, instead of one shared by all"""
+
 
 KINDS = ("self", "past", "random")
 PAST_EVERY, PAST_POOL = 10, 3  # what --past-every 0 and --past-pool 0 stand for

@@ -8,7 +8,6 @@ display only. stdout carries the lines; stderr the bar (on a terminal only) and 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shlex
@@ -19,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import judge_prompts
-from machinery import UserError, visible
+from machinery import UserError, flags, visible
 from machinery.openai_api import scrub
 from machinery.runfiles import warn as runfiles_warn
 from machinery.runfiles import write_atomic
@@ -85,15 +84,8 @@ def start_line(
         detail += ", psi centred" if args.centre_psi else ""
     detail += f", KL {args.kl_coef}" if args.kl_coef else ""
     model = f"tiny ({tiny_model(args)})" if args.tiny else args.model
-    judge = (
-        "heuristic stand-in (offline, NOT the paper's judge)"
-        if args.judge == "heuristic"
-        else f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
-        + (
-            ""
-            if structured is None
-            else f", {'structured' if structured else 'free-text'} verdicts"
-        )
+    judge = args.judge_kind.words(args) + (
+        "" if structured is None else f", {'structured' if structured else 'free-text'} verdicts"
     )
     judge = (
         f"none ({args.mode})"
@@ -374,7 +366,7 @@ class Reporter:
             self.run = self.lib.init(
                 dir=str(out),
                 name=out.name,
-                config=dataclasses.asdict(args),
+                config=flags.as_config(args),
                 resume="allow",
                 id=id_file.read_text().strip() if id_file.exists() else None,
                 settings=self.lib.Settings(save_code=False, disable_git=True),

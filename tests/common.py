@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,8 +172,8 @@ def make_batch(prompt, responses, advantages):
 def learner(model, optimizer, args, dist=None, pad=0, reference=None):
     """What S.policy_update reads of a run: the model, its optimizer and arguments, the device, the pad id, the
     ranks and the KL reference."""
-    tokenizer = S.SimpleNamespace(pad_token_id=pad)
-    return S.SimpleNamespace(
+    tokenizer = SimpleNamespace(pad_token_id=pad)
+    return SimpleNamespace(
         model=model,
         optimizer=optimizer,
         args=args,
@@ -185,7 +186,7 @@ def learner(model, optimizer, args, dist=None, pad=0, reference=None):
 
 def self_play(policy, tokenizer, args, games, rng, timer, lengths, target, progress=None):
     """S.self_play on a run made of these parts (what it reads of one)."""
-    run = S.SimpleNamespace(
+    run = SimpleNamespace(
         policy=policy, tokenizer=tokenizer, args=args, games=games, rng=rng, lengths=lengths
     )
     run.versus = opponents.Versus(run)

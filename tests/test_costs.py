@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import stratagem as S
+from machinery import judge as J
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     HERE,
     SMALL,
@@ -66,9 +67,7 @@ def test_project_arithmetic():
 def test_judge_price_in_and_out_come_from_the_dated_table_unless_given():
     from machinery import costs
 
-    assert (
-        (S.Args().judge_price_in, S.Args().judge_price_out) == costs.PRICES["gpt-4o"] == (2.5, 10.0)
-    )
+    assert (S.Args().judge_price_in, S.Args().judge_price_out) == J.PRICES["gpt-4o"] == (2.5, 10.0)
     assert (
         S.Args(judge_price_in=3.0).judge_price_in,
         S.Args(judge_price_in=3.0).judge_price_out,

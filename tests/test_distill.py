@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -156,9 +157,8 @@ def test_trusted_switches_on_and_off_at_the_threshold(monkeypatch):
         mod = S.modulate(
             trajs, judged, args.entering, args.beta
         )  # step 3, then --distill's call after it
-        distill.use_heads(
-            S.SimpleNamespace(distiller=heads, args=args), trajs, feats, dict(judged), 0.2, S.PAPER
-        )
+        run = SimpleNamespace(distiller=heads, args=args, runner=None, recent=[])
+        S.final_a_mod(run, trajs, feats, dict(judged), 0.2)
         estimates = {
             i: t.predicted["levels"]
             for i, t in enumerate(trajs)

@@ -48,7 +48,7 @@ items = [([5, 6, 7], [3, 4], 1.0), ([8, 9], [5], -0.5), ([10, 11, 12, 13], [6, 7
 mine = items[:2] if dist.main else items[2:]  # two micro-batches on rank 0, one on rank 1
 batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", p, r)], 0.0, a_mod=a) for p, r, a in mine]
 before = {{n: t.detach().clone() for n, t in distributed.full_weights(model).items()}}
-learner = S.SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), args=args,
+learner = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), args=args,
                             device=torch.device("cpu"), tokenizer=tok, dist=dist, reference=None)
 S.policy_update(learner, batch, 3 * 8 / dist.world)
 after = distributed.full_weights(model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -324,7 +325,7 @@ def test_halve_on_oom_does_not_retry_under_torchrun_or_after_an_adam_step(
 ):
     out_of_memory_above(monkeypatch, 2)
     ranks = a_run(tiny, tmp_path, 4)
-    ranks.dist = S.SimpleNamespace(world=2, main=True, gather=lambda x: [x, x])
+    ranks.dist = SimpleNamespace(world=2, main=True, gather=lambda x: [x, x])
     with pytest.raises(UserError, match="under torchrun, which does not halve it"):
         lifecycle.halve_on_oom(S.policy_update, ranks, make_batch([1, 2], *BATCH), 24.0, 1)
     assert ranks.args.micro_batch_size == 4

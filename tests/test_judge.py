@@ -4,6 +4,7 @@ transport's bounds, the start-up checks, the cache and the money."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -567,6 +568,37 @@ def test_HeuristicJudge_scores_a_rubric_it_has_no_features_for_at_its_middle_lev
     turns = [S.Turn(f"board {k}", "Round one. \\boxed{[bet]}", "[bet]", [], []) for k in range(3)]
     text = J.render_for_judge(S.Trajectory("KuhnPoker-v1", 0, turns, 0.0))
     assert J.HeuristicJudge().scores("faithfulness", text) == {"f1": 0.0, "f2": 0.0}
+
+
+def test_HeuristicJudge_names_the_keys_it_has_no_feature_for_in_one_warning_line_once(
+    monkeypatch, capsys
+):
+    """docs/hacking.md's forks, a dimension e in evolution and a third rubric: the first stand-in made says in one
+    line which keys it cannot score and the level each gets instead, and the run goes on with those levels; a
+    second stand-in (tools/serve_judge makes one a request) says nothing more. The paper's table warns of nothing."""
+    monkeypatch.setattr(J.HeuristicJudge, "_named", set())
+    J.HeuristicJudge()
+    assert capsys.readouterr().err == ""
+    evolution = copy.deepcopy(judge_prompts.RUBRICS["evolution"])
+    evolution["dimensions"]["c"]["weight"] = 0.30
+    evolution["dimensions"]["e"] = {"weight": 0.10, "text": "e"}
+    monkeypatch.setitem(judge_prompts.RUBRICS, "evolution", evolution)
+    faithfulness = {"score": "f", "role": "logged", "turns": 1, "levels": (0.0, 0.5, 1.0)}
+    faithfulness |= {"preamble": "Grade it.", "dimensions": {"m": {"weight": 1.0, "text": "m"}}}
+    monkeypatch.setitem(judge_prompts.RUBRICS, "faithfulness", faithfulness)
+    judge = J.HeuristicJudge()
+    assert capsys.readouterr().err == (
+        "stratagem: warning: the stand-in judge (heuristic) has no feature for e (evolution), m (faithfulness): "
+        "each gets its rubric's middle level on every trajectory (e = 0, m = 0.5), which grades nothing; teach "
+        "HeuristicJudge in machinery/judge.py to score each, or use --judge openai\n"
+    )
+    J.HeuristicJudge()
+    assert capsys.readouterr().err == ""
+    turns = [S.Turn(f"board {k}", f"Turn {k}, new words.", "[bet]", [], []) for k in range(2)]
+    text = J.render_for_judge(S.Trajectory("KuhnPoker-v1", 0, turns, 0.0))
+    assert judge.scores("evolution", text)["e"] == 0.0 and judge.scores("faithfulness", text) == {
+        "m": 0.5
+    }
 
 
 def test_typical_level_combines_levels_over_turns_and_the_heuristic_judge_keeps_the_rules():

@@ -3,10 +3,13 @@ quoting that keeps whatever a trajectory forges inside its one block."""
 
 from __future__ import annotations
 
+import copy
+import os
 import random
 import re
+import subprocess
+import sys
 import threading
-import time
 
 import pytest
 
@@ -16,6 +19,7 @@ from machinery import judge as J
 from machinery import runfiles, watch
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     GOOD,
+    HERE,
     ScriptedPolicy,
     fresh,
     judge_args,
@@ -59,6 +63,123 @@ def test_rubric_text_states_the_rules_and_alphas_top_anchor_is_abstract():
     assert "expected value" in alpha_top and "probability" in alpha_top
     assert not re.search(r"\b(J|Q|K|showdown|centre|chips?)\b", alpha_top)
     assert judge_prompts.PROMPT_VERSION == "stratagem-rubric-v3"
+
+
+def table_with(change) -> dict:
+    """A copy of judge_prompts.RUBRICS with `change` applied to it (the module's table is left as it is)."""
+    table = copy.deepcopy(judge_prompts.RUBRICS)
+    change(table)
+    return table
+
+
+def add_faithfulness(table: dict, **fields) -> None:
+    """docs/hacking.md's third rubric (only logged), with `fields` over its own."""
+    dimensions = {"m": {"weight": 1.0, "text": "m"}}
+    table["faithfulness"] = {
+        **dict(score="f", role="logged", turns=1, levels=(0.0, 0.5, 1.0), preamble="Grade it."),
+        **{"dimensions": dimensions, **fields},
+    }
+
+
+def test_check_rubrics_passes_the_table_and_the_forks_of_hacking_md():
+    """The shipped table, docs/hacking.md's dimension e (c lowered to 0.30: 0.35 + 0.25 + 0.30 + 0.10 is 1 only
+    within a float's rounding) and its third rubric all pass."""
+
+    def with_e(table):
+        table["evolution"]["dimensions"]["c"]["weight"] = 0.30
+        table["evolution"]["dimensions"]["e"] = {"weight": 0.10, "text": "e"}
+
+    assert 0.35 + 0.25 + 0.30 + 0.10 != 1.0  # the tolerance is needed
+    for table in (judge_prompts.RUBRICS, table_with(with_e), table_with(add_faithfulness)):
+        judge_prompts.check_rubrics(table)
+
+
+def evolution_dims(table: dict) -> dict:
+    return table["evolution"]["dimensions"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (  # hacking.md's dimension e pasted, c's weight left at 0.40
+            lambda t: evolution_dims(t).update(e={"weight": 0.10, "text": "e"}),
+            "judge_prompts.RUBRICS['evolution']: the weights sum to 1.1, not 1 (d 0.35 + a 0.25 + c 0.4 + "
+            "e 0.1); keep them summing to 1 so that psi stays on the levels' scale",
+        ),
+        (
+            lambda t: t["transferability"]["dimensions"]["rho"].update(weight=0.35),
+            "judge_prompts.RUBRICS['transferability']: the weights sum to 1.05, not 1 (alpha 0.35 + "
+            "sigma 0.35 + rho 0.35); keep them summing to 1 so that phi stays on the levels' scale",
+        ),
+        (  # sums to 1, but psi could leave [-1, 1]
+            lambda t: evolution_dims(t).update(
+                d={"weight": -0.05, "text": "d"}, a={"weight": 0.65, "text": "a"}
+            ),
+            "judge_prompts.RUBRICS['evolution']: dimension 'd' has the weight -0.05, not > 0",
+        ),
+        (
+            lambda t: t["transferability"].update(levels=(0.0, 0.5, 2.0)),
+            "judge_prompts.RUBRICS['transferability']: levels (0.0, 0.5, 2.0) are not distinct, ascending "
+            "and within [0, 1], the scale of its role 'multiplies'",
+        ),
+        (  # phi multiplies A_game: a negative level would turn a win into a loss
+            lambda t: t["transferability"].update(levels=(-1.0, 0.0, 1.0)),
+            "judge_prompts.RUBRICS['transferability']: levels (-1.0, 0.0, 1.0) are not distinct, ascending "
+            "and within [0, 1], the scale of its role 'multiplies'",
+        ),
+        (
+            lambda t: t["evolution"].update(levels=(1.0, 0.0, -1.0)),
+            "judge_prompts.RUBRICS['evolution']: levels (1.0, 0.0, -1.0) are not distinct, ascending "
+            "and within [-1, 1], the scale of its role 'adds'",
+        ),
+        (
+            lambda t: add_faithfulness(t, dimensions={"c": {"weight": 1.0, "text": "c"}}),
+            "judge_prompts.RUBRICS['faithfulness']: 'c' is already a key or score of 'evolution'",
+        ),
+        (
+            lambda t: add_faithfulness(t, score="psi"),
+            "judge_prompts.RUBRICS['faithfulness']: 'psi' is already a key or score of 'evolution'",
+        ),
+        (
+            lambda t: add_faithfulness(t, role="add"),
+            "judge_prompts.RUBRICS['faithfulness']: role 'add' is none of multiplies, adds, logged",
+        ),
+        (
+            lambda t: add_faithfulness(t, turns=0),
+            "judge_prompts.RUBRICS['faithfulness']: turns 0 is not a whole number of turns >= 1",
+        ),
+        (
+            lambda t: evolution_dims(t).update(e={"wieght": 0.10, "text": "e"}),
+            "judge_prompts.RUBRICS['evolution']: dimension 'e' lacks weight",
+        ),
+        (
+            lambda t: [t["evolution"].pop(field) for field in ("turns", "preamble")],
+            "judge_prompts.RUBRICS['evolution'] lacks the field(s) turns, preamble",
+        ),
+    ],
+)
+def test_check_rubrics_refuses_a_broken_table_in_one_line_naming_the_rubric(change, message):
+    with pytest.raises(ValueError) as refused:
+        judge_prompts.check_rubrics(table_with(change))
+    assert str(refused.value) == message
+
+
+def test_judge_prompts_refuses_on_import_a_table_whose_weights_do_not_sum_to_1(tmp_path):
+    """The check runs where the table is declared: a fork that edits one weight cannot import the module."""
+    source = (HERE / "judge_prompts.py").read_text()
+    assert source.count('"weight": 0.40') == 1  # c
+    (tmp_path / "judge_prompts.py").write_text(source.replace('"weight": 0.40', '"weight": 0.75'))
+    proc = subprocess.run(
+        [sys.executable, "-c", "import judge_prompts"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == (
+        "ValueError: judge_prompts.RUBRICS['evolution']: the weights sum to 1.35, not 1 (d 0.35 + a 0.25 + "
+        "c 0.75); keep them summing to 1 so that psi stays on the levels' scale"
+    )
 
 
 def test_render_for_judge_shows_each_turns_board_with_current_state_observations(tiny):
@@ -402,13 +523,63 @@ def test_clean_is_a_fixed_point_that_leaves_no_entity_to_decode(text):
     assert html.unescape(cleaned) == cleaned and unicodedata.normalize("NFKC", cleaned) == cleaned
 
 
-def test_clean_of_adversarial_text_takes_linear_time():
-    for text in (
-        "&" * 20_000 + "&#35;" + "35;" * 20_000 + "60;",
-        "&" + "amp;" * 16_000 + "#10;",
-        ("&amp;" * 3 + "lt;") * 4_000,
-        "&#" * 30_000,
-    ):
-        t0 = time.perf_counter()
-        judge_prompts.clean(text)
-        assert time.perf_counter() - t0 < 2.0, text[:20]
+class CountedReads:
+    """Stands in for what judge_prompts reaches by a name of its own (the modules unicodedata and html, the patterns
+    _CHARREF and _LINE_BREAK): each call of one of its functions adds the length of its text arguments to
+    meter["read"], and fails once that passes meter["budget"] (a quadratic clean stops there, not minutes later)."""
+
+    def __init__(self, real, meter: dict):
+        self._real, self._meter = real, meter
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._real, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self._meter["read"] += sum(len(a) for a in args if isinstance(a, str))
+            assert self._meter["read"] <= self._meter["budget"], (
+                f"more than {self._meter['budget']} read"
+            )
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def cleaned_and_characters_read(monkeypatch, text: str, per_character: int) -> tuple[str, int]:
+    """clean(text), and how many characters the text functions it calls read on the way: at most per_character
+    for each character of text, else an AssertionError."""
+    meter = {"read": 0, "budget": per_character * len(text)}
+    with monkeypatch.context() as patched:
+        for name in ("unicodedata", "html", "_CHARREF", "_LINE_BREAK"):
+            patched.setattr(judge_prompts, name, CountedReads(getattr(judge_prompts, name), meter))
+        return judge_prompts.clean(text), meter["read"]
+
+
+@pytest.mark.parametrize(
+    "adversarial, cleaned",
+    [
+        # each "&" meets the "#" that the reference on its right decoded to
+        (lambda n: "&" * n + "&#35;" + "35;" * n + "60;", lambda n: "#60;"),
+        (lambda n: "&" + "amp;" * n + "#10;", lambda n: "\n"),  # n layers of &amp;
+        (lambda n: ("&amp;" * 3 + "lt;") * n, lambda n: "&&<" * n),
+        (lambda n: "&#" * n, lambda n: "&#" * n),  # a reference begun at every "&", never ended
+        (lambda n: "&#" + "0" * n + "60;", lambda n: "<"),  # digits that run on past any window
+    ],
+    ids=["decoded_ampersands", "amp_layers", "amp_lt", "unended_references", "long_digits"],
+)
+def test_clean_of_adversarial_text_reads_a_linear_number_of_characters(
+    monkeypatch, adversarial, cleaned
+):
+    """No clock: the work of clean() is counted as the characters read by the text functions it calls (NFKC and
+    each character's category, the reference pattern, html.unescape, the line-break pattern), each reached through
+    judge_prompts' own names. Linear work reads a few dozen a character, and twice as many for an input twice as
+    long; a quadratic one reads about four times as many, and hundreds a character at these sizes, past the
+    budget of 40. Each of these, planted, fails here: the decoder's window widened to all the text decoded so far
+    (ahead built from the whole of `done`), clean() made a loop of html.unescape until nothing changes (a pass
+    per layer of &amp;), or a loop that decodes one reference a pass."""
+    n = 1000
+    out, read = cleaned_and_characters_read(monkeypatch, adversarial(n), per_character=40)
+    out2, read2 = cleaned_and_characters_read(monkeypatch, adversarial(2 * n), per_character=40)
+    assert out == cleaned(n) and out2 == cleaned(2 * n)
+    assert read2 <= 2.2 * read, (read, read2)

@@ -28,6 +28,8 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     torchrun,
 )
 
+ALL_LINEAR = tuple(S.Args.lora_targets.split(","))  # --lora-targets' default: every linear layer
+
 
 # ---- LoRA through PEFT: the flags, the update, the merge, a run, under torchrun, the memory
 def test_lora_rank_and_its_flags_are_checked_in_one_line_before_any_work(tmp_path, capsys):
@@ -170,7 +172,7 @@ def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_mode
     assert (
         trained
         == sum(t.numel() for t in a.values())
-        == memory.adapter_parameters(shape, 4, memory.LORA_MODULES)
+        == memory.adapter_parameters(shape, 4, ALL_LINEAR)
     )
     assert sum(s["exp_avg"].nbytes + s["exp_avg_sq"].nbytes for s in adam) == 8 * trained
     assert run(["merge-lora", str(whole), str(merged)]) == 0
@@ -233,7 +235,7 @@ items = {items!r}
 mine = items[:2] if dist.main else items[2:]  # two micro-batches on rank 0, one on rank 1
 batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", p, r)], 0.0, a_mod=a) for p, r, a in mine]
 optimizer = torch.optim.Adam(lora.trainable(model), lr=1e-2)
-learner = S.SimpleNamespace(model=model, optimizer=optimizer, args=args, device=torch.device("cpu"), tokenizer=tok,
+learner = SimpleNamespace(model=model, optimizer=optimizer, args=args, device=torch.device("cpu"), tokenizer=tok,
                             dist=dist, reference=None)
 S.policy_update(learner, batch, 3 * 8 / dist.world)
 merged = lora.merged_weights(model)  # a collective: every rank
@@ -297,7 +299,7 @@ def test_project_lora_memory_against_an_independent_count_and_the_tiny_model_mea
         and full["bf16_copies"] == 2 * by_hand
     )
     adapters = 16 * layers * (2 * (h + q) + 2 * (h + kv) + 3 * (h + i))
-    lora16 = memory.project(shape, 16, list(memory.LORA_MODULES), 2, 4096, True, gpu=True)
+    lora16 = memory.project(shape, 16, list(ALL_LINEAR), 2, 4096, True, gpu=True)
     assert lora16["trained"] == adapters == 33_030_144
     assert (lora16["weights"], lora16["adam"], lora16["gradients"]) == (
         2 * by_hand + 4 * adapters,
@@ -318,7 +320,7 @@ def test_project_lora_memory_against_an_independent_count_and_the_tiny_model_mea
         m = memory.project(
             S.model_shape(S.Args(tiny=True, tiny_init="random", seed=0)),
             rank,
-            list(memory.LORA_MODULES),
+            list(ALL_LINEAR),
             1,
             8,
             False,
@@ -447,9 +449,7 @@ def test_bench_with_lora_sets_adam_state_beside_full_fine_tuning(tmp_path, capsy
     from machinery import memory
 
     shape = S.model_shape(S.Args(tiny=True, seed=1))
-    assert res["lora"]["trained_parameters"] == memory.adapter_parameters(
-        shape, 4, memory.LORA_MODULES
-    )
+    assert res["lora"]["trained_parameters"] == memory.adapter_parameters(shape, 4, ALL_LINEAR)
     assert res["full"]["trained_parameters"] == memory.parameters(shape)
     for mode in ("lora", "full"):  # two fp32 moments per trained parameter, and Adam's step counts
         assert res[mode]["optimizer_state_mb"] * 2**20 >= 8 * res[mode]["trained_parameters"]

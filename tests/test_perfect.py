@@ -19,7 +19,6 @@ from games.perfect import (
     exploitability,
     kuhn_infoset,
     minimax_moves,
-    minimax_value,
     strategy_counts,
 )
 from machinery import matches
@@ -37,7 +36,11 @@ def board(rows: str) -> list[str]:
 
 
 # ---- TicTacToe: minimax
-def test_minimax_value_is_a_draw_on_the_empty_board_and_exact_on_known_positions():
+def test_minimax_moves_score_is_a_draw_on_the_empty_board_and_exact_on_known_positions():
+    def minimax_value(cells, to_move: str) -> int:  # win 1, draw 0, loss -1 under best play
+        score = perfect._score(tuple(cells), to_move)
+        return (score > 0) - (score < 0)
+
     assert minimax_value(board("........."), "O") == 0
     assert minimax_value(board("OO.XX...."), "O") == 1  # O completes the top row
     assert minimax_value(board("OO.XX...."), "X") == 1  # X completes the middle row

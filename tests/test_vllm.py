@@ -159,7 +159,7 @@ distributed.shard(model)
 args = S.Args(tiny=True, max_new_tokens=8, micro_batch_size=1, vllm_enforce_eager=True)
 policy = S.VLLMPolicy({model!r}, tok, S.stop_ids(tok, model), args, torch.device("cpu"), dist.local_rank, dist.world)
 batch = [S.Trajectory("toy", 0, [S.Turn("", "", "", [5, 6, 7], [3 + dist.rank, 4])], 0.0, a_mod=1.0)]
-learner = S.SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), args=args,
+learner = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), args=args,
                             device=torch.device("cpu"), tokenizer=tok, dist=dist, reference=None)
 S.policy_update(learner, batch, 2.0)
 policy.sync(model)
