@@ -386,15 +386,21 @@ def play_move(env, pid: int, action: str, game: str) -> tuple[bool, int | None]:
 
 def game_result(env, done: bool, forfeit: int | None = None) -> tuple[dict, dict]:
     """Outcomes in {-1, 0, 1}, and which seat lost by an invalid move. A game
-    stopped by the turn cap is a draw. `forfeit` is a seat whose move was
-    refused before the game saw it."""
+    stopped by the turn cap is a draw. An invalid move (`forfeit`: a seat
+    whose move was refused before the game saw it; or a move the game
+    rejected with no retry left) loses for its maker and wins for the other
+    seat, whatever the game pays that seat (SPIRAL's games: 0): what each is
+    paid is training_rewards'."""
     if forfeit is not None:
-        return {p: -1.0 if p == forfeit else 1.0 for p in (0, 1)}, {p: p == forfeit for p in (0, 1)}
-    if not done:
+        invalid = {p: p == forfeit for p in (0, 1)}
+    elif not done:
         return {0: 0.0, 1: 0.0}, {0: False, 1: False}
-    rewards, info = env.close()
-    outcomes = {p: float((rewards[p] > 0) - (rewards[p] < 0)) for p in (0, 1)}
-    return outcomes, {p: bool(info[p].get("invalid_move")) for p in (0, 1)}
+    else:
+        rewards, info = env.close()
+        invalid = {p: bool(info[p].get("invalid_move")) for p in (0, 1)}
+        if not any(invalid.values()):
+            return {p: float((rewards[p] > 0) - (rewards[p] < 0)) for p in (0, 1)}, invalid
+    return {p: -1.0 if invalid[p] else 1.0 for p in (0, 1)}, invalid
 
 
 def training_rewards(outcomes: dict, invalid: dict, invalid_rewards: tuple) -> dict[int, float]:
@@ -406,12 +412,18 @@ def training_rewards(outcomes: dict, invalid: dict, invalid_rewards: tuple) -> d
     return {p: invalid_rewards[0] if invalid[p] else invalid_rewards[1] for p in outcomes}
 
 
+RESULTS = {1.0: "win", 0.0: "draw", -1.0: "loss"}
+
+
 def settle(ep: Episode, rules: Rules) -> tuple[dict, dict, dict]:
-    """An ended game's outcomes, invalid moves and rewards R_p, in training
-    and evaluation alike."""
+    """An ended game's result for each seat (win, draw or loss), its invalid
+    moves and the rewards R_p, from one game_result: what training pays and
+    what every report of a game says (the step line, metrics.jsonl, the
+    evaluations, the plots) cannot disagree."""
     outcomes, invalid = game_result(ep.env, ep.done, ep.forfeit)
     payout = rules.invalid_rewards if ep.forfeit is not None else rules.rejected_rewards
-    return outcomes, invalid, training_rewards(outcomes, invalid, payout)
+    results = {p: RESULTS[o] for p, o in outcomes.items()}
+    return results, invalid, training_rewards(outcomes, invalid, payout)
 
 
 def play_turn(policy, tokenizer, live: list[Episode], rules: Rules, opponent=None, timer=None):
@@ -531,14 +543,13 @@ def finish_episode(ep: Episode, counts: dict, rules: Rules, versus) -> list[Traj
     alone). A seat that never moved has nothing to judge or learn, but RAE
     folds its return into its baseline, as SPIRAL's prepare_trajectories
     does."""
-    outcomes, invalid, rewards = settle(ep, rules)
+    results, invalid, rewards = settle(ep, rules)
     if ep.seat is not None:  # --opponents: past or random
-        name = {1.0: "win", 0.0: "draw", -1.0: "loss"}[outcomes[ep.seat]]
-        versus.tally(ep.kind, ep.game, name, invalid[ep.seat])
+        versus.tally(ep.kind, ep.game, results[ep.seat], invalid[ep.seat])
         return [Trajectory(ep.game, ep.seat, ep.turns[ep.seat], rewards[ep.seat], opponent=ep.kind)]
     for p in (0, 1):
         c = counts[ep.game][f"player{p}"]
-        c[{1.0: "win", 0.0: "draw", -1.0: "loss"}[outcomes[p]]] += 1
+        c[results[p]] += 1
         c["invalid"] += invalid[p]
     return [Trajectory(ep.game, p, ep.turns[p], rewards[p]) for p in (0, 1)]
 
@@ -1208,8 +1219,7 @@ def play_matches(
             live.append(Episode(game, env, seat=seat, index=index))
         live, ended = play_turn(policy, tokenizer, live, rules, opponent)
         for ep in ended:
-            outcomes, invalid, paid = settle(ep, rules)
-            outcome = {1.0: "win", 0.0: "draw", -1.0: "loss"}[outcomes[ep.seat]]
+            results, invalid, paid = settle(ep, rules)
             records.append(
                 {
                     "index": ep.index,
@@ -1217,7 +1227,7 @@ def play_matches(
                     "seat": ep.seat,
                     "turns": ep.moves,
                     "capped": not ep.done,
-                    "outcome": outcome,
+                    "outcome": results[ep.seat],
                     "invalid": invalid[ep.seat],
                     "opponent_invalid": invalid[1 - ep.seat],
                     "reward": paid[ep.seat],

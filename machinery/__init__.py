@@ -1,39 +1,37 @@
 """The machinery around stratagem.py's algorithm: what a reader of Algorithm 1 can skip.
 
-    lifecycle.py     a run's life cycle around Algorithm 1's loop: set-up and resume, the step's metrics line and
-                     checkpoint, the end of the run (train() in stratagem.py and spyrl.py calls each in one line)
-    judge.py         the judge's machinery: the stand-in and OpenAI-compatible judges, verdict parsing, and
-                     JudgeRunner (cache, budget, money ledger, concurrency)
-    flags.py         the Args dataclass as a command line (field docstrings become --help text), the layering of
-                     defaults, presets and a resumed run's config, a resumed folder's checks; stratagem.py's
-                     choices, bounds and checks of its flags (validate)
-    modulation.py    step 3's extensions, each one call in train() after modulate(): after the judge budget,
-                     --centre-psi, the scores of rubrics that do not enter A_mod (logged, --judge-shadow)
-    distributed.py   torchrun / FSDP2 data parallelism (even micro-batches, the sharded gradient norm) and the
-                     choice of device
-    vllm_engine.py   the vLLM generation engine and the weight sync into it
-    runfiles.py      run files: JSONL logs and their repair, atomic writes, checkpoints, resume state,
-                     the run folder's lock and config history, the judge's verdict cache and money
-                     ledger, checks that outputs can be written
-    watch.py         watching a run: start and step lines, progress bar, TensorBoard / W&B, alarms, timers
-    openai_api.py    talking to an OpenAI-compatible server: client, reachability, failures as named kinds,
-                     requests in flight on threads a stop signal does not wait for
-    judge_http.py    the HTTP under that client: a deadline per request attempt, a cap on the reply's size
-    matches.py       the evaluation's random legal opponent and the statistics of a set of matches
-    perfect.py       perfect players for the evaluation: TicTacToe's minimax, Kuhn Poker's exact best response
-                     to the policy's play (its exploitability)
-    opponents.py     --opponents: self-play's games against the policy itself, a pool of past policies or the
-                     random legal player
-    coverage.py      the coverage guard: the decision spots self-play reaches, its moves' entropy there, and
-                     warnings when a spot empties or an evaluation loses on invalid moves
-    costs.py         what the judge will cost, known before it is paid: the price table, the projection, --dry-run
-    cli.py           a script's entry point (stratagem.py's and spyrl.py's main): one-line errors, stop signals
-    adaptive_beta.py --beta-share: the controller that holds the evolution term's share of A_mod
-    distill.py       --distill: heads on the policy's hidden states that learn the judge, their holdout and trust;
-                     Cohen's kappa and Spearman's rho (also `agree`'s)
+Imports walk one way: tools/ -> spyrl.py -> stratagem.py -> games/ -> machinery/ -> judge_prompts.py. Nothing
+here imports a module above it; what a module needs from above (how the policy loads, a game's decision spots)
+is passed in (lifecycle.Pieces). Inside machinery/ the modules stand in layers, each importing only modules of
+the layers below it (CI's .ci/imports.py fails on a cycle or an arrow running back up):
 
-Imports walk one way, tools/ and spyrl.py -> stratagem.py -> machinery/: nothing here imports stratagem.py, and
-what a module needs of the trainer (its arguments, a validator) is passed in.
+  0  flags.py         the Args dataclasses as a command line (field docstrings become --help), the layering of
+                      defaults, presets and a resumed config, the flags' choices and bounds
+     matches.py       the evaluation's random legal opponent, the statistics of a set of matches; EvalFlags
+     coverage.py      the coverage guard's arithmetic: the spots self-play reaches (games/spots.py reads them),
+                      their moves' entropy, warnings when a spot empties or an evaluation loses on invalid moves
+     modulation.py    step 3's extensions' parts (stratagem.final_a_mod calls them): after the judge budget,
+                      --centre-psi's centre, the scores of rubrics that do not enter A_mod; ModulationFlags
+     distill.py       --distill: heads on the policy's hidden states that learn the judge; Cohen's kappa, Spearman
+     adaptive_beta.py --beta-share: the controller that holds the evolution term's share of A_mod
+     judge_http.py    the HTTP under the judge's client: a deadline per attempt, a cap on the reply's size
+  1  openai_api.py    talking to an OpenAI-compatible server: client, reachability, failures as named kinds
+     opponents.py     --opponents: self-play against the policy, a pool of past policies or the random player
+  2  distributed.py   torchrun / FSDP2 data parallelism and the choice of device
+     memory.py        will it fit: the memory per device a run takes, --micro-batch-size auto; EngineFlags
+  3  runfiles.py      run files: JSONL logs, atomic writes, checkpoints, resume state, the lock, the judge's cache
+                      and ledger, checks that outputs can be written
+     checks.py        stratagem.py's flags checked before any work (games/ checks the games' own)
+  4  judge.py         the judges (stand-in, OpenAI-compatible), verdict parsing, JudgeRunner; JudgeFlags
+     watch.py         watching a run: start and step lines, progress bars, TensorBoard / W&B, alarms, timers
+     modelfiles.py    a model folder read as untrusted: config sizes checked, weights whole or refused
+     saved_config.py  a run's config.json read back and checked as its flags would be
+  5  costs.py         what the judge will cost, known before it is paid: the projection, --dry-run's plan
+     lora.py          LoRA through PEFT (--lora-rank): adapters, merged weights for the engine; LoraFlags
+     cli.py           a script's entry point: one-line errors, stop signals, the tools run by name
+  6  vllm_engine.py   the vLLM generation engine and the weight sync into it
+     lifecycle.py     a run's life cycle around Algorithm 1's loop: set-up and resume, the step's metrics line
+                      and checkpoint, the end of the run; RunFlags
 """
 
 import unicodedata

@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,57 +101,42 @@ class Pieces:
 class Run:
     """What a training run carries from step to step. Rank 0 alone judges, writes and prints."""
 
-    args: object  # stratagem.Args (or spyrl.py's)
+    # what it is and plays with
+    args: RunFlags  # stratagem.Args (or spyrl.py's)
     dist: Dist
     out: Path
     device: torch.device
     games: list[str]
     eval_games: list[str]
-    rng: (
-        random.Random
-    )  # our own draws (games, judge sampling); checkpointed with the global streams
+    rng: random.Random  # our own draws (games, judge sampling); checkpointed
     model: torch.nn.Module
-    tokenizer: object
-    policy: object  # stratagem.HFPolicy or machinery/vllm_engine.VLLMPolicy
+    tokenizer: object  # a transformers tokenizer (or the tiny byte-level one)
+    policy: object  # the engine: stratagem.HFPolicy or vllm_engine.VLLMPolicy
     optimizer: torch.optim.Optimizer
-    reference: (
-        torch.nn.Module | None
-    )  # the initial policy, frozen: the KL penalty's (--kl-coef > 0), else None
-    distiller: distill.Distiller | None = (
-        None  # --distill: the heads, their holdout and trust (rank 0)
-    )
-    baselines: dict[str, float] = field(
-        default_factory=dict
-    )  # RAE: b[G, p], keyed "game/playerP"; SpyRL "task/role"
-    beta: float | None = (
-        None  # --beta-share: where its controller has moved beta (else None: --beta)
-    )
-    lengths: dict[str, float] = field(
-        default_factory=dict
-    )  # transitions per game id, to size the batch
+    reference: torch.nn.Module | None  # --kl-coef: the initial policy, frozen
+    spot: Callable | None = None  # Pieces.spot: the coverage guard's reading of a turn
+    # the algorithm's state, checkpointed
+    baselines: dict[str, float] = field(default_factory=dict)  # RAE: b[G, p], "game/playerP"
+    beta: float | None = None  # --beta-share: where its controller moved beta (None: --beta)
+    lengths: dict[str, float] = field(default_factory=dict)  # transitions a game, to size a step
     start: int = 0  # steps already done (a resumed run)
     elapsed: float = 0.0
+    recent: list = field(default_factory=list)  # judged steps' means: modulation.after_budget
+    first_spots: dict | None = None  # the coverage guard: step 1's spots (coverage.of_step)
+    # the extensions' and the judge's
+    distiller: distill.Distiller | None = None  # --distill: the heads (rank 0)
+    versus: opponents.Versus | None = None  # --opponents: the kinds, the past pool
     runner: JudgeRunner | None = None
+    reproject: Callable | None = None  # (steps, counts) -> the judge's projection, after step 1
+    judged: int = 0  # trajectories judged over this process's steps: the end-of-run alarm
+    failures: Counter = field(default_factory=Counter)
+    # watching and stopping
     reporter: watch.Reporter | None = None
     announced: bool = False  # the judge budget's banner is shown once
-    recent: list = field(
-        default_factory=list
-    )  # {score: batch mean} of the steps judged: modulation.after_budget
-    reproject: object = (
-        None  # the judge's projection again, (steps, counts) -> projection: made after step 1
-    )
-    judged: int = (
-        0  # trajectories judged and failures, over this process's steps: the end-of-run alarm
-    )
-    failures: Counter = field(default_factory=Counter)
-    # optimizer steps this process took (--ppo-epochs of them a step), by which check_update names the step
-    updates: int = 0
-    versus: object = None  # --opponents: machinery/opponents.Versus
-    first_spots: dict | None = None  # the coverage guard: step 1's spots (coverage.of_step)
     warned: set = field(default_factory=set)  # the guard's lines said once
+    updates: int = 0  # optimizer steps taken (--ppo-epochs a step): check_update names the step
     finished: tuple | None = None  # (step, updates, state_of) of the last step that ended
     saving: int | None = None  # the step of the last checkpoint begun
-    spot: object = None  # Pieces.spot: the coverage guard's reading of a turn
 
 
 @dataclass

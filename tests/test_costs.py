@@ -155,7 +155,7 @@ def test_judge_projection_uses_the_runs_own_counts_after_step_1_and_on_resume(
 
 def test_dry_run_prints_the_plan_and_the_money_and_writes_nothing(tmp_path):
     """On this CPU machine, offline: nothing is downloaded or loaded (Qwen3-4B-Base is not here), nothing is
-    written, and the README quotes what it prints."""
+    written, and docs/judge.md quotes what it prints."""
     before = set(os.listdir(HERE))
     proc = subprocess.run(
         [sys.executable, str(HERE / "stratagem.py"), "--dry-run"],
@@ -182,7 +182,7 @@ def test_dry_run_prints_the_plan_and_the_money_and_writes_nothing(tmp_path):
         "USD 2.50 in / 10.00 out per 1M tokens, list prices of 2025-06; the paper: ~$100 a run"
         in money
     )
-    readme = (HERE / "README.md").read_text()
+    readme = (HERE / "docs" / "judge.md").read_text()
     free = re.compile(r" of [\d.]+ GiB free now\)")  # this machine's free memory, said once
     said = [
         free.sub(" of X GiB free now)", x) for x in lines if not x.startswith(("run dir", "engine"))

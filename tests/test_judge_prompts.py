@@ -164,7 +164,9 @@ def test_check_rubrics_refuses_a_broken_table_in_one_line_naming_the_rubric(chan
     assert str(refused.value) == message
 
 
-def test_judge_prompts_refuses_on_import_a_table_whose_weights_do_not_sum_to_1(tmp_path):
+def test_check_rubrics_runs_on_import_so_a_table_whose_weights_do_not_sum_to_1_cannot_load(
+    tmp_path,
+):
     """The check runs where the table is declared: a fork that edits one weight cannot import the module."""
     source = (HERE / "judge_prompts.py").read_text()
     assert source.count('"weight": 0.40') == 1  # c

@@ -939,3 +939,41 @@ def test_draw_plot_puts_whole_steps_on_every_x_axis_of_a_short_run(one_step_run)
                 drawn += 1
         plt.close("all")
     assert drawn >= 5
+
+
+LOADED = (
+    "import atexit, runpy, sys\n"
+    "def said():\n"
+    "    names = sorted(m for m in sys.modules if m.split('.')[0] in ('tools', 'stratagem'))\n"
+    "    trainer = sys.modules.get('stratagem')\n"
+    "    print(names, getattr(trainer, '__name__', None), file=sys.stderr)\n"
+    "atexit.register(said)\n"
+    "sys.argv = ['stratagem.py', *sys.argv[1:]]\n"
+    "runpy.run_path('stratagem.py', run_name='__main__')\n"
+)
+
+
+def imported_by(*argv: str) -> tuple[list[str], str | None]:
+    """The modules of tools/ and the trainer that `python stratagem.py ARGV` has loaded when it exits,
+    and the __name__ of the module `import stratagem` finds (the script's own: __main__)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADED, *argv],
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
+    names, trainer = proc.stderr.strip().splitlines()[-1].rsplit(" ", 1)
+    return json.loads(names.replace("'", '"')), trainer
+
+
+def test_main_loads_no_tool_for_help_or_a_run_and_a_tool_shares_the_loaded_trainer():
+    """--help and a run (here --dry-run) load no module of tools/; a command loads its own module only,
+    and its `import stratagem` finds the trainer already loaded as the script, not a second copy."""
+    for argv in (["--help"], ["--dry-run"]):
+        assert imported_by(*argv) == (["stratagem"], "__main__"), argv
+    assert imported_by("show", "--help") == (
+        ["stratagem", "tools", "tools.runs", "tools.show"],
+        "__main__",
+    )
