@@ -500,15 +500,10 @@ def reasoning_text(response: str) -> str:
 
 
 def reasoning_key(response: str) -> str:
-    """What same_reasoning compares of a response: its reasoning (reasoning_text: the move left
-    out) in lower case, its spacing collapsed and every number made "#"."""
+    """What two responses must share to reason alike: the reasoning (reasoning_text: the move left
+    out) in lower case, its spacing collapsed and every number made "#" (so "I take cell 4" and "I
+    take cell 2" are the same reasoning)."""
     return re.sub(r"\d+", "#", " ".join(reasoning_text(response).lower().split()))
-
-
-def same_reasoning(a: str, b: str) -> bool:
-    """Two responses that reason alike: their reasoning (reasoning_text: the move left out) equal once case,
-    spacing and numbers are set aside (so "I take cell 4" and "I take cell 2" are the same reasoning)."""
-    return reasoning_key(a) == reasoning_key(b)
 
 
 def stagnant(observations: list[str], responses: list[str]) -> bool:

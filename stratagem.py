@@ -1276,19 +1276,32 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
     if chosen is None or "fresh" in chosen:  # none kept, or measured already (a finished run)
         return
     n = args.best_eval_n or 5 * args.eval_n
-    print(f"best/ (step {chosen['step']}): {n} fresh games per id vs random ...", flush=True)
+    first_last = first_last_ids(args.eval_first_last, args.eval_games)
+    games = schedule(run.eval_games, n, FreshSeeds(args.seed), first_last)
+    why = f"--best-eval-n {n}" if args.best_eval_n else f"5 x --eval-n {args.eval_n}"
+    print(  # the start line's words: watch.evaluations
+        f"best/ (step {chosen['step']}): {n} fresh games per id vs random, {len(games)} in "
+        f"all ({why}) ...",
+        flush=True,
+    )
     best = load_policy(str(run.out / "best"), run.device)[0]
     policy = run.policy
     if isinstance(policy, HFPolicy):
         policy = HFPolicy(best, run.tokenizer, args, run.device)
     policy.sync(best)  # vLLM: the run is over, its engine plays the kept policy
     rules = dataclasses.replace(args.rules, max_turns=args.eval_max_turns)
-    first_last = first_last_ids(args.eval_first_last, args.eval_games)
     opponent = RandomPlayer(random.Random(f"fresh:{args.seed}"))
-    games = schedule(run.eval_games, n, FreshSeeds(args.seed), first_last)
+    lines = watch.Lines("best/: fresh games", len(games), "games")  # off a terminal
     with torch.random.fork_rng(), watch.Games("best/: fresh games", len(games)) as bar:
         torch.manual_seed(args.seed)
-        records = play_matches(policy, run.tokenizer, opponent, games, rules, args.num_envs, bar)
+
+        def finished(done: int) -> None:  # a bar on a terminal, a line now and then off one
+            bar(done)
+            lines(done)
+
+        records = play_matches(
+            policy, run.tokenizer, opponent, games, rules, args.num_envs, finished
+        )
     lifecycle.write_best(run.out, {**chosen, "fresh": summarize_matches(records)})
 
 

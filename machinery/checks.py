@@ -9,7 +9,7 @@ from pathlib import Path
 
 from machinery import UserError, flags, opponents
 from machinery.distributed import pick_device
-from machinery.openai_api import check_base_url
+from machinery.openai_api import check_base_url, check_env_base_url
 
 
 def validate(args, context: int | None, warm_start: Path) -> None:
@@ -57,6 +57,10 @@ def validate(args, context: int | None, warm_start: Path) -> None:
         raise UserError("--keep-best keeps the best evaluated policy: give --eval-every N")
     if args.best_eval_n and not args.keep_best:
         raise UserError("--best-eval-n sizes the kept best's fresh evaluation: give --keep-best")
+    if args.eval_every:
+        check_eval_opponent(args.eval_opponent, args.error_allowance, "--eval-opponent")
+    if args.keep_best and args.eval_opponent != "random":
+        raise UserError(KEEP_BEST[args.eval_opponent])
     if args.keep_best and args.lora_rank:
         raise UserError(
             "--keep-best keeps whole models; with --lora-rank, merge a checkpoint: stratagem.py merge-lora"
@@ -74,7 +78,35 @@ def validate(args, context: int | None, warm_start: Path) -> None:
             f"the warm start {warm_start} is missing: python stratagem.py warmstart {warm_start}"
         )
     check_base_url(args.judge_base_url, "--judge-base-url")
+    if args.asked and args.judge_kind.requests:  # what the start line says and config.json records
+        check_env_base_url(args.judge_base_url, "--judge openai", "--judge-base-url")
     pick_device(args.device)  # an unknown device, or a GPU that is not there, fails before any work
+
+
+# --keep-best keeps the policy of the highest evaluation win rate: against each opponent but random, why that
+# picks nothing.
+KEEP_BEST = {
+    "minimax": (
+        "--keep-best keeps the policy of the highest win rate, and against --eval-opponent minimax no policy "
+        "ever wins (a draw is the best there is), so it would keep step 0 whatever is learned: use "
+        "--eval-opponent random"
+    ),
+    "best-response": (
+        "--keep-best keeps the policy of the highest win rate, which with --eval-opponent best-response is "
+        "the random player's games', not the exploitability it measures: use --eval-opponent random"
+    ),
+}
+
+
+def check_eval_opponent(opponent: str, error_allowance: int, flag: str) -> None:
+    """best-response reads the model's answers in the deciding round as its moves: with an error allowance,
+    an answer the game refused and asked again would be read as a move the model played (and lost with)."""
+    if opponent == "best-response" and error_allowance:
+        raise UserError(
+            f"{flag} best-response reads each of the model's answers as a move of its play; with "
+            f"--error-allowance {error_allowance} an answer the game refused and asked again would count as "
+            "one: pass --error-allowance 0"
+        )
 
 
 def unread(args, names: set[str], reader: str) -> None:

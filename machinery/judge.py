@@ -26,6 +26,7 @@ from pathlib import Path
 import judge_prompts
 from machinery import UserError, runfiles
 from machinery.openai_api import (
+    OPENAI_BASE,
     JudgeFailure,
     chat,
     check_reachable,
@@ -46,7 +47,8 @@ class JudgeFlags:
     NOT the paper's)"""
     judge_base_url: str = ""
     """OpenAI-compatible base URL, e.g. http://localhost:8000/v1 (default:
-    api.openai.com); the key comes from OPENAI_API_KEY"""
+    api.openai.com; never OPENAI_BASE_URL, which is refused); the key comes
+    from OPENAI_API_KEY"""
     judge_max_tokens: int = 1024
     """longest judge reply (leave room for models that think before the
     JSON)"""
@@ -198,8 +200,8 @@ class HeuristicJudge:
         r"outcome\w*|if|then|compare\w*)\b",
         re.IGNORECASE,
     )
-    _STRUCTURE = re.compile(
-        r"(^\s*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)",
+    _STRUCTURE = re.compile(  # [^\S\n]: blank space within the line, so no match tries more than one line start
+        r"(^[^\S\n]*(\d+[.)]|[-*])\s|\b(first|second|next|finally|therefore|step)\b)",
         re.IGNORECASE | re.MULTILINE,
     )
     _REASON = re.compile(
@@ -269,7 +271,7 @@ class HeuristicJudge:
 
     @staticmethod
     def _repeated(texts: list[str]) -> bool:
-        """Some turn reasons as an earlier one did (judge_prompts.same_reasoning), in one pass over the turns:
+        """Some turn reasons as an earlier one did (an equal judge_prompts.reasoning_key), in one pass over the turns:
         each turn's reasoning_key once, in a set."""
         return len({judge_prompts.reasoning_key(x) for x in texts}) < len(texts)
 
@@ -400,7 +402,7 @@ class OpenAIJudge:
     @staticmethod
     def words(args) -> str:
         """What the start line and the plan call this judge: its model and where it is asked."""
-        return f"{args.judge_model} at {args.judge_base_url or 'https://api.openai.com/v1'}"
+        return f"{args.judge_model} at {args.judge_base_url or OPENAI_BASE}"
 
     @staticmethod
     def prices(args) -> tuple[float, float]:
@@ -459,7 +461,7 @@ class OpenAIJudge:
 
     @property
     def url(self) -> str:
-        return f"{(self.base_url or 'https://api.openai.com/v1').rstrip('/')}/chat/completions"
+        return f"{(self.base_url or OPENAI_BASE).rstrip('/')}/chat/completions"
 
     def _probe(self, served: list[str] | None, structured: bool) -> tuple[str, list[int]]:
         """Up to PROBES probe requests until one reply is a verdict: (" at try k of N" or "", tokens spent)."""
@@ -491,7 +493,7 @@ class OpenAIJudge:
                 )
                 what = e.detail if status else f"{e.kind.replace('_', ' ')} ({e.detail or e.kind})"
                 what += f"; {PROBES} replies tried" if e.kind in ANSWERED else ""
-                base = self.base_url or "https://api.openai.com/v1"
+                base = self.base_url or OPENAI_BASE
                 hint = probe_hint(
                     e.kind, status, base, self.name, served, self.args.judge_max_tokens
                 )

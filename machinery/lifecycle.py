@@ -189,7 +189,7 @@ def preflight(args, pieces: Pieces) -> Start | None:
     device = pick_device(args.device, dist.local_rank)
     threads = pick_threads(device)  # torch's intra-op threads: OMP_NUM_THREADS, else half the cores
     requested = args.backend
-    args.backend, engine = pick_backend(args.backend, device)  # config.json records the engine
+    args.backend, engine = pick_backend(args.backend, device)  # config.json: open_run_files
     if args.resume and dist.main:  # another job may be in the middle of a save: refused first
         runfiles.check_not_in_use(out)
     ckpt = None  # a LoRA run's checkpoint holds its adapter in place of the model
@@ -320,6 +320,7 @@ def restore(run: Run, ckpt: Path) -> dict:
     args, model = run.args, run.model
     state = load_finite(ckpt / "trainer_state.pt", runfiles.TRAINER_STATE)
     own = load_finite(ckpt / f"rank{run.dist.rank}.pt", runfiles.RANK_STATE)
+    check_state(run, ckpt, state, own)
     run.baselines, run.start, run.elapsed = state["baselines"], state["step"], state["elapsed"]
     recent = state.get("recent", [])  # a checkpoint written before it was kept has none
     run.recent = [dict(zip(("phi", "psi"), r)) if isinstance(r, list) else r for r in recent]
@@ -340,6 +341,87 @@ def restore(run: Run, ckpt: Path) -> dict:
     return state
 
 
+# The optimizer's settings a checkpoint's param_groups carry, which torch's load_state_dict would put
+# in place of those this run's flags give (--lr, --adam-betas) and make_optimizer's.
+OPTIMIZER_SETTINGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def state_problems(run: Run, state: dict) -> list[str]:
+    """What trainer_state.pt holds that this run's own flags and the checkpoint's step contradict, in
+    words naming each field: the past pool and the baselines per opponent kind (machinery/opponents.py),
+    beta where it is fixed or outside --beta-min/--beta-max, the judge's totals of a run with no judge
+    (or none where it has one, or below 0), the seconds spent, --distill's heads, the optimizer's
+    settings against the flags'."""
+    args, bad = run.args, []
+    bad.append(opponents.pool_problem(args, state, state["step"], run.model))
+    bad.append(opponents.baselines_problem(args, state["baselines"]))
+    if "beta" in state:  # a checkpoint written before it was kept has none: adaptive_beta.resumed
+        beta, low, high = state["beta"], args.beta_min, args.beta_max
+        if not args.beta_share and beta is not None:
+            bad.append(f"'beta' is {beta:g}, but this run's beta is fixed (no --beta-share)")
+        elif args.beta_share and not (beta is not None and low <= beta <= high):
+            bad.append(
+                f"'beta' is {beta}, not in this run's [--beta-min, --beta-max] = [{low}, {high}]"
+            )
+    totals = state["judge_totals"]
+    if bool(args.asked) != (totals is not None):
+        has = (
+            "a judge's totals, but this run asks no judge"
+            if totals is not None
+            else "null, but this run asks a judge"
+        )
+        bad.append(f"'judge_totals' is {has}")
+    elif totals and min(totals.values()) < 0:
+        key = min(totals, key=totals.get)
+        bad.append(f"'judge_totals' holds {key[:40]!r} {totals[key]:g}, below 0")
+    if state["elapsed"] < 0:
+        bad.append(f"'elapsed' is {state['elapsed']:g} seconds, below 0")
+    if (state.get("distill") is not None) != bool(args.distill):
+        bad.append(
+            "'distill' is null, but this run has --distill"
+            if args.distill
+            else "'distill' holds --distill's heads, but this run has no --distill"
+        )
+    saved = state["optimizer"]["param_groups"]
+    if isinstance(saved, list) and len(saved) == len(run.optimizer.param_groups):
+        for group, mine in zip(saved, run.optimizer.param_groups):
+            for key in OPTIMIZER_SETTINGS:
+                if isinstance(group, dict) and key in group and not same(group[key], mine[key]):
+                    bad.append(f"'optimizer' has {key} {group[key]}, but this run's is {mine[key]}")
+    return [b for b in bad if b]
+
+
+def same(a, b) -> bool:
+    """Two optimizer settings alike (a tuple saved may come back a list)."""
+    return (list(a) if isinstance(a, tuple | list) else a) == (
+        list(b) if isinstance(b, tuple | list) else b
+    )
+
+
+def rank_problems(run: Run, own: dict) -> list[str]:
+    """What rank<r>.pt holds that this run contradicts: game lengths of a game it does not play, or
+    outside what --max-turns lets a game last (a game's moves, both seats', are at most --max-turns)."""
+    most = getattr(run.args, "max_turns", math.inf)
+    for game, length in own["lengths"].items():
+        if game not in run.games:
+            return [f"'lengths' holds {game[:80]!r}, a game this run does not play (--games)"]
+        if not 1 - 1e-6 <= length <= most + 1e-6:  # an average of whole games' moves
+            return [f"'lengths' holds {length:g} moves for {game}, outside [1, --max-turns {most}]"]
+    return []
+
+
+def check_state(run: Run, ckpt: Path, state: dict, own: dict) -> None:
+    """Every field of the checkpoint's run state checked against this run's own flags and step before
+    anything trains (what the schema, runfiles.TRAINER_STATE, cannot see): the first contradiction is
+    one line naming the file and the field. Nothing is rebuilt in place of what is wrong."""
+    for path, problems in (
+        (ckpt / "trainer_state.pt", state_problems(run, state)),
+        (ckpt / f"rank{run.dist.rank}.pt", rank_problems(run, own)),
+    ):
+        if problems:
+            raise UserError(f"--resume: {path}: {problems[0]}; restore it")
+
+
 def open_run_files(run: Run, start: Start, state: dict | None) -> None:
     """Rank 0: the logs replayed to the checkpoint on a resume, the reporter, config.json, and the
     judge's runner with its cache and ledger."""
@@ -356,7 +438,10 @@ def open_run_files(run: Run, start: Start, state: dict | None) -> None:
     if start.reporter is not None:
         start.reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it
     run.reporter = start.reporter
-    if changes := runfiles.write_config(out, flags.as_config(args), run.start):
+    config = flags.as_config(args)
+    if pick_backend("auto", start.device)[1] == start.engine:  # --backend auto took it: a resume
+        config["backend"] = "auto"  # chooses again, and says why in the first run's words
+    if changes := runfiles.write_config(out, config, run.start):
         print(changes, flush=True)
     if start.judge is None:
         return

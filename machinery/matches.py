@@ -143,7 +143,10 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def summarize_matches(records: list[dict]) -> dict:
-    """Per game and seat (and 'both'): n, counts and rates with 95 % intervals of win/draw/loss/invalid."""
+    """Per game and seat (and 'both'): n, counts and rates with 95 % intervals of win/draw/loss, of the
+    games the model lost on an invalid move (invalid, among its losses) and of those the opponent lost on
+    one (opponent_invalid, among the model's wins: a win the model did not play for). Each record's outcome
+    is stratagem.settle's, as in training."""
     table: dict = {}
     for game in dict.fromkeys(r["game"] for r in records):
         for seat in ("seat0", "seat1", "both"):
@@ -156,8 +159,8 @@ def summarize_matches(records: list[dict]) -> dict:
                 "n": len(rows),
                 "turns_mean": sum(r["turns"] for r in rows) / len(rows) if rows else 0.0,
             }
-            for key in ("win", "draw", "loss", "invalid"):
-                k = sum(r["invalid"] if key == "invalid" else r["outcome"] == key for r in rows)
+            for key in ("win", "draw", "loss", "invalid", "opponent_invalid"):
+                k = sum(bool(r.get(key)) if "invalid" in key else r["outcome"] == key for r in rows)
                 cell[key] = {
                     "count": k,
                     "rate": k / len(rows) if rows else 0.0,

@@ -11,7 +11,9 @@ The learner (bytes; P parameters, T of them trained: all of them in full fine-tu
                  per layer with --gradient-checkpointing plus one layer recomputed; and the head: 12 bytes per
                  vocabulary entry and response token (bf16 logits, their scaled copy, fp32 log-softmax)
 Under torchrun FSDP2 shards weights, gradients and Adam over the ranks. With --kl-coef the frozen initial policy adds
-its weights again.
+its weights again, and so does the frozen copy that plays a past share of --opponents; that share's pool holds
+--past-pool fp32 snapshots of the trained weights 4T each in host memory, and every checkpoint carries them beside
+the weights and Adam's moments (plan_lines says both).
 vLLM (--backend vllm, colocated): --vllm-gpu-memory-utilization of the device while it generates (its bf16 weights
 2P, the rest mostly KV cache); asleep while the learner steps (level 1: weights to host memory, KV cache freed).
 A step's peak is the largest of three phases: generating (learner weights and Adam + vLLM's share), learning
@@ -193,9 +195,12 @@ def project(
     gpu: bool,
     world: int = 1,
     reference: int = 0,
+    snapshots: int = 0,
 ) -> dict:
     """The learner's bytes per device, by part (see the module's docstring); `reference`: the frozen
-    copies of the model beside it (--kl-coef's reference, --opponents' past policies)."""
+    copies of the model beside it (--kl-coef's reference, --opponents' past policies); `snapshots`:
+    the past pool's copies of the trained weights in host memory. Also a checkpoint's bytes on disk
+    (the weights a checkpoint saves, fp32, Adam's moments and the pool)."""
     p = parameters(shape)
     t = adapter_parameters(shape, lora_rank, lora_targets) if lora_rank else p
     h, i, layers, vocab = (
@@ -223,6 +228,9 @@ def project(
         "activations": recomputed if checkpointing else full,
         "activations_other": full if checkpointing else recomputed,
         "reference": reference * weights / world,
+        "pool": snapshots * 4 * t,  # host memory, one process (--opponents plays on one)
+        "checkpoint": (4 + 8 + 4 * snapshots)
+        * t,  # the weights saved (LoRA: its adapter), Adam, the pool
         "vllm_weights": 2 * p,
         "kv_per_token": 2 * layers * kv * 2,  # K and V, bf16
         "sequence_tokens": PROMPT_TOKENS + max_new_tokens,
@@ -230,10 +238,11 @@ def project(
 
 
 def of_run(args, shape: dict, micro_batch: int, checkpointing: bool, gpu: bool, world: int) -> dict:
-    """`project` with a run's flags (LoRA, --max-new-tokens, --kl-coef, a past share of --opponents), at
-    this micro-batch and checkpointing."""
+    """`project` with a run's flags (LoRA, --max-new-tokens, --kl-coef, a past share of --opponents and
+    its pool), at this micro-batch and checkpointing."""
     past = "past" in opponents.parse(getattr(args, "opponents", "self=1"))  # spyrl.py has none
     targets, frozen = args.lora_targets.split(","), bool(args.kl_coef) + past
+    snapshots = (getattr(args, "past_pool", 0) or opponents.PAST_POOL) if past else 0
     return project(
         shape,
         args.lora_rank,
@@ -244,6 +253,7 @@ def of_run(args, shape: dict, micro_batch: int, checkpointing: bool, gpu: bool, 
         gpu,
         world,
         frozen,
+        snapshots,
     )
 
 
@@ -363,14 +373,26 @@ def choose(
     return size, on, f"micro-batch {size} (auto: {why}), gradient checkpointing {checkpointing}"
 
 
+def bounded(args, world: int) -> str | None:
+    """A --micro-batch-size number above the batch per rank clamped to it: a step's transitions per rank (what
+    --batch-size asks) are all a micro-batch can hold, so a larger number sizes no memory the run uses, and the
+    projection never counts one. Returns the line that says so (None where nothing was clamped)."""
+    per_rank, given = math.ceil(args.batch_size / world), args.micro_batch_size
+    if given == "auto" or given <= per_rank:
+        return None
+    args.micro_batch_size = per_rank
+    return f"micro-batch {per_rank} (--micro-batch-size {given} clamped: at most the batch per rank, {per_rank})"
+
+
 def fit(
     args, shape: dict | None, device, world: int, cuda_total: float | None, requested: str
 ) -> str | None:
     """--micro-batch-size auto resolved for the run's own device (target's, else this CPU's free RAM, at most
     CPU_MOST): args.micro_batch_size set, and args.gradient_checkpointing where it is needed. Returns the line that
-    says which and why (None where the micro-batch was a number); a shape unknown before the model loads: 1."""
+    says which and why (None where the micro-batch was a number it leaves alone; a number above the batch per rank
+    is clamped to it, bounded's line); a shape unknown before the model loads: 1."""
     if args.micro_batch_size != "auto":
-        return None
+        return bounded(args, world)
     shape, why = checked(args, shape)
     if shape is None:
         args.micro_batch_size = 1
@@ -397,10 +419,14 @@ def plan_lines(
     """--dry-run's memory lines: the learner by part, vLLM's share, and the verdict for the device (target's: a
     GPU, or --device-memory's card) or, on a CPU without --device-memory, for 24 / 48 / 80 / 141 GB cards (vLLM
     their engine unless --backend hf was `requested`). With --micro-batch-size auto, what auto chooses: for the
-    device, a line that says which and why; in the cards' table, each card's."""
+    device, a line that says which and why; in the cards' table, each card's. A --micro-batch-size above the batch
+    per rank is clamped first (bounded). Every copy of the weights the flags ask for is counted: the frozen ones on
+    the device, the past pool's snapshots in host memory (against this machine's free RAM), and the checkpoint that
+    carries them."""
+    clamped = bounded(args, world)
     shape, why = checked(args, shape)
     if shape is None:
-        return [f"memory: {why}: no projection"]
+        return [*filter(None, [clamped]), f"memory: {why}: no projection"]
     one = target(args, device, device_total, requested)
     vllm = requested != "hf"  # the cards': a GPU's engine
     utilisation = one["utilisation"] if one else args.vllm_gpu_memory_utilization if vllm else None
@@ -446,8 +472,7 @@ def plan_lines(
             f"bf16 weights {gb(m['vllm_weights'])}, the rest KV cache at {m['kv_per_token'] / 2**10:,.0f} KiB a "
             "token); asleep while the learner steps"
         )
-    if line:
-        lines.append(line)
+    lines += copies_lines(m) + [x for x in (line, clamped) if x]
     if one is None and device.type == "cpu":
         lines.append(cpu_line(args, shape, world))
     verdicts = []
@@ -468,6 +493,21 @@ def plan_lines(
         )
         verdicts.append(f"{name}: {how}{said} (peak {gb(v['peak'])} of {gb(total)}{room})")
     return lines + ["will it fit? " + "; ".join(verdicts)]
+
+
+def copies_lines(m: dict) -> list[str]:
+    """--dry-run: the copies of the weights beyond the device's that a past share of --opponents asks for: the
+    pool's snapshots in host memory (against this machine's free RAM), and the checkpoint that carries them."""
+    if not m["pool"]:
+        return []
+    free = free_memory()
+    said = "fits" if m["pool"] <= free else "does NOT fit"
+    return [
+        f"host memory: the past pool {gb(m['pool'])} GiB ({m['pool'] // (4 * m['trained']):.0f} fp32 snapshots "
+        f"of the trained weights, --past-pool): {said} this machine's {gb(free)} GiB free now",
+        f"disk: a checkpoint {gb(m['checkpoint'])} GiB (the weights it saves, Adam's moments and the past pool's "
+        "snapshots)",
+    ]
 
 
 def cpu_line(args, shape: dict, world: int) -> str:

@@ -66,6 +66,23 @@ def check_base_url(url: str, what: str) -> None:
         )
 
 
+OPENAI_BASE = "https://api.openai.com/v1"  # where a request goes when no base URL is given
+
+
+def check_env_base_url(base_url: str, what: str, how: str) -> None:
+    """OPENAI_BASE_URL in the environment, where no base URL is given, is refused in one line: the `openai`
+    client would send every request, and the API key, there, while the start line, the plan and config.json
+    say api.openai.com, and a resume from a shell without it would change judge unsaid. `how` says where a
+    base URL is given (a base URL is only ever taken from there)."""
+    env = os.environ.get("OPENAI_BASE_URL", "")
+    if not base_url and env and env.rstrip("/") != OPENAI_BASE:
+        raise UserError(
+            f"{what}: OPENAI_BASE_URL is set ({clipped(env, 120)}), but requests go only to a base URL given "
+            f"({how}), else to {OPENAI_BASE}, so that what is said and recorded is where the API key goes: "
+            "give that URL there, or unset OPENAI_BASE_URL"
+        )
+
+
 # The longest the client waits before a retry: a server's Retry-After is honoured up to this, and
 # the backoff without one is at most 8 s (machinery/judge_http.py, where the retries are made).
 # judge_seconds, and so --dist-timeout's default, count it.
@@ -84,6 +101,7 @@ def openai_client(base_url: str, timeout: float, retries: int, what: str, max_to
     from machinery.judge_http import BoundedClient, max_reply_bytes
 
     check_base_url(base_url, f"{what}: the base URL")
+    check_env_base_url(base_url, what, "--judge-base-url, or openai:MODEL@BASE_URL")
     key = os.environ.get("OPENAI_API_KEY")
     if not key and not base_url:
         raise UserError(
@@ -91,7 +109,7 @@ def openai_client(base_url: str, timeout: float, retries: int, what: str, max_to
         )
     return openai.OpenAI(
         api_key=key or "EMPTY",
-        base_url=base_url or None,
+        base_url=base_url or OPENAI_BASE,  # never None: openai would read OPENAI_BASE_URL
         timeout=timeout,
         max_retries=0,  # BoundedClient retries: openai's own retries change between its releases
         http_client=BoundedClient(max_reply_bytes(max_tokens), retries, RETRY_WAIT_MAX),
@@ -169,10 +187,10 @@ def came_back(e) -> str:
     return f"HTTP {e.status_code}" + (f": {text}" if text else "")
 
 
-def chat(client, **request) -> tuple[str, int, int]:
+def chat(client, *, cut_ok: bool = False, **request) -> tuple[str, int, int]:
     """One chat completion -> (reply, prompt tokens, completion tokens); a failure is a JudgeFailure whose
     kind names it: timeout, too_large, encoded, connection, rate_limit, server_error, http_NNN, bad_response,
-    empty or finish_* (see chat_reply)."""
+    empty or finish_* (see chat_reply; `cut_ok`: a reply that did not stop by itself is a reply too)."""
     import openai as oa
 
     from machinery.judge_http import ReplyEncoded, ReplyTooLarge
@@ -199,19 +217,20 @@ def chat(client, **request) -> tuple[str, int, int]:
         raise JudgeFailure(
             kind, came_back(e) if isinstance(e, oa.APIStatusError) else str(e)
         ) from None
-    return chat_reply(resp)
+    return chat_reply(resp, cut_ok)
 
 
 # The finish reasons OpenAI documents besides "stop"; any other (or none at all) is "finish_other".
 FINISH_KINDS = ("length", "content_filter", "tool_calls", "function_call")
 
 
-def chat_reply(resp) -> tuple[str, int, int]:
+def chat_reply(resp, cut_ok: bool = False) -> tuple[str, int, int]:
     """(reply, prompt tokens, completion tokens), checked field by field: `openai` does not validate what it
     builds, so an HTTP 200 with a broken body (an HTML page, `choices` not a list, `content` a list of
     parts, usage not a count) arrives as odd types. Each is a `bad_response` failure, never an exception.
     A reply that did not finish by itself (finish_reason not "stop": cut off by the token limit, a content
-    filter) is a failure of its own kind, finish_length, finish_content_filter, ..., whatever it holds."""
+    filter) is a failure of its own kind, finish_length, finish_content_filter, ..., whatever it holds, unless
+    `cut_ok` (a player's move, read from whatever it wrote, as the policy's is: an empty one too)."""
     usage = getattr(resp, "usage", None)
     counts = [getattr(usage, k, None) or 0 for k in ("prompt_tokens", "completion_tokens")]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
@@ -228,7 +247,7 @@ def chat_reply(resp) -> tuple[str, int, int]:
         raise JudgeFailure("empty", tokens=tokens)
     finish = getattr(choices[0], "finish_reason", None)
     if (
-        finish != "stop"
+        finish != "stop" and not cut_ok
     ):  # cut off (length) or filtered: whatever JSON it holds may be quoted, not the verdict
         raise JudgeFailure(
             f"finish_{finish}" if finish in FINISH_KINDS else "finish_other",
@@ -240,7 +259,7 @@ def chat_reply(resp) -> tuple[str, int, int]:
         raise JudgeFailure(
             "bad_response", f"content is not a string: {clipped(repr(content), 80)}", tokens
         )
-    if not content:
+    if content is None or not (content or cut_ok):  # a player may say nothing: a move of its own
         raise JudgeFailure("empty", tokens=tokens)
     return content, *tokens
 

@@ -87,11 +87,16 @@ def baseline_key(t) -> str:
 
 
 def words(shares: dict, every: int, size: int, steps: list[int]) -> str:
-    """The mix in words: each kind's share, the past pool's rhythm and what it holds (`steps`)."""
+    """The mix in words: each kind's share, the past pool's rhythm, what it holds (`steps`) and when
+    its next snapshot comes, in the same words for a fresh run and a resumed one (a resumed run's
+    pool may still hold the initial policy alone: snapshots come every `every` steps)."""
     said = {"self": "the policy itself", "random": "the random legal player"}
-    held = ", ".join(map(str, steps)) + (", the initial policy" if steps == [0] else "")
+    held = ", ".join(f"{s}{' (the initial policy)' if s == 0 else ''}" for s in steps)
+    last = steps[-1] if steps else 0  # no past share: no pool, and these words go unsaid
+    following = last - last % every + every  # snapshots come at the multiples of `every`
     said["past"] = (
-        f"a past policy (a snapshot every {every} steps, the newest {size} kept; now step {held}; "
+        f"a past policy (a snapshot every {every} steps, the newest {size} kept; the pool holds "
+        f"step{'' if len(steps) == 1 else 's'} {held}; the next snapshot at step {following}; "
         "one more copy of the model in memory, the snapshots on the CPU; with vLLM the engine takes "
         "a past policy's weights for its turns)"
     )
@@ -165,7 +170,8 @@ class Versus:
                 if getattr(run.policy, "own_weights", False)  # vLLM: its engine holds a copy
                 else type(run.policy)(self.frozen, run.tokenizer, args, run.device)
             )
-            self.pool = restored(state, run.model) if state else [(0, trainable(run.model))]
+            fresh = [(0, trainable(run.model))]
+            self.pool = restored(state, run.model) if state is not None else fresh
             self.members = [Past(self, k) for k in range(len(self.pool))]
             self.loaded = None
         if run.dist.main:
@@ -223,12 +229,12 @@ class Versus:
         return {"steps": [s for s, _ in self.pool], "weights": [w for _, w in self.pool]}
 
 
-def restored(state: dict, model: torch.nn.Module) -> list[tuple[int, dict]]:
-    """A checkpoint's pool, each snapshot checked against the model's trainable weights (names,
-    shapes, dtypes) before it is used; anything else is one line."""
+def fits(state: dict, model: torch.nn.Module) -> bool:
+    """A saved pool holds as many snapshots as steps, each step a number >= 0 and each snapshot
+    the model's trainable weights (their names, shapes and dtypes)."""
     want = {n: (p.shape, p.dtype) for n, p in model.named_parameters() if p.requires_grad}
     steps, weights = state.get("steps"), state.get("weights")
-    fits = (
+    return (
         isinstance(steps, list)
         and isinstance(weights, list)
         and len(steps) == len(weights) >= 1
@@ -242,6 +248,88 @@ def restored(state: dict, model: torch.nn.Module) -> list[tuple[int, dict]]:
             for w in weights
         )
     )
-    if not fits:
+
+
+def restored(state: dict, model: torch.nn.Module) -> list[tuple[int, dict]]:
+    """A checkpoint's pool, each snapshot checked against the model's trainable weights (names,
+    shapes, dtypes) before it is used; anything else is one line."""
+    if not fits(state, model):
         raise UserError("--resume: the checkpoint's past pool does not fit this model; restore it")
-    return list(zip(steps, weights))
+    return list(zip(state["steps"], state["weights"]))
+
+
+def kept(every: int, size: int, step: int) -> list[int]:
+    """The steps of the snapshots a pool holds after `step` steps: the initial policy (0) and every
+    `every`-th step since, the newest `size` of them (Versus.snapshot's rule)."""
+    return [0, *range(every, step + 1, every)][-size:]
+
+
+def shown(steps: list) -> str:
+    """A list of steps in a line of bounded length: '0, 1, 2' or '0, 1, ..., 49 (50 in all)'."""
+    if len(steps) <= 6:
+        return ", ".join(map(str, steps))
+    return f"{steps[0]}, {steps[1]}, ..., {steps[-1]} ({len(steps)} in all)"
+
+
+def pool_problem(args, saved: dict, step: int, model: torch.nn.Module) -> str | None:
+    """What is wrong with a checkpoint's 'past_pool' (in `saved`, its trainer_state.pt) for a run of
+    these flags resumed at `step`, in words naming the field; None where it is the pool such a run
+    holds: null without a past share, else the snapshots of the steps `kept` names, each fitting
+    the model. A pool is never rebuilt in place of one that is missing or wrong: the opponents a
+    resumed run plays would silently not be the ones it saved."""
+    spec = getattr(args, "opponents", "self=1")
+    pool, past = saved.get("past_pool"), "past" in parse(spec)
+    if not past:
+        return (
+            None
+            if pool is None
+            else f"'past_pool' holds a pool, but --opponents {spec} has no past share"
+        )
+    if pool is None:
+        held = "null" if "past_pool" in saved else "missing"
+        return f"'past_pool' is {held}, but --opponents {spec} plays past policies from the pool it saves"
+    every, size = args.past_every or PAST_EVERY, args.past_pool or PAST_POOL
+    steps = pool.get("steps")
+    if not (
+        isinstance(steps, list)
+        and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+    ):
+        return "'past_pool' holds no list of snapshot steps"
+    want = kept(every, size, step)
+    if len(steps) > size:
+        why = f"{len(steps)} snapshots, more than --past-pool {size} keeps"
+    elif not steps:
+        why = "no snapshot"
+    elif max(steps) > step:
+        why = f"a snapshot of step {max(steps)}, after the checkpoint's step {step}"
+    elif any(a >= b for a, b in zip(steps, steps[1:])):
+        why = f"snapshots of steps {shown(steps)}, not increasing"
+    elif steps != want:
+        why = (
+            f"snapshots of steps {shown(steps)}, but a snapshot every {every} steps, the newest {size} "
+            f"kept, holds those of steps {shown(want)} at step {step}"
+        )
+    elif not fits(pool, model):
+        why = (
+            "snapshots that are not this model's trainable weights (their names, shapes or dtypes)"
+        )
+    else:
+        return None
+    return f"'past_pool' holds {why}"
+
+
+def baselines_problem(args, baselines: dict) -> str | None:
+    """A baseline of RAE kept against an opponent kind (a key ending in /vs-KIND) that this run does
+    not keep one for (no --opponent-baselines, or a kind of no share), in words; else None."""
+    spec = getattr(args, "opponents", "self=1")
+    kinds = set(parse(spec)) - {"self"} if getattr(args, "opponent_baselines", False) else set()
+    for key in baselines:
+        kind = key.rpartition("/vs-")[2] if "/vs-" in key else None
+        if kind is not None and kind not in kinds:
+            keeps = (
+                f"those of --opponents {spec}: {', '.join(sorted(kinds))}"
+                if kinds
+                else "none (no --opponent-baselines)"
+            )
+            return f"'baselines' holds {key[:80]!r}, but this run's baselines per opponent kind are {keeps}"
+    return None

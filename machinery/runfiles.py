@@ -60,10 +60,14 @@ RUN_FOLDERS = ("checkpoints", "tensorboard", "wandb", "best", ".best-tmp", ".bes
 
 def refuse_link(path: Path) -> None:
     if path.is_symlink():
-        raise UserError(
-            f"{path} is a symbolic link (to {os.readlink(path)}); a run never writes through a link (one planted "
-            "where it writes could make it overwrite or delete files elsewhere): remove the link"
-        )
+        raise link_error(path, os.readlink(path))
+
+
+def link_error(path: Path, target: str) -> UserError:
+    return UserError(
+        f"{path} is a symbolic link (to {target}); a run never writes through a link (one planted "
+        "where it writes could make it overwrite or delete files elsewhere): remove the link"
+    )
 
 
 def not_plain(path) -> UserError:
@@ -215,6 +219,58 @@ def atomic_file(path: Path):
 def write_atomic(path: Path, data: bytes) -> None:
     with atomic_file(path) as f:
         f.write(data)
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """A file that must not exist yet, written whole: created exclusively at the moment of writing, so that
+    whatever appeared at the name since it was checked (a file, a link planted in a shared folder) is
+    FileExistsError, never written over or through. A write that fails midway removes it again."""
+    with naming(path), open(path, "wb", opener=_new_file) as f:
+        try:
+            f.write(data)
+            f.flush()
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
+
+
+def open_folder(path: Path, follow: bool) -> int:
+    """A folder opened for write_in (its descriptor: names written there stay in this folder, whatever is renamed
+    or linked at `path` later). A link at `path` is refused in one line unless `follow` (a folder named on the
+    command line may be one; a folder inside a shared run folder may not)."""
+    try:
+        return os.open(
+            path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+        )
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.is_symlink():
+            refuse_link(path)
+        raise
+
+
+def write_in(folder: int, path: Path, data: bytes) -> None:
+    """`path`, whose folder is open as `folder` (open_folder), replaced by `data` whole or not at all: written as
+    .tmp-<name> (created exclusively, never through a link) and renamed over it. A link at the name is refused in
+    one line (a rename would only replace it, but the link is not this command's to remove)."""
+    name, tmp = path.name, f".tmp-{path.name}"
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISLNK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+            raise link_error(path, os.readlink(name, dir_fd=folder))
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=folder)  # a crash's leftover, or a link planted there
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o666,
+            dir_fd=folder,
+        )
+        with naming(path), os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=folder)
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
@@ -547,10 +603,19 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def foreign_cache(run_dir: Path, config: dict) -> str | None:
+    """The judge cache a run's config.json records, where it is not the run folder's own judge_cache.jsonl: a
+    resume reads and appends to it only where the command line names it again (saved_config)."""
+    cache = config.get("judge_cache")
+    own = os.path.abspath(run_dir / "judge_cache.jsonl")
+    return str(cache) if cache and os.path.abspath(str(cache)) != own else None
+
+
 def resume_advice(run_dir: Path | None) -> str:
     """What a stopped run says about continuing: the checkpoint it resumes from, or a fresh start, with the command
     that does it as it is to be typed (a SpyRL run is resumed by spyrl.py; a path with a space is quoted;
-    a judge URL is named again, since a resume sends the key only where the command line confirms)."""
+    a judge URL and a judge cache outside the run folder are named again, since a resume sends the key and
+    appends verdicts only where the command line confirms)."""
     if run_dir is None or not (run_dir / "config.json").exists():
         return ""
     config = read_config(run_dir)
@@ -558,6 +623,8 @@ def resume_advice(run_dir: Path | None) -> str:
     command = f"python {script} --resume --out {shlex.quote(str(run_dir))}"
     if script == "stratagem.py" and config.get("judge_base_url"):
         command += f" --judge-base-url {shlex.quote(str(config['judge_base_url']))}"
+    if script == "stratagem.py" and (cache := foreign_cache(run_dir, config)):
+        command += f" --judge-cache {shlex.quote(cache)}"
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return f" (no checkpoint yet: {command} starts it again from step 0)"

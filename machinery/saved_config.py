@@ -21,7 +21,8 @@ def saved_config(
     """With --resume, the run folder's saved config (its fields of `cls`), after the folder's checks:
     it is a run, holds no link, and is one `script` trains; its values pass their flags' checks
     (`choices`, `bounds`: stratagem.py's by default); a judge URL it records is confirmed on the
-    command line (the API key goes there). Else None."""
+    command line (the API key goes there), and so is a judge cache it records anywhere but the run
+    folder's own (the run appends to it). Else None."""
     if not explicit.get("resume"):
         return None
     if not explicit.get("out"):
@@ -53,6 +54,13 @@ def saved_config(
             f"--resume: {out / 'config.json'} sends the judge's requests, with your API key, to "
             f"{url}: if that is your judge, confirm it with --judge-base-url {shlex.quote(url)} "
             "(or name another)"
+        )
+    cache = runfiles.foreign_cache(out, config)
+    if cache and script == "stratagem.py" and "judge_cache" not in explicit:  # SpyRL has no judge
+        raise UserError(
+            f"--resume: {out / 'config.json'} keeps the judge's verdicts in {cache}, not in the run folder's "
+            "own judge_cache.jsonl, and the run would read that file and append to it: if it is your cache, "
+            f"confirm it with --judge-cache {shlex.quote(cache)}"
         )
     return config
 

@@ -101,10 +101,35 @@ def start_line(
     return visible(  # the model, the out folder and the judge URL may come from a run's config.json
         f"{script}: {'resuming' if args.resume else 'new'} run in {out} | mode {args.mode}{detail} | model {model}, "
         f"{where} | judge {judge} | steps {args.steps}, "
-        f"batch {args.batch_size} transitions | "
+        f"batch {args.batch_size} transitions{evaluations(args)} | "
         f"logs metrics.jsonl{report}",
         lines=False,
     )
+
+
+def evaluations(args) -> str:
+    """The start line's evaluations (--eval-every): their games and steps, and the work after the last
+    step (--keep-best's fresh games, their count and why that many), so that no phase of a run comes
+    unannounced. "" without --eval-every."""
+    if not getattr(args, "eval_every", 0):
+        return ""
+    every, ids = args.eval_every, len(flags.items(args.eval_games))
+    steps = list(range(every, args.steps + 1, every))
+    when = ["step 0"] if args.mode != "spyrl" else []  # stratagem's curve starts before any update
+    if steps:
+        when.append(f"every {every} step{'' if every == 1 else 's'}, the last at step {steps[-1]}")
+    said = (
+        f" | eval vs {args.eval_opponent}: {args.eval_n * ids} games ({args.eval_n} per id of {ids}) "
+        f"at {' and '.join(when) or 'no step (--eval-every is over --steps)'}"
+    )
+    if args.keep_best:
+        per = args.best_eval_n or 5 * args.eval_n
+        why = f"--best-eval-n {per}" if args.best_eval_n else f"5 x --eval-n {args.eval_n}"
+        said += (
+            f" | after the last step: best/ (the best evaluated policy) on {per * ids} fresh games "
+            f"vs random ({per} per id: {why})"
+        )
+    return said
 
 
 def step_line(m: dict, args) -> str:
@@ -164,8 +189,10 @@ def step_line(m: dict, args) -> str:
 
 def results_text(m: dict) -> str:
     """The step's games in its step line: self-play's won-drawn-lost from the first seat (the second
-    seat's are the mirror), each fixed opponent's (--opponents) from the learner's seat, and how many
-    games a move lost (an invalid move ends the game, lost by its maker)."""
+    seat's are the mirror), each fixed opponent's (--opponents) from the learner's seat, adding up to
+    the games; then how many the model lost on an invalid move (in self-play, in either seat). An
+    invalid move ends the game, a loss for its maker and a win for the other seat, as training pays
+    it (stratagem.game_result): the counts are the metrics.jsonl line's."""
     parts, lost = [], 0
     kinds = {"self-play": {g: c["player0"] for g, c in m["games"].items()}}
     kinds |= m.get("opponents", {})
@@ -209,23 +236,29 @@ def best_text(out: Path) -> str:
 
 def closing_line(out: Path, args) -> str:
     """The last line of a run: where its outputs are, and the commands a newcomer runs next on them (a SpyRL run's:
-    those that read its games, and spyrl.py to train it further)."""
+    those that read its games, and spyrl.py to train it further). Each takes minutes for the run that printed it,
+    or the line says how long: its evaluation plays the games it trained on, not every --eval-games id (a model
+    that loses each unseen game on its first move would spend most of the time there); training further takes
+    about as long as the run did."""
     run, steps, mode = shlex.quote(str(out)), args.steps, args.mode
     best = best_text(out) if args.keep_best else ""
     then = [f"python stratagem.py plot {run} --out {shlex.quote(str(out / 'plots'))}"]
+    later = ""  # what a suggested command takes where it is not minutes
     if mode == "spyrl":
+        later = f"; training it {steps} more step{'' if steps == 1 else 's'} takes about as long as these"
         then += [
             f"python stratagem.py show {run}",
             f"python spyrl.py --resume --out {run} --steps {2 * steps}",
         ]
     else:
+        trained = shlex.quote(",".join(flags.items(args.games)))
         then += [
             f"python stratagem.py show {run} --judged",
-            f"python stratagem.py eval {run} --n 20",
+            f"python stratagem.py eval {run} --games {trained} --n 20",
         ]
     return (
         f"done: {steps} step{'' if steps == 1 else 's'} in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/"
-        f"{best}). Next: " + "  |  ".join(then)
+        f"{best}){later}. Next: " + "  |  ".join(then)
     )
 
 
@@ -282,6 +315,31 @@ class Games:
 
     def __exit__(self, *exc) -> None:
         self.bar.close()
+
+
+LINE_EVERY = 30.0  # seconds between two of Lines' lines
+
+
+class Lines:
+    """Where a long phase is, in a log or a pipe, where terminal_bar draws nothing: called with the count
+    so far, it prints `desc: n/total unit, Ns, about Ns left` on stdout once LINE_EVERY seconds have
+    passed since the phase began or its last line (a phase shorter than that says nothing). On a
+    terminal (stderr a tty) it prints nothing: the bar says it."""
+
+    def __init__(self, desc: str, total: int, unit: str):
+        self.desc, self.total, self.unit, self.every = desc, total, unit, LINE_EVERY
+        self.on = not sys.stderr.isatty()
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done: int) -> None:
+        now = time.perf_counter()
+        if not self.on or not done or now - self.last < self.every:
+            return
+        self.last, spent = now, now - self.start
+        left = (
+            f", about {spent / done * (self.total - done):.0f}s left" if done < self.total else ""
+        )
+        print(f"{self.desc}: {done}/{self.total} {self.unit}, {spent:.0f}s{left}", flush=True)
 
 
 # --report-to tags: CleanRL-style namespaces for metrics.jsonl's top-level keys (`judge_x` -> `judge/x`);

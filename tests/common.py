@@ -27,8 +27,8 @@ import torch
 
 import judge_prompts
 import stratagem as S
+from machinery import distributed, opponents
 from machinery import judge as J
-from machinery import opponents
 from tools import serve_judge
 
 HERE = (
@@ -179,7 +179,7 @@ def learner(model, optimizer, args, dist=None, pad=0, reference=None):
         args=args,
         device=torch.device("cpu"),
         tokenizer=tokenizer,
-        dist=dist or S.Dist(),
+        dist=dist or distributed.Dist(),
         reference=reference,
     )
 
@@ -458,7 +458,7 @@ SMALL = [
     "--max-new-tokens",
     "16",
     "--micro-batch-size",
-    "16",
+    "12",  # the batch: a larger one is clamped to it (memory.bounded), and the start line says so
 ]
 
 

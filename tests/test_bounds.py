@@ -36,7 +36,7 @@ def every_pair_stagnant(observations: list[str], responses: list[str]) -> bool:
     """The rule as it reads: a turn reasons as an earlier one did, and their observations differ."""
     return any(
         observations[k] != observations[j]
-        and judge_prompts.same_reasoning(responses[k], responses[j])
+        and judge_prompts.reasoning_key(responses[k]) == judge_prompts.reasoning_key(responses[j])
         for k in range(1, len(responses))
         for j in range(k)
     )

@@ -509,13 +509,14 @@ def test_stagnant_is_negative_whatever_the_judge_says(judge_server, secret_key):
     )
     assert (j2.scores["d"], j2.scores["a"], j2.rule) == (1.0, 0.0, None)
     assert j3.rule is None  # nothing new was shown: repeating is not stagnation
-    assert judge_prompts.same_reasoning(
-        "I take cell 4 ", "i  take cell 12"
-    ) and not judge_prompts.same_reasoning("I take 4", "I block 4")
+    key = judge_prompts.reasoning_key
+    assert key("I take cell 4 ") == key("i  take cell 12") and key("I take 4") != key("I block 4")
 
 
-def test_same_reasoning_compares_the_reasoning_not_the_move_in_its_box():
-    same = judge_prompts.same_reasoning
+def test_reasoning_key_compares_the_reasoning_not_the_move_in_its_box():
+    def same(a: str, b: str) -> bool:
+        return judge_prompts.reasoning_key(a) == judge_prompts.reasoning_key(b)
+
     assert same(
         "Just play the move. \\boxed{[bet]}", "just play the move.  \\boxed{[check]}"
     )  # another move

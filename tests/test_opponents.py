@@ -13,6 +13,7 @@ import torch
 
 import stratagem as S
 from machinery import UserError, opponents
+from machinery.distributed import Dist
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     SMALL,
     assert_resumed_exactly,
@@ -32,6 +33,8 @@ MIX = ["--opponents", "self=0.5,past=0.25,random=0.25", "--past-every", "1"]
     "spec, why",
     [
         ("self=0.5,past=0.6", "the shares must sum to 1, got 1.1"),
+        ("self=0.5,past=0.3", "the shares must sum to 1, got 0.8"),  # below 1 too
+        ("random=0.999", "the shares must sum to 1, got 0.999"),
         ("self=1.2,random=-0.2", "random's share must be a number >= 0, got '-0.2'"),
         ("self=0.5,mirror=0.5", "unknown kind 'mirror' (kinds: self, past, random)"),
         ("self=0.5,self=0.5", "self's share is given twice"),
@@ -68,7 +71,7 @@ class Engine:
 def versus(spec: str, model=None) -> opponents.Versus:
     model = model or torch.nn.Linear(2, 2)
     args = S.Args(tiny=True, opponents=spec)
-    run_ = SimpleNamespace(args=args, dist=S.Dist(), model=model, tokenizer=None, device=None)
+    run_ = SimpleNamespace(args=args, dist=Dist(), model=model, tokenizer=None, device=None)
     run_.policy = Engine(model, None, args, None)
     return opponents.Versus(run_)
 
@@ -91,10 +94,21 @@ def test_draw_gives_each_kind_its_share_and_pure_self_play_draws_nothing():
     assert pure.draw(rng) == ("self", None, None) and rng.getstate() == before
 
 
+def test_draw_plays_every_snapshot_of_the_pool_not_only_the_newest():
+    model = torch.nn.Linear(2, 2)
+    mix = versus("past=1", model)
+    for step in (10, 20):  # --past-every 0: 10; the pool of three: steps 0, 10, 20
+        mix.snapshot(step, model)
+    rng = random.Random(1)
+    drawn = Counter(mix.draw(rng)[2].k for _ in range(3000))
+    assert sorted(drawn) == [0, 1, 2] and min(drawn.values()) > 900  # one drawn uniformly a game
+
+
 def test_snapshot_keeps_the_newest_of_the_pool_and_past_plays_a_snapshot_s_weights():
     model = torch.nn.Linear(2, 2)
     mix = versus("self=0.5,past=0.5", model)
-    assert [s for s, _ in mix.pool] == [0] and "now step 0, the initial policy" in mix.describe()
+    said = "the pool holds step 0 (the initial policy); the next snapshot at step 10;"
+    assert [s for s, _ in mix.pool] == [0] and said in mix.describe()
     first = model.weight.detach().clone()
     for step in range(1, 31):
         with torch.no_grad():
@@ -124,12 +138,29 @@ def test_restored_refuses_a_pool_that_does_not_fit_the_model():
             opponents.restored(state, model)
 
 
+def test_finish_episode_pays_the_learner_its_own_seat_s_result_against_a_fixed_opponent():
+    """A real win of the learner's (seat 1: a row the opponent in seat 0 did not block) pays it +1 and
+    is tallied as its win; the same game from seat 0 is a loss, paid -1."""
+    for seat, reward, result in ((1, 1.0, "win"), (0, -1.0, "loss")):
+        mix = versus("self=0.5,random=0.5")
+        env = S.make_env("TicTacToe-v0", 0, 0)
+        done = False
+        for move in ("[0]", "[3]", "[1]", "[4]", "[8]", "[5]"):  # Player 1 takes the middle row
+            done, _ = env.step(move)
+        assert done
+        ep = S.Episode("TicTacToe-v0", env, seat=seat, kind="random", done=done)
+        [traj] = S.finish_episode(ep, {}, S.Rules(), mix)
+        assert (traj.role, traj.reward, traj.opponent) == (seat, reward, "random")
+        cell = {"win": 0, "draw": 0, "loss": 0, "invalid": 0} | {result: 1}
+        assert mix.results == {"random": {"TicTacToe-v0": cell}}
+
+
 def test_self_play_against_the_random_player_trains_only_the_learner_s_seat(tiny):
     model, tok = fresh(tiny)
     args = S.Args(tiny=True, opponents="random=1", max_turns=6, max_new_tokens=8)
     policy = S.HFPolicy(model, tok, args, torch.device("cpu"))
     games, rng = ["TicTacToe-v0", "KuhnPoker-v1"], random.Random(3)
-    run_ = SimpleNamespace(args=args, dist=S.Dist(), model=model, policy=policy, tokenizer=tok)
+    run_ = SimpleNamespace(args=args, dist=Dist(), model=model, policy=policy, tokenizer=tok)
     run_ = SimpleNamespace(**vars(run_), device=None, games=games, rng=rng, lengths={})
     run_.versus = mix = opponents.Versus(run_)
     calls = []
@@ -197,7 +228,8 @@ def test_planned_names_the_mix_in_the_dry_run_and_says_nothing_of_pure_self_play
     said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("opponents: ")]
     assert said == [
         "opponents: 0.6 the policy itself, 0.4 a past policy (a snapshot every 10 steps, the "
-        "newest 2 kept; now step 0, the initial policy; one more copy of the model in memory, the "
+        "newest 2 kept; the pool holds step 0 (the initial policy); the next snapshot at step 10; "
+        "one more copy of the model in memory, the "
         "snapshots on the CPU; with vLLM the engine takes a past policy's weights for its turns); "
         "only the learner's seat trains against a fixed one"
     ]

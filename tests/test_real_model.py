@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,17 +67,99 @@ def test_real_model_refuses_an_altered_or_missing_gguf_by_its_sha256(
     assert "reinstall with bash envs/real-model.sh" in err and not (tmp_path / "m").exists()
 
 
+def conversion(folder: Path) -> Path:
+    """A stand-in for a finished conversion: its files, and the mark convert() writes listing them."""
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"weights" * 1000)
+    (folder / "tokenizer.json").write_text("{}")
+    mark = {"gguf_sha256": real_model.SHA256, "files": real_model.listing(folder)}
+    (folder / real_model.MARK).write_text(json.dumps(mark))
+    return folder
+
+
 def test_real_model_keeps_a_folder_it_did_not_write_and_finds_its_own_done(tmp_path, capsys):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     assert "already exists and is no conversion" in real_model_error(capsys, [str(other)])
     assert (other / "notes.txt").read_text() == "mine"
-    done = tmp_path / "done"
-    done.mkdir()
-    (done / real_model.MARK).write_text(json.dumps({"gguf_sha256": real_model.SHA256}))
+    done = conversion(tmp_path / "done")
     assert run(["real-model", str(done)]) == 0
     assert "already holds SmolLM2-135M-Instruct" in capsys.readouterr().out
+
+
+def copied_mark(folder: Path) -> None:  # the issue's: a one-line mark copied into an empty folder
+    folder.mkdir()
+    (folder / real_model.MARK).write_text(json.dumps({"gguf_sha256": real_model.SHA256}) + "\n")
+
+
+def truncated(folder: Path) -> None:
+    conversion(folder)
+    (folder / "model.safetensors").write_bytes(b"weights")
+
+
+def replaced(folder: Path) -> None:  # the same size, other bytes
+    conversion(folder)
+    (folder / "model.safetensors").write_bytes(b"WEIGHTS" * 1000)
+
+
+def unlisted(folder: Path) -> None:  # a mark that lists the config alone: no weights named
+    conversion(folder)
+    mark = json.loads((folder / real_model.MARK).read_text())
+    mark["files"].pop("model.safetensors")
+    (folder / real_model.MARK).write_text(json.dumps(mark))
+
+
+def fifo_mark(folder: Path) -> None:  # read, it would block for ever
+    conversion(folder)
+    (folder / real_model.MARK).unlink()
+    os.mkfifo(folder / real_model.MARK)
+
+
+def linked_mark(folder: Path) -> None:  # a link to a whole conversion's mark elsewhere
+    whole = conversion(folder.parent / f"{folder.name}-whole")
+    folder.mkdir()
+    (folder / real_model.MARK).symlink_to(whole / real_model.MARK)
+
+
+def huge_mark(folder: Path) -> None:  # a link to a large file must not be read whole
+    big = folder.parent / "big.bin"
+    with big.open("wb") as f:
+        f.truncate(300 << 20)  # sparse: 300 MB that take no disk
+    folder.mkdir()
+    (folder / real_model.MARK).symlink_to(big)
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (
+            copied_mark,
+            "its real-model.json lists no config.json and model.safetensors with their sizes",
+        ),
+        (truncated, "its model.safetensors is 7 bytes, not the 7000 its real-model.json lists"),
+        (replaced, "its model.safetensors is altered (not the sha256 its real-model.json lists)"),
+        (unlisted, "its real-model.json lists no config.json and model.safetensors"),
+        (
+            fifo_mark,
+            "its real-model.json is missing, or a link, a fifo or a folder rather than a plain file",
+        ),
+        (linked_mark, "its real-model.json is missing, or a link, a fifo or a folder"),
+        (huge_mark, "its real-model.json is missing, or a link, a fifo or a folder"),
+    ],
+)
+def test_real_model_calls_a_folder_done_only_when_the_files_its_mark_lists_are_whole(
+    tmp_path, capsys, make, why
+):
+    folder = tmp_path / "m"
+    make(folder)
+    before = {p.name: (p.lstat().st_mtime_ns, p.lstat().st_size) for p in folder.iterdir()}
+    err = real_model_error(capsys, [str(folder)])
+    prefix = f"stratagem: error: {folder} holds a real-model.json but no whole conversion ({why}"
+    assert err.startswith(prefix)
+    assert err.endswith("; nothing in it was changed: move it away, or choose another DIR\n")
+    assert {p.name: (p.lstat().st_mtime_ns, p.lstat().st_size) for p in folder.iterdir()} == before
 
 
 # ---- the real model through the trainer (slow: each step is tens of seconds on one core)

@@ -55,7 +55,7 @@ def test_start_line_names_the_run_and_logs_stay_clean_lines(tmp_path, capsys):
     assert lines[4] == (
         f"done: 1 step in {out} (metrics.jsonl, trajectories.jsonl, checkpoints/). Next: "
         f"python stratagem.py plot {out} --out {out / 'plots'}  |  python stratagem.py show {out} "
-        f"--judged  |  python stratagem.py eval {out} --n 20"
+        f"--judged  |  python stratagem.py eval {out} --games TicTacToe-v0,KuhnPoker-v1,SimpleNegotiation-v1 --n 20"
     )
     assert printed.err == ""  # stderr is not a terminal here: no progress bar, no alarm
 

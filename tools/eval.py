@@ -4,9 +4,11 @@ each seat in turn; on KuhnPoker-v1, also the exact best response to the model's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -14,11 +16,21 @@ from pathlib import Path
 from games import check_ids, first_last_ids, perfect
 from games.perfect import INFOSETS
 from machinery import UserError, flags, lora, saved_config, watch
+from machinery.checks import check_eval_opponent
 from machinery.distributed import pick_device, pick_threads
 from machinery.flags import FriendlyParser, field_docs, number_pair
 from machinery.matches import wilson
-from machinery.openai_api import check_base_url, check_reachable, concurrently, openai_client
-from machinery.runfiles import check_writable_file, latest_checkpoint
+from machinery.openai_api import (
+    OPENAI_BASE,
+    JudgeFailure,
+    chat,
+    check_base_url,
+    check_reachable,
+    clipped,
+    concurrently,
+    openai_client,
+)
+from machinery.runfiles import check_writable_file, latest_checkpoint, write_new
 from machinery.vllm_engine import VLLMPolicy
 from machinery.watch import quiet_transformers
 from stratagem import (
@@ -37,11 +49,14 @@ from tools import merge_lora
 
 
 class LLMPlayer:
-    """Any OpenAI-compatible chat model as the opponent, with the policy's prompt and action parser.
-    A request that fails after the client's retries plays no action (an invalid move) and is counted."""
+    """Any OpenAI-compatible chat model as the opponent, with the policy's prompt and action parser. A request
+    that fails after the client's retries, or a reply that is no chat completion (machinery/openai_api.chat_reply:
+    `choices` not a list, no message, content not a string), ends the evaluation in one line: the game would be
+    the model's win by the opponent's forfeit, which measures the server, not the model."""
 
     def __init__(self, model: str, base_url: str, args: Args):
-        self.model, self.args, self.name, self.failures = model, args, f"openai:{model}", 0
+        self.model, self.args, self.name = model, args, f"openai:{model}"
+        self.where = base_url or OPENAI_BASE
         self.client = openai_client(
             base_url,
             args.judge_timeout,
@@ -52,19 +67,22 @@ class LLMPlayer:
         check_reachable(self.client, base_url, args.judge_timeout, "opponent")
 
     def _one(self, pid: int, obs: str) -> str:
-        import openai
-
         try:
-            resp = self.client.chat.completions.create(
+            reply, _, _ = chat(
+                self.client,
+                cut_ok=True,  # a reply cut at --max-new-tokens is read as the policy's is
                 model=self.model,
                 messages=[{"role": "user", "content": PROMPT.format(role=pid, observation=obs)}],
                 temperature=self.args.temperature,
                 max_tokens=self.args.max_new_tokens,
             )
-            return parse_action(resp.choices[0].message.content or "") if resp.choices else ""
-        except openai.APIError:
-            self.failures += 1
-            return ""
+        except JudgeFailure as e:
+            raise UserError(
+                f"the opponent {self.name} at {self.where} failed a request ({clipped(str(e), 160)}) after "
+                f"{self.args.judge_retries} retries: the game would count as the model's win, so the evaluation "
+                "ends here and writes nothing; check that server"
+            ) from None
+        return parse_action(reply)
 
     def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
         return concurrently(
@@ -117,6 +135,14 @@ def print_matches(summary: dict, opponent: str, groups: dict[str, dict | None]) 
                     for k in ("win", "draw", "loss", "invalid")
                 )
             )
+    won = {
+        g: s["both"] for g, s in summary["games"].items() if s["both"]["opponent_invalid"]["count"]
+    }
+    if won:  # wins the model did not play for: the opponent's invalid move ended the game
+        print(
+            "won on the opponent's invalid move: "
+            + ", ".join(f"{g} {c['opponent_invalid']['count']} of {c['n']}" for g, c in won.items())
+        )
 
 
 def print_best_response(report: dict) -> None:
@@ -202,13 +228,16 @@ DEFAULTS = {
 def settings(ns, run: Path | None) -> list[str]:
     """Fill each of FROM_RUN's flags not given on the command line: from the run's config.json where the model is
     a run (its generation settings, how it reads and pays moves, its --eval-* games), else the trainer's
-    defaults. Returns the flags taken from the run, or from the defaults where there is no run, as
-    `--flag value`, to be said."""
+    defaults. The run's --eval-first-last keeps the games played here (a --games given may leave some out).
+    Returns the flags taken from the run, or from the defaults where there is no run, as `--flag value`, to be
+    said."""
     config = saved_config.run_config(run, Args) if run is not None else {}
     taken = []
-    for flag, key in FROM_RUN.items():
+    for flag, key in FROM_RUN.items():  # the games before first_last
         if getattr(ns, flag) is None:
             value = config.get(key, DEFAULTS[flag])
+            if flag == "first_last":
+                value = ",".join(g for g in flags.items(value) if g in flags.items(ns.games))
             setattr(ns, flag, value)
             said = key in config or run is None
             if said and value != "" and flag != "games":  # the games: said as trained and unseen
@@ -216,10 +245,40 @@ def settings(ns, run: Path | None) -> list[str]:
     return taken
 
 
+def refuse_the_runs_games(opponent: str, run: Path | None) -> None:
+    """A perfect player with no --games plays its own game, unless a run's --eval-games name another: the run is
+    evaluated on those (or on the --games given), and a perfect player cannot play them (one line, before anything
+    loads)."""
+    config = saved_config.run_config(run, Args) if run is not None else {}
+    own = perfect.PERFECT[opponent]
+    if other := [g for g in flags.items(config.get("eval_games", ",".join(own))) if g not in own]:
+        raise UserError(
+            f"{run} is evaluated on its --eval-games, and {opponent} plays {', '.join(own)} only, not "
+            f"{', '.join(other)}: give --games {','.join(own)}"
+        )
+
+
+def names(path: Path):
+    """`path`, then the names beside it that stand in for it when it is taken: NAME-2.json, NAME-3.json, ..."""
+    yield path
+    for k in itertools.count(2):
+        yield path.with_name(f"{path.stem}-{k}{path.suffix}")
+
+
 def free_name(folder: Path, seed: int) -> Path:
-    """eval-<seed>.json in `folder`, or eval-<seed>-2.json, -3, ...: the first name not taken."""
-    names = (f"eval-{seed}.json" if k == 1 else f"eval-{seed}-{k}.json" for k in itertools.count(1))
-    return next(folder / name for name in names if not (folder / name).exists())
+    """eval-<seed>.json in `folder`, or eval-<seed>-2.json, -3, ...: the first name not taken (a link is one)."""
+    return next(p for p in names(folder / f"eval-{seed}.json") if not os.path.lexists(p))
+
+
+def write_results(out: Path, data: bytes) -> Path:
+    """`data` written to `out`, created at that moment (runfiles.write_new); where something appeared there while
+    the games played (another evaluation's results, a link planted in a shared run folder), to the first free
+    name beside it (names), never over it or through it. Returns where it went."""
+    for path in names(out):
+        with contextlib.suppress(FileExistsError):
+            write_new(path, data)
+            return path
+    raise AssertionError("unreachable")  # names() never ends
 
 
 def main(argv: list[str]) -> int:
@@ -250,8 +309,8 @@ def main(argv: list[str]) -> int:
         help="random; minimax (exact, TicTacToe-v0 only); best-response (KuhnPoker-v1 only: plays "
         "random, and reports the model's move frequencies in the deciding round and the win rate of "
         "the exact best response to them, with a bootstrap interval); openai:MODEL or "
-        "openai:MODEL@BASE_URL (default: random; minimax and best-response: --games defaults to "
-        "their game)",
+        "openai:MODEL@BASE_URL (default: random; minimax and best-response play their game: a run "
+        "whose --eval-games name another needs --games)",
     )
     p.add_argument(
         "--greedy", action="store_true", help="greedy decoding for the model (default: sampled)"
@@ -315,9 +374,10 @@ def main(argv: list[str]) -> int:
         "else in the current one; eval-<seed>-2.json, -3, ... when it is taken)",
     )
     ns = p.parse_args(argv)
-    if ns.opponent in perfect.PERFECT and ns.games is None:
-        ns.games = ",".join(perfect.PERFECT[ns.opponent])
     run = run_of(ns.model)
+    if ns.opponent in perfect.PERFECT and ns.games is None:
+        refuse_the_runs_games(ns.opponent, run)
+        ns.games = ",".join(perfect.PERFECT[ns.opponent])
     taken = settings(ns, run)
     if min(ns.n, ns.max_new_tokens, ns.max_turns, ns.concurrency) < 1:
         raise UserError("--n, --max-new-tokens, --max-turns and --concurrency must be >= 1")
@@ -329,6 +389,7 @@ def main(argv: list[str]) -> int:
         )
     if ns.error_allowance < 0:
         raise UserError("--error-allowance must be >= 0")
+    check_eval_opponent(ns.opponent, ns.error_allowance, "--opponent")
     if ns.json and Path(ns.json).exists():
         raise UserError(f"{ns.json} already exists; choose another --json")
     out = Path(ns.json) if ns.json else free_name(run if run is not None else Path("."), ns.seed)
@@ -371,7 +432,7 @@ def main(argv: list[str]) -> int:
     )
     print(
         f"eval: {where}{said}trained on {', '.join(g for g in games if g in trained) or 'none of these'}; "
-        f"unseen: {', '.join(unseen) or 'none'}",
+        f"unseen: {', '.join(unseen) or 'none'}; {len(games) * ns.n} games, {ns.n} of each",
         flush=True,
     )
     model, tokenizer = load_model(path, run, ns.backend, device)
@@ -383,8 +444,16 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     rules = Rules(ns.action_rule, ns.error_allowance, ns.max_turns, *payouts)
     matches = schedule(games, ns.n, rng, first_last)
+    lines = watch.Lines(f"eval vs {opponent.name}", len(matches), "games")
     with watch.Games(f"eval vs {opponent.name}", len(matches)) as bar:
-        records = play_matches(policy, tokenizer, opponent, matches, rules, ns.concurrency, bar)
+
+        def finished(done: int) -> None:  # a bar on a terminal, a line now and then off one
+            bar(done)
+            lines(done)
+
+        records = play_matches(
+            policy, tokenizer, opponent, matches, rules, ns.concurrency, finished
+        )
     policy.close()
     summary = perfect.report(records, ns.opponent, random.Random(ns.seed + 2))
     summary["trained"] = pooled(records, [g for g in games if g in trained])
@@ -394,31 +463,30 @@ def main(argv: list[str]) -> int:
         opponent.name,
         {"trained games": summary["trained"], "unseen games": summary["unseen"]},
     )
-    print(
-        f"{len(records)} games in {time.perf_counter() - t0:.1f} s; opponent failures: {opponent.failures}"
-    )
+    print(f"{len(records)} games in {time.perf_counter() - t0:.1f} s")
     if best := summary.get("best_response"):
         print_best_response(best)
-    out.write_text(
-        json.dumps(
-            {
-                "model": path,
-                "opponent": opponent.name,
-                "greedy": ns.greedy,
-                "seed": ns.seed,
-                "action_rule": ns.action_rule,
-                "first_last": first_last,
-                "max_new_tokens": ns.max_new_tokens,
-                "temperature": args.temperature,
-                "max_turns": ns.max_turns,
-                "invalid_rewards": payouts[0],
-                "rejected_rewards": payouts[1],
-                "summary": summary,
-                "best_response": best,
-                "games": [r | {"moves": [a for _, a in r["moves"]]} for r in records],  # no texts
-            },
-            indent=2,
-        )
+    data = json.dumps(
+        {
+            "model": path,
+            "opponent": opponent.name,
+            "greedy": ns.greedy,
+            "seed": ns.seed,
+            "action_rule": ns.action_rule,
+            "first_last": first_last,
+            "max_new_tokens": ns.max_new_tokens,
+            "temperature": args.temperature,
+            "max_turns": ns.max_turns,
+            "invalid_rewards": payouts[0],
+            "rejected_rewards": payouts[1],
+            "summary": summary,
+            "best_response": best,
+            "games": [r | {"moves": [a for _, a in r["moves"]]} for r in records],  # no texts
+        },
+        indent=2,
     )
-    print(f"wrote {out}")
+    written = write_results(out, data.encode())
+    if written != out:
+        print(f"{out} appeared while the games played; it is never written over or through")
+    print(f"wrote {written}")
     return 0

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import math
+import os
 from pathlib import Path
 
 import judge_prompts
 from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.matches import CEILINGS
-from machinery.runfiles import check_writable_dir, refuse_link
+from machinery.runfiles import check_writable_dir, open_folder, refuse_link, write_in
 from tools.runs import number as runs_number
 from tools.runs import read_metrics, run_config, run_label, run_mode
 
@@ -186,20 +188,33 @@ def min_kappa(report: dict | None) -> float | None:
     return min(values, default=None)
 
 
+def finite(v) -> float | None:
+    """A value as a float, where it is a finite number (a 400-digit integer is none: no float holds it)."""
+    if not runs_number(v):
+        return None
+    try:
+        v = float(v)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None
+
+
 def read(value, m: dict) -> float | None:
     """A series' value of one metrics line: a finite number, or None where the line holds none of the right shape
-    (a hand-edited or foreign line: "eval": 5) - such a value is skipped, never a crash."""
+    (a hand-edited or foreign line: "eval": 5, a count of 400 digits) - such a value is skipped, never a crash."""
     try:
-        v = value(m)
-    except (KeyError, TypeError, AttributeError, IndexError, ValueError):
+        return finite(value(m))
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError, OverflowError):
         return None
-    return float(v) if runs_number(v) and math.isfinite(v) else None
 
 
-def eval_band(m: dict) -> float | None:
-    """The evaluation's interval, where it is two numbers (then its lower end, else None)."""
-    low, high = m["eval"]["win_ci95"]
-    return low if runs_number(low) and runs_number(high) else None
+def eval_band(m: dict) -> tuple[float, float] | None:
+    """The evaluation's 95 % interval, where it is two finite numbers, else None."""
+    try:
+        low, high = (finite(v) for v in m["eval"]["win_ci95"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None if low is None or high is None else (low, high)
 
 
 SERIES_STYLES = [
@@ -265,11 +280,7 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
                 if (
                     name == "eval_win_rate" and s == 0
                 ):  # the 95 % Wilson interval of every point, shaded
-                    band = [
-                        (m["step"], *m["eval"]["win_ci95"])
-                        for m in metrics
-                        if read(eval_band, m) is not None
-                    ]
+                    band = [(m["step"], *ci) for m in metrics if (ci := eval_band(m)) is not None]
                     if band:
                         ax.fill_between(
                             *zip(*band), color=f"C{r % 10}", alpha=0.15, linewidth=0, zorder=1
@@ -292,7 +303,7 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
         ax.axhline(0.5, color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
     players = {run_config(run).get("spy_players") for run, _ in runs} - {None}
     if (
-        name == "spy" and len(players) == 1 and (n := players.pop()) > 1
+        name == "spy" and len(players) == 1 and runs_number(n := players.pop()) and n > 1
     ):  # a vote drawn at random names the spy 1/(n-1)
         label = f"a random vote's detection accuracy (1/{n - 1})"
         ax.axhline(
@@ -456,22 +467,33 @@ def main(argv: list[str]) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(Path(r), read_metrics(Path(r))) for r in ns.runs]
+    # a line whose step no float holds (400 digits) has no place on an axis: skipped with the rest of its values
+    runs = [
+        (Path(r), [m for m in read_metrics(Path(r)) if finite(m["step"]) is not None])
+        for r in ns.runs
+    ]
     out = Path(ns.out) if ns.out else runs[0][0] / "plots"
     check_writable_dir(out, "--out")
     if not ns.out:  # in the run's folder: never through a link planted there
         refuse_link(out)
     out.mkdir(parents=True, exist_ok=True)
+    folder = open_folder(
+        out, follow=bool(ns.out)
+    )  # written there, whatever is linked at `out` later
     written, empty = [], []
-    for name in PLOTS:
-        fig = draw_plot(plt, name, runs)
-        if fig is None:
-            empty.append(f"{name}.png{NEEDS.get(name, '')}")
-            continue
-        refuse_link(out / f"{name}.png")  # a file is replaced, never written through
-        fig.savefig(out / f"{name}.png")
-        plt.close(fig)
-        written.append(f"{name}.png")
+    try:
+        for name in PLOTS:
+            fig = draw_plot(plt, name, runs)
+            if fig is None:
+                empty.append(f"{name}.png{NEEDS.get(name, '')}")
+                continue
+            png = io.BytesIO()
+            fig.savefig(png, format="png")
+            plt.close(fig)
+            write_in(folder, out / f"{name}.png", png.getvalue())  # replaced, never written through
+            written.append(f"{name}.png")
+    finally:
+        os.close(folder)
     print(
         f"wrote {len(written)} figures to {out}: "
         + ", ".join(written)

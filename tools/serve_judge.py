@@ -99,7 +99,8 @@ class TokenTeacher:
     def scores(self, rubric: str, trajectory_text: str) -> dict[str, float]:
         if rubric != "transferability":
             return HeuristicJudge().scores(rubric, trajectory_text)
-        game = self._HEAD.match(trajectory_text).group(1)
+        head = self._HEAD.match(trajectory_text)
+        game = head.group(1) if head else ""  # no game named: no game's offset
         turns = [self.z(t["response"], game) for t in judge_prompts.read_turns(trajectory_text)]
         keys = judge_prompts.keys(
             rubric
@@ -289,6 +290,8 @@ def make_judge_server(
                     },
                 )
             text = judge_prompts.trajectory_in(content)
+            if not judge_prompts.read_turns(text):  # a trainer never asks of a game without a turn
+                return self._send(400, {"error": {"message": "the trajectory has no turns"}})
             scores = (judge or HeuristicJudge()).scores(rubric, text)
             draw = random.Random(hashlib.sha256(f"{seed}:{content}".encode()).digest())
             levels = judge_prompts.RUBRICS[rubric]["levels"]

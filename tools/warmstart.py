@@ -20,7 +20,9 @@ model needs the format taught, not the language, and fewer, gentler steps keep w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -43,7 +45,7 @@ from machinery.flags import FriendlyParser, field_docs
 from machinery.matches import RandomPlayer, random_legal_move, summarize_matches
 from machinery.modelfiles import check_folder
 from machinery.runfiles import check_writable_dir, follow_umask
-from machinery.watch import Games, Timer, fmt, quiet_transformers, terminal_bar
+from machinery.watch import Lines, Timer, fmt, quiet_transformers, terminal_bar
 from stratagem import (
     ARCHS,
     PROMPT,
@@ -162,25 +164,46 @@ class Move:
     )
 
 
-def random_games(moves_per_game: dict[str, int], seed: int) -> list[Move]:
+@contextlib.contextmanager
+def progress(desc: str, total: int, unit: str, show: bool = True):
+    """Where a phase is: a bar on a terminal, a line every 30 s in a log or a pipe (watch.Lines); nothing
+    without `show`. Yields the function to call with the count so far."""
+    bar = terminal_bar(desc, total, unit + " [{elapsed}<{remaining}]", show)
+    lines = Lines(desc, total, unit) if show else None
+
+    def heard(done: int) -> None:
+        bar.update(done - bar.n)
+        if lines is not None:
+            lines(done)
+
+    try:
+        yield heard
+    finally:
+        bar.close()
+
+
+def random_games(moves_per_game: dict[str, int], seed: int, show: bool = False) -> list[Move]:
     """Whole random-vs-random games of each id until it has >= its count of moves; every move is kept with the mover's
-    observation (the trainer's make_env: SPIRAL's observation wrappers) and a style drawn on a stream of its own."""
+    observation (the trainer's make_env: SPIRAL's observation wrappers) and a style drawn on a stream of its own.
+    `show`: where each id's games are (`progress`)."""
     rng, styles = random.Random(seed), random.Random(f"styles:{seed}")
     out: list[Move] = []
     for game, wanted in moves_per_game.items():
         n = 0
-        while n < wanted:
-            env = make_env(game, rng.randrange(2**31), 0)
-            done = False
-            while not done:
-                pid, obs = env.get_observation()
-                action, legal = random_legal_move(env, pid, obs, rng)
-                style = styles.choice(STYLES)
-                out.append(
-                    Move(game, pid, obs, action, legal, style, reasoning(style, game, obs, pid))
-                )
-                n += 1
-                done = env.step(action)[0]
+        with progress(f"warmstart: random games of {game}", wanted, "moves", show) as heard:
+            while n < wanted:
+                env = make_env(game, rng.randrange(2**31), 0)
+                done = False
+                while not done:
+                    pid, obs = env.get_observation()
+                    action, legal = random_legal_move(env, pid, obs, rng)
+                    style = styles.choice(STYLES)
+                    out.append(
+                        Move(game, pid, obs, action, legal, style, reasoning(style, game, obs, pid))
+                    )
+                    n += 1
+                    done = env.step(action)[0]
+                heard(min(n, wanted))
     return out
 
 
@@ -393,8 +416,8 @@ def measure(policy, tokenizer, opponent, games: list[str], n: int, seed: int) ->
         counting = CountingPolicy(policy)
         rules = Rules(max_turns=200)
         games = schedule([game], n, random.Random(seed + k))
-        with Games(f"measuring on {game}", len(games)) as bar:
-            records = play_matches(counting, tokenizer, opponent, games, rules, 64, bar)
+        with progress(f"warmstart: measuring on {game}", len(games), "games") as heard:
+            records = play_matches(counting, tokenizer, opponent, games, rules, 64, heard)
         cell = summarize_matches(records)["games"][game]["both"]
         invalid = sum(r["invalid"] for r in records)
         out[game] = {
@@ -532,6 +555,12 @@ def build(out_dir: str, recipe: Recipe, log=None):
     saved to out_dir like any checkpoint (fp32, with its tokenizer and chat template). Returns (model, tokenizer,
     losses)."""
     games = recipe.moves_per_game()
+    say = functools.partial(print, flush=True)  # where the build is, phase by phase (in a log too)
+    say(
+        f"warmstart: loading {recipe.model} ..."
+        if recipe.model
+        else f"warmstart: building a random {recipe.arch} model ..."
+    )
     if recipe.model:  # untrusted: load_policy checks it; the EOS it keeps is saved
         model, tokenizer = load_policy(recipe.model, torch.device("cpu"))
     else:
@@ -544,8 +573,17 @@ def build(out_dir: str, recipe: Recipe, log=None):
         # load_policy keeps a folder's EOS alone; this folder is ours, just built: saved as it was built
         model.generation_config = GenerationConfig.from_pretrained(out_dir)
     spy_count = games.pop(spy.GAME, 0)  # SpyRL's game: its count is of moves too, ten a game
-    moves = random_games(games, recipe.seed) + spy_games(spy_count // 10, recipe.seed)
+    wanted = ", ".join(f"{n} moves of {g}" for g, n in recipe.moves_per_game().items())
+    say(f"warmstart: playing the random legal player's games to learn from: {wanted}")
+    moves = random_games(games, recipe.seed, show=True) + spy_games(spy_count // 10, recipe.seed)
+    say(f"warmstart: tokenizing {len(moves)} moves")
     items, soft = tokenize(moves, tokenizer), soft_targets(moves, tokenizer)
+    every = min(min(50, max(1, recipe.steps // 10)) if recipe.model else 50, recipe.steps)
+    say(
+        f"warmstart: {recipe.steps} steps of batch {recipe.batch_size}, a line "
+        + (f"every {every} steps" if every > 1 else "each step")
+        + (" (a step of a pretrained model can take a minute on a CPU)" if recipe.model else "")
+    )
     losses = fit(
         model,
         items,
@@ -556,7 +594,7 @@ def build(out_dir: str, recipe: Recipe, log=None):
         recipe.lr,
         recipe.seed,
         log,
-        min(50, max(1, recipe.steps // 10)) if recipe.model else 50,
+        every,
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -647,6 +685,10 @@ def build_and_measure(folder: Path, recipe: Recipe, eval_n: int) -> None:
         f"final loss {losses[-1]:.4f}"
     )
     if eval_n:
+        print(
+            f"warmstart: measuring it on {eval_n} games of each id against the random legal player",
+            flush=True,
+        )
         report["measure"] = measure_all(model, tokenizer, recipe, eval_n)
         print_measures(report["measure"])
     Path(folder, "warmstart.json").write_text(json.dumps(report, indent=1))
