@@ -50,7 +50,7 @@ _LOOKALIKES = {
     "y": "yуγ",
 }
 _TAG_LIKE = re.compile(
-    "[{}]\\s*/?\\s*{}(?:\\s*[{}])?".format(
+    "[{}]\\s*(?:/\\s*)?{}(?:\\s*[{}])?".format(  # no two \s* in a row: linear
         _LOOKALIKES["<"], "".join(f"[{_LOOKALIKES[ch]}]" for ch in "trajectory"), _LOOKALIKES[">"]
     ),
     re.IGNORECASE,

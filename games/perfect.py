@@ -63,7 +63,7 @@ class MinimaxPlayer:
     """Exact minimax on TicTacToe-v0 (MINIMAX_GAMES), read from the game's board; ties broken by `rng`."""
 
     def __init__(self, rng):
-        self.rng, self.name, self.failures = rng, "minimax", 0
+        self.rng, self.name = rng, "minimax"
 
     def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
         moves = []

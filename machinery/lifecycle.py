@@ -438,9 +438,12 @@ def open_run_files(run: Run, start: Start, state: dict | None) -> None:
     if start.reporter is not None:
         start.reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it
     run.reporter = start.reporter
+    # The engine --backend auto took is the start line's; config.json keeps `auto`, so that a resume
+    # chooses again and says why in the first run's words (a micro-batch auto chose is kept as the
+    # number: a resume continues with it, docs/speed.md#will-it-fit-before-the-run).
     config = flags.as_config(args)
-    if pick_backend("auto", start.device)[1] == start.engine:  # --backend auto took it: a resume
-        config["backend"] = "auto"  # chooses again, and says why in the first run's words
+    if pick_backend("auto", start.device)[1] == start.engine:
+        config["backend"] = "auto"
     if changes := runfiles.write_config(out, config, run.start):
         print(changes, flush=True)
     if start.judge is None:

@@ -124,7 +124,7 @@ class RandomPlayer:
     """SPIRAL's fixed opponent: a uniformly random legal action."""
 
     def __init__(self, rng: random.Random):
-        self.rng, self.name, self.failures = rng, "random", 0
+        self.rng, self.name = rng, "random"
 
     def act(self, jobs: list[tuple[object, int, str]]) -> list[str]:
         return [random_legal_move(env, pid, obs, self.rng)[0] for env, pid, obs in jobs]

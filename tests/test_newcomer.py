@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def as_printed(
         for s in sockets:
             stack.enter_context(s)
         proc = subprocess.run(
-            ["bash", "-c", block],
+            [shutil.which("bash"), "-c", block],  # found on this PATH, which `env` may narrow
             cwd=tmp_path,
             capture_output=True,
             text=True,
@@ -149,6 +150,21 @@ def test_main_every_docs_recipe_that_starts_a_server_stops_in_one_line_when_its_
         assert calls and not any("--judge-base-url" in c for c in calls), (
             said
         )  # no trainer, no bench
+
+
+def test_main_every_docs_recipe_that_starts_a_server_stops_in_one_line_without_curl(tmp_path):
+    """curl asks the server whether it listens: a machine without it (a slim container) is told so before
+    anything starts, not after the whole wait."""
+    for k, (name, block) in enumerate(serving_recipes()):
+        folder = tmp_path / str(k)
+        folder.mkdir()
+        proc, _, calls = as_printed(block, folder, "exit", PATH=str(folder / "bin"))
+        assert (proc.returncode, proc.stdout, proc.stderr.splitlines(), calls) == (
+            1,
+            "",
+            ["no curl command here: install it (the recipe asks the server with it)"],
+            [],
+        ), name
 
 
 def vllm_recipe(which: int) -> str:
