@@ -1270,7 +1270,9 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
     games. This is the figure to report, since the best of several
     evaluations is biased upwards by the choice. It is written beside the
     choice, in best/best.json, last: a run stopped before has done its steps
-    but not this, which --resume then does (lifecycle.start_run)."""
+    but not this, which --resume then does (lifecycle.start_run). The start
+    line announced it (watch.evaluations); it says again how many games and
+    why, then where it is: a bar on a terminal, a line now and then off one."""
     args = run.args
     chosen = lifecycle.read_best(run.out) if args.keep_best and run.dist.main else None
     if chosen is None or "fresh" in chosen:  # none kept, or measured already (a finished run)
@@ -1279,7 +1281,7 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
     first_last = first_last_ids(args.eval_first_last, args.eval_games)
     games = schedule(run.eval_games, n, FreshSeeds(args.seed), first_last)
     why = f"--best-eval-n {n}" if args.best_eval_n else f"5 x --eval-n {args.eval_n}"
-    print(  # the start line's words: watch.evaluations
+    print(
         f"best/ (step {chosen['step']}): {n} fresh games per id vs random, {len(games)} in "
         f"all ({why}) ...",
         flush=True,

@@ -587,7 +587,7 @@ def test_clean_of_adversarial_text_reads_a_linear_number_of_characters(
     assert read2 <= 2.2 * read, (read, read2)
 
 
-def test_quoted_tag_lookalikes_are_found_in_linear_time_after_a_run_of_spaces():
+def test_render_trajectory_finds_tag_lookalikes_in_linear_time_after_a_run_of_spaces():
     """A policy may write "<" and then a million spaces: with two `\\s*` in a row the tag pattern tried
     every split of them at every position (hours at this size); now each character is read a bounded
     number of times. Run in a child so that a quadratic pattern fails by the child's generous limit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -545,3 +546,22 @@ def test_fit_draws_a_bar_of_its_steps_on_a_terminal(tmp_path):
     assert code == 0, stdout[-2000:]
     assert any(re.search(r"^warm start .* [0-6]/6 steps \[", f) for f in frames), frames[-5:]
     assert "\r" not in stdout
+
+
+def test_ablation_trains_each_run_into_dir_as_named_from_the_callers_folder(tmp_path, monkeypatch):
+    """`stratagem.py ablation DIR` from another folder: each run's --out is DIR's run, not a folder of
+    the same name under the project (the runs start in the project's folder)."""
+    from tools import ablation
+
+    seen = []
+
+    def trained(cmd, **kwargs):
+        out = Path(cmd[cmd.index("--out") + 1])
+        seen.append((out, kwargs["cwd"]))
+        return subprocess.CompletedProcess(cmd, 1)  # as a failed run: nothing else is read
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "abl").mkdir()  # as the command makes DIR before its runs
+    monkeypatch.setattr(ablation.subprocess, "run", trained)
+    ablation.train(Path("abl") / "stratagem-s1", "stratagem", 1, 2)
+    assert seen == [(tmp_path / "abl" / "stratagem-s1", ablation.HERE)]

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,8 @@ def serving_recipes() -> list[tuple[str, str]]:
 
 
 STAND_IN = """#!/bin/sh
-echo "$0 $*" >> "$STAND_IN_CALLS"
-if [ "$STAND_IN" = sleep ]; then exec sleep 60; fi
+echo "$$ $0 $*" >> "$STAND_IN_CALLS"
+if [ "$STAND_IN" = sleep ]; then exec sleep 600; fi
 echo "Traceback (most recent call last):" >&2
 echo "OSError: a stand-in server that fails at start-up" >&2
 exit 1
@@ -96,7 +97,7 @@ def as_printed(
             cwd=tmp_path,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=60,  # a server left running holds the pipes: it ends here
             env={
                 "PATH": f"{bin_}:/usr/bin:/bin",
                 "STAND_IN": mode,
@@ -147,9 +148,22 @@ def test_main_every_docs_recipe_that_starts_a_server_stops_in_one_line_when_its_
         )
         assert proc.returncode == 1, said
         assert proc.stderr.splitlines()[-1] == f"the server for port {ports[0]} {why}", said
-        assert calls and not any("--judge-base-url" in c for c in calls), (
-            said
-        )  # no trainer, no bench
+        trainer = [c for c in calls if "--judge-base-url" in c]  # the trainer's or bench's call
+        assert calls and trainer == [], said
+        assert [pid for pid in (int(c.split()[0]) for c in calls) if alive(pid)] == [], said
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs a second from now (one killed may take a moment to go; a zombie,
+    which nothing may reap in a container, runs no more)."""
+    for _ in range(10):
+        try:
+            if (Path("/proc") / str(pid) / "stat").read_text().split()[2] == "Z":
+                return False
+        except OSError:  # gone
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_main_every_docs_recipe_that_starts_a_server_stops_in_one_line_without_curl(tmp_path):

@@ -115,7 +115,7 @@ def test_plot_draws_into_the_folder_it_opened_never_one_linked_in_its_place(
     }
 
 
-def test_runfiles_write_in_refuses_a_link_at_the_name_and_leaves_its_target(tmp_path):
+def test_write_in_refuses_a_link_at_the_name_and_leaves_its_target(tmp_path):
     victim = tmp_path / "victim.png"
     victim.write_bytes(b"theirs")
     folder = tmp_path / "plots"

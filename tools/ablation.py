@@ -86,7 +86,8 @@ def train(run: Path, arm: str, seed: int, steps: int) -> int:
     """One arm and seed: a fresh run, or the rest of an interrupted one (--resume); its output in <run>.log."""
     cmd = [sys.executable, str(HERE / "stratagem.py"), *LEARNING, *ARMS[arm], "--seed", str(seed)]
     cmd += ["--steps", str(steps)]
-    cmd += ["--out", str(run)] + (["--resume"] if (run / "config.json").exists() else [])
+    # absolute: the runs start in the project's folder, whatever folder DIR was named from
+    cmd += ["--out", str(run.absolute())] + (["--resume"] if (run / "config.json").exists() else [])
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
