@@ -52,14 +52,14 @@ def of_step(trajectories, spot) -> dict:
 def _share(cell) -> float | None:
     """A spot's share, or None where `cell` holds none (a hand-edited line)."""
     share = cell.get("share") if isinstance(cell, dict) else None
-    ok = isinstance(share, (int, float)) and not isinstance(share, bool) and math.isfinite(share)
-    return float(share) if ok else None
+    ok = isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
+    return float(share) if ok else None  # a share outside [0, 1] (a 400-digit int) is none
 
 
 def _count(cell: dict) -> bool:
     """Whether a spot's cell holds a count of turns (a hand-edited line may not)."""
     n = cell.get("n")
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 10**12
 
 
 def drops(first: dict, now: dict) -> list[str]:

@@ -250,8 +250,19 @@ def measured_so_far(out: Path, done: int) -> dict | None:
     """A resumed run projects from what its own policy played: its metrics up to the checkpoint."""
     if not done or not (out / "metrics.jsonl").exists():
         return None
-    lines = runfiles.read_jsonl(out / "metrics.jsonl")
-    return costs.measured([m for m in lines if m.get("step", math.inf) <= done])
+    path = out / "metrics.jsonl"
+    steps = [m for m in runfiles.read_jsonl(path) if "transitions" in m]  # not step 0's evaluation
+    steps = [m for m in steps if m.get("step", math.inf) <= done]
+    for m in steps:
+        counts = [m.get(k) for k in ("trajectories", "judge_judged", "judge_failed", "transitions")]
+        rules = m.get("judge_evolution_rules")
+        counts += list(rules.values()) if isinstance(rules, dict) else [None]
+        if not all(type(n) is int and 0 <= n <= 10**9 for n in counts):
+            raise UserError(
+                f"--resume: {path}, step {str(m.get('step'))[:20]}: its counts of trajectories, "
+                "judgements and transitions are not whole numbers of a sane size; restore the file"
+            )
+    return costs.measured(steps)
 
 
 def check_out(args, out: Path, judge) -> None:

@@ -384,8 +384,29 @@ def check_checkpoint(ckpt: Path, world: int, adapter: bool = False) -> None:
 
 # What each checkpoint file must hold, key by key: (what it must be, in words; the test). A file that lacks a key or
 # holds the wrong kind of value there ends the resume in one line naming it, before any of it is used.
+BOUND = 1e15  # no count, second, cost or score a run keeps comes near it: past it, a planted value
+
+
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite number of a sane size. A 400-digit int is refused here, not left to overflow a float
+    (math.isfinite, torch, json) steps later."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return abs(v) <= BOUND and (isinstance(v, int) or math.isfinite(v))
+
+
+def dense(v) -> bool:
+    """Every tensor in `v` (dicts and lists walked) is an ordinary one: strided, on the CPU, of a
+    floating or integer dtype. A meta or sparse tensor would fail deep inside the optimizer or the
+    model (NotImplementedError) after the run has started."""
+    if isinstance(v, torch.Tensor):
+        kind = v.dtype.is_floating_point or v.dtype in (torch.int64, torch.int32, torch.uint8)
+        return v.layout == torch.strided and v.device.type == "cpu" and kind
+    if isinstance(v, dict):
+        return all(dense(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return all(dense(x) for x in v)
+    return True
 
 
 def _numbers(v) -> bool:
@@ -397,6 +418,16 @@ def _beta(v) -> bool:
     return v is None or (_number(v) and flags.broken("beta", v, flags.BOUNDS) is None)
 
 
+def _spots(v) -> bool:
+    """coverage.of_step's {game: {spot: {"share", "entropy", "n"}}}, each number of a sane size."""
+    if not isinstance(v, dict) or not all(isinstance(spots, dict) for spots in v.values()):
+        return False
+    cells = [c for spots in v.values() for c in spots.values()]
+    return all(isinstance(c, dict) and _numbers(c) for c in cells) and all(
+        0 <= c.get("share", 0) <= 1 and type(c.get("n", 0)) is int for c in cells
+    )
+
+
 def _pair(v) -> bool:
     return isinstance(v, list) and len(v) == 2 and all(map(_number, v))
 
@@ -404,8 +435,8 @@ def _pair(v) -> bool:
 TRAINER_STATE = {
     "step": ("a step number", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "optimizer": (
-        "an optimizer state",
-        lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v),
+        "an optimizer state of dense CPU tensors",
+        lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v) and dense(v),
     ),
     "baselines": ("RAE's baselines, {key: number}", _numbers),
     "elapsed": ("seconds, a number", _number),
@@ -416,12 +447,12 @@ TRAINER_STATE = {
         lambda v: isinstance(v, list) and all(_numbers(r) or _pair(r) for r in v),
     ),
     "past_pool": (  # its snapshots are checked against the model: opponents.restored
-        "--opponents' past pool, or null",
-        lambda v: v is None or isinstance(v, dict),
+        "--opponents' past pool of dense CPU tensors, or null",
+        lambda v: v is None or (isinstance(v, dict) and dense(v)),
     ),
-    "first_spots": (  # read by coverage.drops, which skips what it cannot read
-        "the coverage guard's step-1 spots, or null",
-        lambda v: v is None or isinstance(v, dict),
+    "first_spots": (
+        "the coverage guard's step-1 spots, {game: {spot: {share in [0, 1], n, ...}}}, or null",
+        lambda v: v is None or _spots(v),
     ),
 }
 # Keys kept since a later version: a checkpoint written before lacks them.
@@ -446,7 +477,7 @@ def load_state(path: Path, schema: dict, what: str = "--resume") -> dict:
     checkpoint's state whose step is not its folder's (a copy's step-000002 holding step 10**15)."""
     try:
         refuse_special(path)
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")  # a planted device: none
     except (
         RuntimeError,
         EOFError,

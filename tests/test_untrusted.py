@@ -19,6 +19,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     HERE,
     SMALL,
     error_of,
+    judge_server_fixture,
     no_process_left_behind,
     not_for_the_vllm_tests,
     one_step_run_fixture,
@@ -26,6 +27,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     python,
     read_jsonl,
     run,
+    secret_key_fixture,
     tiny_fixture,
 )
 
@@ -74,6 +76,29 @@ def test_load_state_runs_no_code_planted_in_a_checkpoint(one_step_run, tmp_path,
         ("trainer_state.pt", lambda s: s.update(elapsed=float("nan")), "'elapsed' is not seconds"),
         ("rank0.pt", lambda s: s.pop("lengths"), "'lengths' is missing"),
         ("rank0.pt", lambda s: s["rng"].pop("numpy"), "'rng' is not the RNG states"),
+        # numbers of no sane size: refused here, not an OverflowError steps later
+        ("trainer_state.pt", lambda s: s["baselines"].update(k=10**400), "'baselines' is not"),
+        ("trainer_state.pt", lambda s: s.update(elapsed=10**400), "'elapsed' is not seconds"),
+        ("rank0.pt", lambda s: s["lengths"].update(g=10**400), "'lengths' is not game lengths"),
+        (
+            "trainer_state.pt",
+            lambda s: s.update(first_spots={"KuhnPoker-v1": {"K": {"share": 10**400, "n": 1}}}),
+            "'first_spots' is not the coverage guard's step-1 spots",
+        ),
+        # tensors that would fail inside the optimizer once the run had started
+        *(
+            (
+                "trainer_state.pt",
+                lambda s, make=make: next(iter(s["optimizer"]["state"].values())).update(
+                    exp_avg=make()
+                ),
+                "'optimizer' is not an optimizer state of dense CPU tensors",
+            )
+            for make in (
+                lambda: torch.empty(3, device="meta"),
+                lambda: torch.zeros(3).to_sparse(),
+            )
+        ),
     ],
 )
 def test_load_state_names_the_file_and_the_key_it_lacks(
@@ -566,3 +591,22 @@ def test_start_run_after_only_a_step_0_evaluation_writes_step_0_once(tmp_path, m
         assert run(SMALL + KEEP + ["--steps", "1", "--out", str(out)]) == 130
     assert run(["--resume", "--out", str(out), "--steps", "1"]) == 0
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [0, 1]
+
+
+def test_measured_so_far_refuses_a_metrics_line_whose_counts_no_float_holds(
+    tmp_path, capsys, judge_server, secret_key
+):
+    """A resumed run with a paid judge projects its cost from its own metrics.jsonl: a planted count of 400
+    digits there is one line naming the file and the step, before anything is loaded (not an OverflowError)."""
+    out = tmp_path / "run"
+    judge = ["--judge", "openai", "--judge-base-url", judge_server.url]
+    assert run(SMALL + judge + ["--steps", "1", "--out", str(out)]) == 0
+    lines = read_jsonl(out / "metrics.jsonl")
+    lines[-1]["transitions"] = 10**400
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    capsys.readouterr()
+    err = error_of(capsys, ["--resume", "--out", str(out), "--steps", "2", *judge[2:]])
+    assert err == (
+        f"stratagem: error: --resume: {out / 'metrics.jsonl'}, step 1: its counts of trajectories, "
+        "judgements and transitions are not whole numbers of a sane size; restore the file\n"
+    )
