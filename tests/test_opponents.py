@@ -155,6 +155,19 @@ def test_finish_episode_pays_the_learner_its_own_seat_s_result_against_a_fixed_o
         assert mix.results == {"random": {"TicTacToe-v0": cell}}
 
 
+def test_finish_episode_tallies_the_learner_s_own_invalid_move_against_a_fixed_opponent():
+    """The learner (seat 1) names the cell the opponent took: its loss by an invalid move, tallied as
+    one, paid --rejected-rewards' first number; the opponent's seat made none."""
+    mix = versus("self=0.5,past=0.5")
+    env = S.make_env("TicTacToe-v0", 0, 0)
+    env.step("[0]")  # the opponent, seat 0
+    done, _ = env.step("[0]")  # the learner: taken, and no retry left
+    ep = S.Episode("TicTacToe-v0", env, seat=1, kind="past", done=done)
+    [traj] = S.finish_episode(ep, {}, S.Rules(rejected_rewards=(-1.5, 0.5)), mix)
+    assert (traj.role, traj.reward, traj.opponent) == (1, -1.5, "past")
+    assert mix.results == {"past": {"TicTacToe-v0": {"win": 0, "draw": 0, "loss": 1, "invalid": 1}}}
+
+
 def test_self_play_against_the_random_player_trains_only_the_learner_s_seat(tiny):
     model, tok = fresh(tiny)
     args = S.Args(tiny=True, opponents="random=1", max_turns=6, max_new_tokens=8)
