@@ -155,6 +155,7 @@ class Start:
     projection: dict | None
     judge: object  # machinery/judge.py's judge, or None (none asked, or not rank 0)
     chose: str = ""  # --micro-batch-size auto's choice, said on the start line
+    asked: str = "auto"  # the --backend asked: config.json keeps it, so a resume chooses again
     reporter: object = None  # --report-to's watch.Reporter (rank 0), its package imported
 
 
@@ -231,7 +232,7 @@ def preflight(args, pieces: Pieces) -> Start | None:
     start = Start(
         dist, out, device, engine, threads, ckpt, steps_left, reproject, projection, judge
     )
-    start.chose = chose
+    start.chose, start.asked = chose, requested
     if args.report_to != "none" and dist.main:  # before --out is touched: a missing package
         start.reporter = watch.Reporter(args.report_to)
     return start
@@ -449,12 +450,10 @@ def open_run_files(run: Run, start: Start, state: dict | None) -> None:
     if start.reporter is not None:
         start.reporter.open(out, args, run.start)  # if it fails, a fresh --out goes with it
     run.reporter = start.reporter
-    # The engine --backend auto took is the start line's; config.json keeps `auto`, so that a resume
-    # chooses again and says why in the first run's words (a micro-batch auto chose is kept as the
-    # number: a resume continues with it, docs/speed.md#will-it-fit-before-the-run).
-    config = flags.as_config(args)
-    if pick_backend("auto", start.device)[1] == start.engine:
-        config["backend"] = "auto"
+    # The engine --backend auto took is the start line's; config.json keeps the --backend asked, so
+    # that a resume chooses again and says why in the first run's words (a micro-batch auto chose is
+    # kept as the number: a resume continues with it, docs/speed.md#will-it-fit-before-the-run).
+    config = flags.as_config(args) | {"backend": start.asked}
     if changes := runfiles.write_config(out, config, run.start):
         print(changes, flush=True)
     if start.judge is None:
@@ -519,7 +518,8 @@ def halve_on_oom(update, run: Run, trajs: list, normaliser: float, step: int) ->
                 f"{now // 2}, kept for the steps after (config.json)",
                 flush=True,
             )
-            runfiles.write_config(run.out, flags.as_config(run.args), step)
+            halved = runfiles.read_config(run.out) | {"micro_batch_size": now // 2}
+            runfiles.write_config(run.out, halved, step)  # the one change, the rest as recorded
     if now != size:
         why = f"again at micro-batch {now} (after {size})"
     elif run.dist.world > 1:

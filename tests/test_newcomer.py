@@ -5,6 +5,7 @@ run prints about the work it will do and, resumed, about where it stands."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -324,6 +325,16 @@ def test_main_resumed_says_the_engine_and_the_opponents_in_the_first_run_s_words
         "the pool holds step 0 (the initial policy); the next snapshot at step 10;" in pool[0]
     )
     assert f"resuming {out} from step 2" in again
+
+
+def test_config_json_keeps_the_backend_asked_auto_or_hf(tmp_path, capsys):
+    """config.json records the --backend the user asked, not the engine it resolved to: `auto` chooses again
+    on a resume (a GPU with vLLM may take vllm), an explicit `hf` stays hf wherever the run resumes."""
+    for asked in ("auto", "hf"):
+        out = tmp_path / asked
+        assert S.main(SMALL + ["--steps", "1", "--out", str(out), "--backend", asked]) == 0
+        assert json.loads((out / "config.json").read_text())["backend"] == asked
+    capsys.readouterr()
 
 
 def test_words_names_every_snapshot_the_pool_holds_and_the_next_to_come():

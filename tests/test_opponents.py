@@ -121,6 +121,32 @@ def test_snapshot_keeps_the_newest_of_the_pool_and_past_plays_a_snapshot_s_weigh
     assert torch.equal(mix.frozen.weight, model.weight.detach())
 
 
+class Reporter:
+    """An engine that answers each prompt with the first weight of the model it generates for."""
+
+    def __init__(self, model, tokenizer, args, device):
+        self.model, self.room = model, None
+
+    def generate(self, prompts):
+        return [([], [], f"{self.model.weight[0, 0].item():g}") for _ in prompts]
+
+
+def test_Past_generates_with_its_own_snapshot_s_weights_whichever_was_loaded_before():
+    model = torch.nn.Linear(2, 2)
+    args = S.Args(tiny=True, opponents="past=1", past_every=1)
+    fake = SimpleNamespace(args=args, dist=Dist(), model=model, tokenizer=None, device=None)
+    fake.policy = Reporter(model, None, args, None)
+    mix = opponents.Versus(fake)
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        mix.snapshot(step, model)
+    [zero, one, two] = mix.members  # steps 0 (the initial policy), 1 and 2
+    first = f"{zero.versus.pool[0][1]['weight'][0, 0].item():g}"
+    said = [m.generate(["p"])[0][2] for m in (two, zero, one, two, two, zero)]
+    assert said == ["2", first, "1", "2", "2", first]
+
+
 def test_restored_refuses_a_pool_that_does_not_fit_the_model():
     model = torch.nn.Linear(2, 2)
     good = {"steps": [0], "weights": [opponents.trainable(model)]}

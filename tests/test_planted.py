@@ -237,3 +237,16 @@ def test_tokenize_ends_every_response_with_eos_and_the_soft_target_sits_on_the_a
             "\\boxed{"
         )
     assert matches.RandomPlayer  # the moves above are the random legal player's
+
+
+def test_kl_term_adds_nothing_for_a_repeated_micro_batch_and_the_k3_sum_otherwise():
+    """FSDP's repeated micro-batches (sums None) carry no KL; a real one adds the k3 sum over its response
+    tokens on the loss's normaliser, positive where the policy left the reference, and logs it."""
+    logps = torch.tensor([[math.log(0.5), math.log(0.2), 0.0]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25), math.log(0.4), -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the last column is padding
+    assert S.kl_term(logps, ref, mask, 4.0, None).item() == 0.0
+    sums = {}
+    kl = S.kl_term(logps, ref, mask, 4.0, sums)
+    expected = ((0.5 - math.log(0.5) - 1) + (2 - math.log(2) - 1)) / 4
+    assert kl.item() == pytest.approx(expected) and sums == {"kl": pytest.approx(expected)}

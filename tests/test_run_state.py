@@ -24,8 +24,8 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     run,
 )
 
-MIX = ["--opponents", "self=0.5,past=0.25,random=0.25", "--past-every", "1", "--past-pool", "2"]
 SPEC = "self=0.5,past=0.25,random=0.25"
+MIX = ["--opponents", SPEC, "--past-every", "1", "--past-pool", "2"]
 
 
 @pytest.fixture(scope="module", name="mixed_run")
