@@ -327,7 +327,7 @@ def test_main_resumed_says_the_engine_and_the_opponents_in_the_first_run_s_words
     assert f"resuming {out} from step 2" in again
 
 
-def test_config_json_keeps_the_backend_asked_auto_or_hf(tmp_path, capsys):
+def test_main_records_the_backend_asked_in_config_json_auto_or_hf(tmp_path, capsys):
     """config.json records the --backend the user asked, not the engine it resolved to: `auto` chooses again
     on a resume (a GPU with vLLM may take vllm), an explicit `hf` stays hf wherever the run resumes."""
     for asked in ("auto", "hf"):
