@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import stratagem as S
-from machinery import UserError, distributed, flags, lifecycle, memory, saved_config
+from machinery import UserError, distributed, flags, lifecycle, memory, runfiles, saved_config
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     error_of,
     fresh,
@@ -269,6 +269,7 @@ def a_run(tiny, tmp_path, micro_batch: int, **kw):
         model, torch.optim.SGD(model.parameters(), lr=1.0), args, distributed.Dist()
     )
     namespace.updates, namespace.out = 0, tmp_path
+    runfiles.write_config(tmp_path, flags.as_config(args), 0)  # as a run's folder holds before step 1
     return namespace
 
 
