@@ -1,9 +1,9 @@
-"""The judge checked against the game's truth. On Kuhn Poker the exact best reply to the policy's own
-moves (games/perfect.py) measures how exploitable its play is, a figure no judge can bend: every
---eval-every evaluation that plays KuhnPoker-v1 with its whole history carries it (eval.best_response).
-Beside it each evaluation after step 0 carries the judge's phi and psi means over the steps since the
-previous one (eval.judged). History keeps both; `warning` says when, over the last WINDOW
-evaluations, the judge's scores rose while the best reply's win rate rose beyond its noise.
+"""The judge checked against the game's truth. On Kuhn Poker the exact best reply to the policy's
+own moves (games/perfect.py) measures how exploitable its play is, a figure no judge can bend:
+each --eval-every evaluation that plays KuhnPoker-v1 with its whole history carries it
+(eval.best_response), and each one after step 0 carries the judge's phi and psi means over the
+steps since the previous one (eval.judged). History keeps both; `warning` says when, over the last
+WINDOW evaluations, the judge's scores rose while the best reply's win rate rose beyond its noise.
 
 What is measured is handed in (the metrics lines), so nothing here imports games/.
 """
@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 import judge_prompts
 
 WINDOW = 3  # evaluations the warning compares, its first with its last
+# Deciding-round moves an evaluation's best reply must have read to count: below, most information
+# sets hold a move or two, which the bootstrap resamples to themselves, so the interval understates
+# the noise (docs/evaluation.md: at 10 games its low lay above the true value in 36 of 60).
+MIN_MOVES = 40
 WARNING = "the judge rewards what the game punishes"
 
 
@@ -31,18 +35,16 @@ def real(v) -> float | None:
 
 
 def best_reply(evaluation: dict) -> dict | None:
-    """{"win_rate", "ci95"} of an evaluation's best reply (perfect.exploitability's), or None where it
-    holds none of that shape (not measured, or a hand-edited line) or replies to no move (n 0: the
-    model lost every KuhnPoker-v1 game before its deciding round, and every spot counts as uniform)."""
+    """{"win_rate", "ci95", "n"} of an evaluation's best reply (perfect.exploitability's; n: the
+    model's moves it read), or None where it holds none of that shape (not measured, or a
+    hand-edited line)."""
     best = evaluation.get("best_response")
     if not isinstance(best, dict) or not isinstance(best.get("ci95"), list | tuple):
         return None
-    if not (real(best.get("n")) or 0) > 0:
+    win, ci, n = real(best.get("win_rate")), [real(v) for v in best["ci95"]], real(best.get("n"))
+    if win is None or n is None or len(ci) != 2 or None in ci:
         return None
-    win, ci = real(best.get("win_rate")), [real(v) for v in best["ci95"]]
-    if win is None or len(ci) != 2 or None in ci:
-        return None
-    return {"win_rate": win, "ci95": ci}
+    return {"win_rate": win, "ci95": ci, "n": n}
 
 
 @dataclass
@@ -86,13 +88,19 @@ class History:
         return history
 
 
+def measured(point: dict) -> bool:
+    """Whether an evaluation measured both: a best reply to MIN_MOVES moves or more, a judged
+    mean."""
+    best, judged = point["best"], point["judged"].values()
+    return bool(best) and best["n"] >= MIN_MOVES and any(v is not None for v in judged)
+
+
 def warning(points: list[dict], window: int = WINDOW) -> str | None:
     """The warning where the judge rewards what the game punishes, else None. Over the last `window`
-    evaluations that measured both (a best reply and a judged mean), the first against the last: a
-    judged mean (phi or psi) rose, and the best reply's win rate rose beyond its noise, the last
-    interval's low above the first's point (the newer measurement rules out the older value at 97.5 %,
-    one-sided; the first's own noise is not counted, so it errs on the side of saying it)."""
-    usable = [p for p in points if p["best"] and any(v is not None for v in p["judged"].values())]
+    evaluations that measured both, the first against the last: a judged mean (phi or psi) rose, and
+    the best reply's win rate rose beyond the noise of both, the last interval wholly above the
+    first (docs/evaluation.md says why this rule and what it misses)."""
+    usable = [p for p in points if measured(p)]
     if len(usable) < max(2, window):
         return None
     first, last = usable[-window], usable[-1]
@@ -102,13 +110,15 @@ def warning(points: list[dict], window: int = WINDOW) -> str | None:
         if v is not None and first["judged"].get(s) is not None and v > first["judged"][s]
     ]
     was, now = first["best"], last["best"]
-    if not rose or not now["ci95"][0] > was["win_rate"]:
+    if not rose or not now["ci95"][0] > was["ci95"][1]:
         return None
     said = ", ".join(f"{s} {first['judged'][s]:.3f} -> {last['judged'][s]:.3f}" for s in rose)
-    low, high = now["ci95"]
+    then, later = (
+        f"{b['win_rate']:.3f} [{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}]" for b in (was, now)
+    )
     return (
         f"{WARNING}: over the evaluations of steps {first['step']} to {last['step']} the judged "
         f"means rose ({said}) while the best reply to the policy's KuhnPoker-v1 play went from "
-        f"winning {was['win_rate']:.3f} to {now['win_rate']:.3f} [{low:.3f}, {high:.3f}], its "
-        "interval above the first (docs/evaluation.md#the-judge-against-the-games-truth)"
+        f"winning {then} to {later}, the intervals apart "
+        "(docs/evaluation.md#the-judge-against-the-games-truth)"
     )

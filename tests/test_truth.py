@@ -1,6 +1,7 @@
-"""Tests of the judge checked against the game's truth (machinery/truth.py): the periodic evaluation's
-best reply to the model's own KuhnPoker-v1 moves whatever the opponent, the judged means each
-evaluation carries, the warning when the judge's scores rise while the best reply gains, its plot."""
+"""Tests of the judge checked against the game's truth (machinery/truth.py): the periodic
+evaluation's best reply to the model's own KuhnPoker-v1 moves whatever the opponent, the judged
+means each evaluation carries, the warning when the judge's scores rise while the best reply gains,
+its plot."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def evaluate(tiny, monkeypatch, step: int = 5, **flags) -> tuple[dict | None, li
     return S.periodic_eval(run_, step, watch.Timer()), played
 
 
-def test_random_opponent_evaluation_reports_the_best_reply_to_its_kuhn_moves(tiny, monkeypatch):
+def test_periodic_eval_reports_the_best_reply_to_its_kuhn_moves_against_random(tiny, monkeypatch):
     result, played = evaluate(tiny, monkeypatch)
     assert result["opponent"] == "random" and {r["game"] for r in played} == {
         "KuhnPoker-v1",
@@ -80,7 +81,9 @@ def test_random_opponent_evaluation_reports_the_best_reply_to_its_kuhn_moves(tin
     [{"eval_first_last": "KuhnPoker-v1"}, {"error_allowance": 1}],
     ids=["first-last", "error-allowance"],
 )
-def test_evaluation_skips_the_best_reply_where_it_cannot_read_the_moves(tiny, monkeypatch, flags):
+def test_periodic_eval_skips_the_best_reply_where_it_cannot_read_the_moves(
+    tiny, monkeypatch, flags
+):
     """The first/last format drops the bets the information set is read from; with an error
     allowance an answer the game refused and asked again would read as a move lost."""
     result, _ = evaluate(tiny, monkeypatch, **flags)
@@ -89,7 +92,7 @@ def test_evaluation_skips_the_best_reply_where_it_cannot_read_the_moves(tiny, mo
 
 
 # ---- the judged means each evaluation carries, and the warning
-def best(win: float, low: float, high: float, n: int = 20) -> dict:
+def best(win: float, low: float, high: float, n: int = 60) -> dict:
     """A best reply of `n` moves of the model."""
     return {"win_rate": win, "ci95": [low, high], "n": n}
 
@@ -124,15 +127,15 @@ def guarded(lines: list[dict], capsys) -> tuple[list[str], SimpleNamespace]:
     return capsys.readouterr().err.splitlines(), run_
 
 
-def test_judge_rewards_what_the_game_punishes_is_said_once(tmp_path, capsys):
+def test_guard_says_the_judge_rewards_what_the_game_punishes_once(tmp_path, capsys):
     for line in planted(RISING + [(0.70, 0.1, best(0.9, 0.85, 0.95))]):
         runfiles.append_jsonl(tmp_path / "metrics.jsonl", line)
     said, run_ = guarded(read_jsonl(tmp_path / "metrics.jsonl"), capsys)
     assert said == [
-        "stratagem: warning: step 6: the judge rewards what the game punishes: over the evaluations "
-        "of steps 2 to 6 the judged means rose (phi 0.405 -> 0.605) while the best reply to the "
-        "policy's KuhnPoker-v1 play went from winning 0.600 to 0.800 [0.720, 0.900], its interval "
-        "above the first (docs/evaluation.md#the-judge-against-the-games-truth)"
+        "stratagem: warning: step 6: the judge rewards what the game punishes: over the "
+        "evaluations of steps 2 to 6 the judged means rose (phi 0.405 -> 0.605) while the best "
+        "reply to the policy's KuhnPoker-v1 play went from winning 0.600 [0.550, 0.700] to 0.800 "
+        "[0.720, 0.900], the intervals apart (docs/evaluation.md#the-judge-against-the-games-truth)"
     ]  # once, though step 8's evaluation says it again
     # each evaluation after step 0 carries the judged means of the steps since the previous one
     judged = [p["judged"] for p in run_.truth.points]
@@ -149,18 +152,19 @@ def test_judge_rewards_what_the_game_punishes_is_said_once(tmp_path, capsys):
             (0.5, 0.0, best(0.7, 0.6, 0.8)),
             (0.6, 0.1, RISING[0][2]),
         ],
-        [(0.4, 0.0, RISING[0][2]), (0.5, 0.0, RISING[1][2]), (0.6, 0.0, best(0.66, 0.59, 0.8))],
+        RISING[:2] + [(0.6, 0.0, best(0.74, 0.65, 0.85))],  # above 0.60, not its interval's 0.70
         RISING[1:],
-        RISING[:2]
-        + [(0.55, 0.0, best(0.62, 0.55, 0.7)), (0.6, 0.0, best(0.6875, 0.6875, 0.6875, 0))],
+        RISING[:2] + [(0.6, 0.0, best(0.8, 0.72, 0.9, n=truth.MIN_MOVES - 1))],
     ],
-    ids=["judge-falls", "best-reply-falls", "within-its-noise", "fewer-than-the-window", "no-move"],
+    ids=["judge-falls", "best-reply-falls", "within-noise", "fewer-than-the-window", "few-moves"],
 )
-def test_no_warning_unless_the_judge_rises_and_the_best_reply_gains_beyond_noise(evals, capsys):
+def test_warning_is_none_unless_the_judge_rises_and_the_best_reply_gains_beyond_noise(
+    evals, capsys
+):
     assert guarded(planted(evals), capsys)[0] == []
 
 
-def test_evaluations_carry_the_judged_means_as_a_resume_replays_them():
+def test_History_add_gives_evaluations_the_judged_means_as_a_resume_replays_them():
     lines = planted(RISING)
     live = truth.History()
     for line in lines:
