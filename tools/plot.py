@@ -357,7 +357,7 @@ def draw_truth(plt, runs: list[tuple[Path, list[dict]]]):
     ]
     if not any(lines[0] for lines in found) or not any(any(lines[1:]) for lines in found):
         return None
-    fig, ax = plt.subplots(figsize=(8.4, 3.6), dpi=110, layout="constrained")
+    fig, ax = plt.subplots(figsize=(8.4, 4.4), dpi=110, layout="constrained")
     judged = ax.twinx()
     for r, ((run, ms), lines) in enumerate(zip(runs, found)):
         for s, ((label, _), points) in enumerate(zip(series, lines)):
@@ -377,10 +377,10 @@ def draw_truth(plt, runs: list[tuple[Path, list[dict]]]):
     label = "the game's value: unexploitable (0.5)"
     ax.axhline(0.5, color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
     ax.set(xlabel="step", ylabel=ylabel, ylim=(0.48, 1.02))
-    judged.set(ylabel="judged mean since the previous evaluation", ylim=(-1.05, 1.05))
+    judged.set(ylabel="judged mean, steps since the last evaluation", ylim=(-1.05, 1.05))
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     handles = [h for a in (ax, judged) for h in zip(*a.get_legend_handles_labels())]
-    fig.legend(*zip(*handles), fontsize=7, loc="outside right upper", frameon=False)
+    fig.legend(*zip(*handles), fontsize=7, loc="outside lower center", ncols=3, frameon=False)
     fig.suptitle(title)
     return fig
 
