@@ -1273,12 +1273,12 @@ def periodic_eval(run: lifecycle.Run, step: int, timer: watch.Timer) -> dict | N
     opponent = perfect.player(args.eval_opponent, random.Random(step))
     games = schedule(run.eval_games, args.eval_n, random.Random(args.seed + step), first_last)
     bar = watch.Games(f"step {step}/{args.steps}: eval vs {args.eval_opponent}", len(games))
-    # it draws nothing from training's streams
-    with timer("eval"), torch.random.fork_rng(), bar:
+    with timer("eval"), torch.random.fork_rng(), bar:  # nothing drawn from training's streams
         records = play_matches(
             run.policy, run.tokenizer, opponent, games, rules, args.num_envs, bar
         )
-    return perfect.report(records, args.eval_opponent, random.Random(step))
+    every = perfect.readable(first_last, rules.error_allowance)  # KuhnPoker-v1's best reply
+    return perfect.report(records, args.eval_opponent, random.Random(step), every)
 
 
 class FreshSeeds(random.Random):

@@ -212,7 +212,10 @@ def _percentile(values: list[float], q: float) -> float:
     return values[low] + (values[high] - values[low]) * (at - low)
 
 
-def exploitability(counts: dict, rng, samples: int = 1000) -> dict:
+SAMPLES = 1000  # the bootstrap's resamples: about 0.5 s on one core (docs/evaluation.md)
+
+
+def exploitability(counts: dict, rng, samples: int = SAMPLES) -> dict:
     """The best response's win rate against the frequencies of `counts` (strategy_counts), with a 95 %
     percentile bootstrap interval (`samples` resamples, drawn by `rng`: each information set's moves
     drawn again with replacement, as many as it had). The win rate is a maximum over plans, so
@@ -276,13 +279,25 @@ def player(opponent: str, rng: random.Random):
     return MinimaxPlayer(rng) if opponent == "minimax" else RandomPlayer(rng)
 
 
-def report(records: list[dict], opponent: str, rng: random.Random) -> dict:
+def readable(first_last, error_allowance: int) -> bool:
+    """Whether an evaluation's KuhnPoker-v1 games hand the best reply the model's moves: shown with
+    their whole history (the first/last format drops the bets kuhn_infoset reads) and played with
+    no error allowance (an answer the game refused and asked again would read as a move lost)."""
+    return not error_allowance and not set(BEST_RESPONSE_GAMES) & set(first_last)
+
+
+def report(
+    records: list[dict], opponent: str, rng: random.Random, every=False, samples: int = SAMPLES
+) -> dict:
     """An evaluation's summary (summarize_matches) with the spots of its invalid moves (the
-    coverage guard names them) and, for best-response, the exploitability of the model's play."""
+    coverage guard names them) and the exploitability of the model's play, read from its own moves
+    in its KuhnPoker-v1 games alone: for best-response, and where `every` (--eval-every's, where
+    `readable`) for any opponent whose games include KuhnPoker-v1."""
     spots = invalid_spots(records)
     played = "minimax" if opponent == "minimax" else "random"  # best-response's games: random's
     summary = summarize_matches(records) | {"opponent": played, "spots": spots}
-    if opponent == "best-response":
-        pairs = [pair for r in records for pair in r["moves"]]
-        summary["best_response"] = exploitability(strategy_counts(pairs), rng)
+    kuhn = [r for r in records if r["game"] in BEST_RESPONSE_GAMES]
+    if opponent == "best-response" or (every and kuhn):
+        pairs = [pair for r in kuhn for pair in r["moves"]]
+        summary["best_response"] = exploitability(strategy_counts(pairs), rng, samples)
     return summary

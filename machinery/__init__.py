@@ -15,6 +15,8 @@ the layers below it (CI's .ci/imports.py fails on a cycle or an arrow running ba
      distill.py       --distill: heads on the policy's hidden states that learn the judge; Cohen's kappa, Spearman
      adaptive_beta.py --beta-share: the controller that holds the evolution term's share of A_mod
      judge_http.py    the HTTP under the judge's client: a deadline per attempt, a cap on the reply's size
+     truth.py         the judge checked against Kuhn Poker's best reply: the judged means each evaluation
+                      carries, the warning where the judge rewards what the game punishes
   1  openai_api.py    talking to an OpenAI-compatible server: client, reachability, failures as named kinds
      opponents.py     --opponents: self-play against the policy, a pool of past policies or the random player
   2  distributed.py   torchrun / FSDP2 data parallelism and the choice of device

@@ -45,6 +45,7 @@ from machinery import (
     modelfiles,
     opponents,
     runfiles,
+    truth,
     watch,
 )
 from machinery.distributed import (
@@ -134,6 +135,7 @@ class Run:
     reporter: watch.Reporter | None = None
     announced: bool = False  # the judge budget's banner is shown once
     warned: set = field(default_factory=set)  # the guard's lines said once
+    truth: truth.History = field(default_factory=truth.History)  # the judge vs the best reply
     updates: int = 0  # optimizer steps taken (--ppo-epochs a step): check_update names the step
     finished: tuple | None = None  # (step, updates, state_of) of the last step that ended
     saving: int | None = None  # the step of the last checkpoint begun
@@ -441,6 +443,9 @@ def open_run_files(run: Run, start: Start, state: dict | None) -> None:
     if args.resume:  # lines logged after the checkpoint are replayed (none: step 0's evaluation)
         for name in ("metrics.jsonl", "trajectories.jsonl"):
             runfiles.truncate_jsonl(out / name, run.start if start.ckpt else -1)
+        metrics = out / "metrics.jsonl"  # the judged means and evaluations so far, again
+        if metrics.exists():
+            run.truth = truth.History.replay(r for _, r in runfiles.iter_jsonl(metrics))
         print(
             f"resuming {out} from step {run.start}"
             if start.ckpt
@@ -748,6 +753,7 @@ def end_step(run: Run, done: Step) -> None:
             means = {s: done.mod.get(f"{s}_mean") for s in judge_prompts.SCORES}
             run.recent.append({s: v for s, v in means.items() if v is not None})
         metrics = step_metrics(run, done, ranks, step_time)
+        run.truth.add(metrics)  # its evaluation gets the judged means since the previous one
         if run.runner is not None and run.runner.budget_exhausted() and not run.announced:
             watch.announce_budget(run.runner.totals["cost"], run.args.judge_budget, step)
             run.announced = True
@@ -766,7 +772,9 @@ def end_step(run: Run, done: Step) -> None:
 
 def guard(run: Run, metrics: dict) -> None:
     """The coverage guard: a warning line, once a spot, for a spot of step 1 that self-play has
-    stopped reaching; one when an evaluation of a game loses over 10 % of it on invalid moves."""
+    stopped reaching; one when an evaluation of a game loses over 10 % of it on invalid moves. And
+    once a run, where the judge's scores rose while the best reply gained beyond its noise
+    (truth.warning: the judge rewards what the game punishes)."""
     spots = metrics.get("coverage", {})
     if run.first_spots is None and metrics["step"] == 1:
         run.first_spots = spots
@@ -781,6 +789,9 @@ def guard(run: Run, metrics: dict) -> None:
         ]
         run.warned -= {f"evaluation: {g}" for g in e["games"]} - keys
         run.warned |= keys
+    if (said := truth.warning(run.truth.points)) and truth.WARNING not in run.warned:
+        run.warned.add(truth.WARNING)  # once a run
+        lines.append(f"step {metrics['step']}: {said}")
     for line in lines:
         watch.warn(line)
 
@@ -789,6 +800,7 @@ def first_eval(run: Run, evaluation: dict | None) -> None:
     """A fresh run's evaluation before any update (None without --eval-every): its own metrics.jsonl line
     {"step": 0, "eval": ...} and step line, so that a learning curve starts where the policy started."""
     if evaluation:
+        run.truth.add({"step": 0, "eval": evaluation})
         runfiles.append_jsonl(run.out / "metrics.jsonl", {"step": 0, "eval": evaluation})
         guard(run, {"step": 0, "eval": evaluation})
         print(

@@ -210,13 +210,15 @@ def results_text(m: dict) -> str:
 
 def eval_text(e: dict) -> str:
     """--eval-every's result in a step line: the win rate against its opponent with its 95 % interval (and,
-    with --eval-opponent best-response, the best reply's win rate against the policy)."""
+    where it played KuhnPoker-v1, the exact best reply's win rate against the policy's play there)."""
     low, high = e["win_ci95"]
     text = f"eval: win {e['win_rate']:.3f} [{low:.3f}, {high:.3f}] of {e['n']} vs "
     text += e.get("opponent", "random")
-    if best := e.get("best_response"):  # --eval-opponent best-response
+    if (best := e.get("best_response")) and not best.get("n", 1):  # lost before round 5 each time
+        text += "; KuhnPoker-v1: no move of its deciding round to reply to"
+    elif best:  # games/perfect.report's
         low, high = best["ci95"]
-        text += f", the best reply wins {best['win_rate']:.3f} [{low:.3f}, {high:.3f}]"
+        text += f"; KuhnPoker-v1's best reply wins {best['win_rate']:.3f} [{low:.3f}, {high:.3f}]"
     return text
 
 

@@ -149,12 +149,12 @@ def test_resume_of_a_tiny_heuristic_run_is_exact_and_its_checkpoint_a_plain_hf_m
     whole, part = tmp_path / "whole", tmp_path / "part"
     evaluation = [
         "--eval-every",
-        "2",
+        "3",
         "--eval-games",
         "TicTacToe-v0",
         "--eval-n",
         "2",
-    ]  # must not disturb training
+    ]  # must not disturb training; step 3's carries the judged means of steps 1-3, two replayed
     assert run(SMALL + evaluation + ["--steps", "3", "--out", str(whole)]) == 0
     check_run(whole, 3, beta=0.2)
     assert run(SMALL + evaluation + ["--steps", "2", "--save-every", "1", "--out", str(part)]) == 0

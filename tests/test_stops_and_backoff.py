@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import stratagem as S
-from machinery import distributed, lifecycle
+from machinery import distributed, lifecycle, truth
 from tests.common import (  # noqa: F401  (fixtures, found by their names; the autouse two apply by being imported)
     SMALL,
     assert_resumed_exactly,
@@ -166,7 +166,7 @@ def test_guard_warns_again_when_an_invalid_move_share_recovers_and_falls_again(c
     """An evaluation's invalid-move share over 10 %: a warning; still over: none; back under, then over again:
     a warning again (once a spell over, not once a run)."""
     game = "KuhnPoker-v1"
-    guarded = SimpleNamespace(first_spots=None, warned=set())
+    guarded = SimpleNamespace(first_spots=None, warned=set(), truth=truth.History())
 
     def evaluated(step: int, rate: float) -> list[str]:
         evaluation = {"games": {game: {"both": {"invalid": {"rate": rate}}}}, "spots": {}}

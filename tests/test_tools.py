@@ -273,10 +273,13 @@ def test_periodic_eval_is_logged_and_plot_and_show_read_the_runs(tmp_path, capsy
     assert run(["plot", *map(str, runs), "--out", str(tmp_path / "plots")]) == 0
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs == sorted(
-        f"{n}.png" for n in plot.PLOTS if n not in ("exploitability", "distill", "spy")
+        f"{n}.png"
+        for n in plot.PLOTS
+        if n not in ("exploitability", "judge_vs_truth", "distill", "spy")
     )  # no empty figures
     assert capsys.readouterr().out.endswith(
-        "; no data for exploitability.png (--eval-opponent best-response), distill.png "
+        "; no data for exploitability.png (--eval-every with KuhnPoker-v1 shown whole), "
+        "judge_vs_truth.png (--eval-every with KuhnPoker-v1 shown whole, and a judge), distill.png "
         "(--distill), spy.png (a spyrl.py run)\n"
     )
     assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

@@ -44,13 +44,22 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
         + [(game, lambda m, g=game: eval_cell(m, g, "win")) for game in TRAINING_GAMES],
     ),
     "exploitability": (
-        "Kuhn Poker: the exact best response's win rate against the policy (--eval-opponent best-response)",
+        "Kuhn Poker: the exact best response's win rate against the policy (--eval-every)",
         "win rate of the best reply",
         [
             ("best response", lambda m: m["eval"]["best_response"]["win_rate"]),
             ("its 95 % interval, low", lambda m: m["eval"]["best_response"]["ci95"][0]),
             ("its 95 % interval, high", lambda m: m["eval"]["best_response"]["ci95"][1]),
         ],
+    ),
+    "judge_vs_truth": (
+        "The judge against the game's truth: Kuhn Poker's best reply (left), the judged means (right)",
+        "win rate of the best reply",
+        [("best reply", lambda m: reply(m["eval"]["best_response"]))]
+        + [
+            (f"judged {name} mean", lambda m, n=name: m["eval"]["judged"][f"{n}_mean"])
+            for name in judge_prompts.SCORES
+        ],  # drawn by draw_truth: the judged means on an axis of their own
     ),
     "eval_invalid_rate": (
         "Evaluation games the model lost by an invalid move (--eval-every)",
@@ -149,7 +158,8 @@ PLOTS = {  # file name -> (title, y label, [(series label, value of one metrics 
 NEEDS = {
     "eval_win_rate": " (train with --eval-every N)",
     "eval_invalid_rate": " (train with --eval-every N)",
-    "exploitability": " (--eval-opponent best-response)",
+    "exploitability": " (--eval-every with KuhnPoker-v1 shown whole)",
+    "judge_vs_truth": " (--eval-every with KuhnPoker-v1 shown whole, and a judge)",
     "eval_game_length": " (train with --eval-every N)",
     "distill": " (--distill)",
     "judge_requests": " (a judge)",
@@ -175,6 +185,12 @@ def invalid_rate(m: dict) -> float | None:
     return sum(c[p]["invalid"] for c in m["games"].values() for p in c) / max(
         1, seats - m.get("idle_seats", 0)
     )
+
+
+def reply(best: dict) -> float | None:
+    """The best reply's win rate, where it replied to a move of the model (n 0: none was read, and
+    every spot counts as uniform; machinery/truth.py's warning skips it too)."""
+    return best["win_rate"] if best["n"] else None
 
 
 def min_kappa(report: dict | None) -> float | None:
@@ -255,6 +271,8 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
         return draw_panels(plt, name, runs)
     if name == "coverage":
         return draw_coverage(plt, runs)
+    if name == "judge_vs_truth":
+        return draw_truth(plt, runs)
     title, ylabel, series = PLOTS[name]
     fig, ax = plt.subplots(figsize=(8.4, 3.6), dpi=110, layout="constrained")
     n = len(runs) * len(series)
@@ -321,6 +339,49 @@ def draw_plot(plt, name: str, runs: list[tuple[Path, list[dict]]]):
     ax.legend(
         fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False
     )
+    return fig
+
+
+def draw_truth(plt, runs: list[tuple[Path, list[dict]]]):
+    """The "judge_vs_truth" figure, or None where no run has both a best reply and a judged mean: the
+    best reply's win rate on Kuhn Poker with its 95 % interval shaded (0.5: unexploitable) on the
+    left axis, the judge's means since the previous evaluation on a twin axis at the right, each on
+    its own scale (phi in [0, 1], psi in [-1, 1]: rescaled, a rise of either would read as the
+    other's). A colour per run, a line style and marker per series."""
+    import matplotlib.ticker
+
+    title, ylabel, series = PLOTS["judge_vs_truth"]
+    found = [
+        [[(m["step"], v) for m in ms if (v := read(value, m)) is not None] for _, value in series]
+        for _, ms in runs
+    ]
+    if not any(lines[0] for lines in found) or not any(any(lines[1:]) for lines in found):
+        return None
+    fig, ax = plt.subplots(figsize=(8.4, 4.4), dpi=110, layout="constrained")
+    judged = ax.twinx()
+    for r, ((run, ms), lines) in enumerate(zip(runs, found)):
+        for s, ((label, _), points) in enumerate(zip(series, lines)):
+            if points:
+                k = r * len(series) + s  # draw order
+                name = " ".join(x for x in (run_label(run), label) if x)
+                axis = ax if s == 0 else judged
+                draw_line(axis, points, (r, s, k, 12), markersize=4, linewidth=1.4, label=name)
+        band = [
+            (m["step"], low, high)
+            for m in ms
+            if (low := read(lambda m: m["eval"]["best_response"]["ci95"][0], m)) is not None
+            and (high := read(lambda m: m["eval"]["best_response"]["ci95"][1], m)) is not None
+        ]
+        if band:
+            ax.fill_between(*zip(*band), color=f"C{r % 10}", alpha=0.15, linewidth=0, zorder=1)
+    label = "the game's value: unexploitable (0.5)"
+    ax.axhline(0.5, color="0.35", linestyle=(0, (4, 3)), linewidth=1, zorder=1, label=label)
+    ax.set(xlabel="step", ylabel=ylabel, ylim=(0.48, 1.02))
+    judged.set(ylabel="judged mean, steps since the last evaluation", ylim=(-1.05, 1.05))
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    handles = [h for a in (ax, judged) for h in zip(*a.get_legend_handles_labels())]
+    fig.legend(*zip(*handles), fontsize=7, loc="outside lower center", ncols=3, frameon=False)
+    fig.suptitle(title)
     return fig
 
 
@@ -449,6 +510,7 @@ def main(argv: list[str]) -> int:
             "Draw PNG figures of one or more runs over steps (several runs are overlaid, e.g. stratagem vs "
             "spiral vs --no-psi): win rate against a random player (with its invalid-move rate and game length), "
             "invalid-action rate in self-play, its decision spots' coverage, response length, "
+            "Kuhn Poker's best reply beside the judged means, "
             "phi and psi, A_mod spread, loss, the distilled heads' agreement and the judge's requests, and SpyRL's "
             "detection figures. Needs matplotlib."
         ),
