@@ -36,7 +36,7 @@ def planted(model, trajs, shift):
             turn.behaviour = logps[0] - s  # [r]
 
 
-def test_truncated_ratio_gradient_is_the_hand_computed_one_and_level_0_computes_none(tiny):
+def test_corrected_gradient_is_the_hand_computed_truncated_ratio_and_level_0_computes_none(tiny):
     model, _ = fresh(tiny)
     args = S.Args(tiny=True, micro_batch_size=2, max_grad_norm=1e9)
     trajs = make_batch([5, 6, 7], [[8, 9, 10], [11, 12], [13, 14, 15, 16]], [1.0, -0.5, 2.0])
@@ -78,7 +78,7 @@ def test_truncated_ratio_gradient_is_the_hand_computed_one_and_level_0_computes_
 TINY = ["--tiny", "--batch-size", "16", "--num-envs", "4", "--async-level", "1"]
 
 
-def test_async_run_records_its_lag_and_resumes_to_the_losses_of_an_uninterrupted_one(tmp_path):
+def test_batch_records_its_lag_and_an_async_run_resumes_to_the_losses_of_an_uninterrupted_one(tmp_path):
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert run([*TINY, "--steps", "4", "--out", str(whole)]) == 0
     assert run([*TINY, "--steps", "2", "--out", str(part)]) == 0
@@ -120,7 +120,7 @@ def test_async_level_0_writes_no_record_and_no_generator(tmp_path):
         ),
     ],
 )
-def test_what_cannot_overlap_is_refused_in_one_line_before_anything_runs(
+def test_check_refuses_what_cannot_overlap_in_one_line_before_anything_runs(
     capsys, tmp_path, flags, said
 ):
     err = error_of(capsys, ["--tiny", "--steps", "1", "--out", str(tmp_path / "r"), *flags])
@@ -137,7 +137,7 @@ def test_dry_run_counts_the_generators_copy_of_the_weights(capsys):
 
 
 @pytest.mark.slow
-def test_async_run_on_hf_with_a_judge_adaptive_beta_and_evaluations(tmp_path):
+def test_async_level_1_runs_on_hf_with_a_judge_adaptive_beta_and_evaluations(tmp_path):
     out = tmp_path / "slow"
     argv = [*TINY, "--steps", "5", "--eval-every", "2", "--eval-n", "2", "--beta-share", "0.3"]
     assert run([*argv, "--out", str(out)]) == 0
