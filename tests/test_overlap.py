@@ -78,7 +78,9 @@ def test_corrected_gradient_is_the_hand_computed_truncated_ratio_and_level_0_com
 TINY = ["--tiny", "--batch-size", "16", "--num-envs", "4", "--async-level", "1"]
 
 
-def test_batch_records_its_lag_and_an_async_run_resumes_to_the_losses_of_an_uninterrupted_one(tmp_path):
+def test_batch_records_its_lag_and_an_async_run_resumes_to_the_losses_of_an_uninterrupted_one(
+    tmp_path,
+):
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert run([*TINY, "--steps", "4", "--out", str(whole)]) == 0
     assert run([*TINY, "--steps", "2", "--out", str(part)]) == 0
