@@ -1,25 +1,28 @@
-"""--async-level 1: the learner never waits for the games. Steps 1-3 of step t+1 (the games, RAE, the
-judge, A_mod) run on a thread while step t's update runs, played by a second copy of the weights (the
-generator) one update behind the learner; the update corrects the lag with a truncated importance ratio.
+"""--async-level 1: the learner never waits for the games. Steps 1-3 of step t+1 (the games,
+RAE, the judge, A_mod) run on a thread while step t's update runs, played by a second copy of
+the weights (the generator) one update behind the learner; the update corrects the lag with a
+truncated importance ratio.
 
-    batch       stratagem.train()'s one call: a step's batch (steps 1-3), and the next one launched
+    batch       stratagem.train()'s one call: a step's batch (steps 1-3), the next launched
     behaviour   log mu, each response token's log-prob under the weights that played it
     corrected   step 4's token weights times the truncated ratio min(pi / mu, --is-cap)
-    join        after the update: the next batch waited for, the run's state put back as it was at its
-                launch, so that the step's metrics and checkpoint are those of the step that ended
+    join        after the update: the next batch waited for, the run's state put back as it
+                was at its launch, so that the step's metrics and checkpoint are the step's
 
-The order at step t: batch t taken (played during update t-1, or played now at the first step after a
-start or a resume) -> the generator synced to the learner (theta_{t-1}) -> batch t+1 launched on a thread
--> update t (theta_{t-1} -> theta_t) beside it -> joined -> the step's metrics and checkpoint. Batch t+1
-is played by theta_{t-1} and updated from theta_t: one step behind ("lag" in metrics.jsonl's "async").
+The order at step t: batch t taken (played during update t-1, or played now at the first step
+after a start or a resume) -> the generator synced to the learner (theta_{t-1}) -> batch t+1
+launched on a thread -> update t (theta_{t-1} -> theta_t) beside it -> joined -> the step's
+metrics and checkpoint. Batch t+1 is played by theta_{t-1} and updated from theta_t: one step
+behind ("lag" in metrics.jsonl's "async").
 
-What the thread and the learner share: nothing while both run. The thread alone draws from the run's
-random streams (torch's sampling, Python's, NumPy's, the run's own), moves RAE's baselines, the game
-lengths, --beta-share's beta and the judge's totals; the update draws none of them (its model has no
-dropout). At the join those fields are set back to what they were at the launch (and kept aside for the
-next step), so that end_step, the evaluation and the checkpoint see what --async-level 0 sees after step
-t. The checkpoint also holds the generator's weights (theta_{t-1}), so that a resume plays batch t+1
-again, identically, before it launches t+2 (docs/speed.md#async-level).
+What the thread and the learner share: nothing while both run. The thread alone draws from the
+run's random streams (torch's sampling, Python's, NumPy's, the run's own) and moves RAE's
+baselines, the game lengths, --beta-share's beta and the judge's totals; the update draws none
+(the model has no dropout). At the join those are set back to what they were at the launch (and
+kept aside for the next step), so that end_step, the evaluation and the checkpoint see what
+--async-level 0 sees after step t. The checkpoint also holds the generator's weights
+(theta_{t-1}): a resume plays batch t+1 again, identically, before it launches t+2
+(docs/speed.md#async-level).
 
 Nothing here imports stratagem.py: the step's functions are passed in.
 """
@@ -181,7 +184,8 @@ def batch(run, step: int, rollout, timer: watch.Timer, progress) -> tuple:
     """Step `step`'s batch, `rollout(run, policy, step, timer, progress)` (stratagem's steps 1-3):
     at --async-level 0 played now, exactly as without this call. At 1, the batch the thread played
     beside the last update (played now at a run's first step, or a resume's), its lag recorded; then
-    the generator is synced to the learner and the next batch launched (none after the last step)."""
+    the generator is synced to the learner and the next batch launched (none after the last
+    step)."""
     o = run.overlap
     if o is None:
         return rollout(run, run.policy, step, timer, progress)
@@ -219,7 +223,8 @@ def play(run, rollout, step: int) -> None:
 
 def join(run, timer: watch.Timer) -> None:
     """After the update: the thread waited for ("wait" in time_split_s), its error raised here, the
-    run's state kept aside and set back to what it was at the launch; the ratio's figures recorded."""
+    run's state kept aside and set back to what it was at the launch; the ratio's figures
+    recorded."""
     o = getattr(run, "overlap", None)
     if o is None:
         return
