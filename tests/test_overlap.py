@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import stratagem as S
-from machinery import overlap
+from machinery import overlap, runfiles
 from tests.common import (  # noqa: F401 - the session's fixture
     assert_resumed_exactly,
     error_of,
@@ -136,6 +136,25 @@ def test_dry_run_counts_the_generators_copy_of_the_weights(capsys):
     assert run(["--dry-run", "--model", "tiny", "--tiny", "--async-level", "1"]) == 0
     beside = capsys.readouterr().out
     assert "frozen copies" not in plain and "frozen copies" in beside
+
+
+def test_problem_names_a_checkpointed_generator_of_another_shape_step_or_level(tiny):
+    model, _ = fresh(tiny)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    one, zero = SimpleNamespace(async_level=1), SimpleNamespace(async_level=0)
+    state = lambda version, w: {"step": 3, "overlap": {"version": version, "weights": w}}  # noqa: E731
+    assert overlap.problem(one, state(2, weights), model) is None
+    assert "this run has --async-level 0" in overlap.problem(zero, state(2, weights), model)
+    assert "'overlap' is null" in overlap.problem(one, {"step": 3, "overlap": None}, model)
+    assert "past step 3" in overlap.problem(one, state(4, weights), model)
+    key = next(iter(weights))
+    cut = weights | {key: weights[key][:1]}
+    assert "another shape" in overlap.problem(one, state(2, cut), model)
+    ok = runfiles.TRAINER_STATE["overlap"][1]
+    assert ok(None) and ok(state(2, weights)["overlap"])
+    assert not ok({"version": "2", "weights": weights}) and not ok(
+        {"version": 2, "weights": {"w": 1}}
+    )
 
 
 @pytest.mark.slow
