@@ -73,7 +73,7 @@ class Args(S.Args):
 HIDDEN = {
     *(name for name in Args.__dataclass_fields__ if name.startswith(("judge", "distill"))),
     *"mode beta no_psi games max_turns error_allowance invalid_rewards rejected_rewards action_rule".split(),
-    *"beta_share beta_horizon beta_min beta_max".split(),
+    *"beta_share beta_horizon beta_min beta_max async_level is_cap".split(),  # no --async-level
 }
 CHOICES = {**flags.CHOICES, "mode": ("spyrl",), "spy_task": tuple(spy.TASKS)}
 PRESETS = {

@@ -66,6 +66,7 @@ from machinery import (
     modelfiles,
     modulation,
     opponents,
+    overlap,
     watch,
 )
 from machinery.judge import JudgeFlags, fill_prices, parse_scores
@@ -92,6 +93,7 @@ class Args(
     modulation.ModulationFlags,
     distill.DistillFlags,
     adaptive_beta.AdaptiveBetaFlags,
+    overlap.OverlapFlags,
 ):
     """The paper's hyperparameters, SPIRAL's, then the trainer's own.
     Other flags live beside the machinery they steer (inherited: the
@@ -322,6 +324,7 @@ class Turn:
     prompt_ids: list[int]
     response_ids: list[int]
     prompt: str = ""  # the policy's whole input (format_prompt)
+    behaviour: torch.Tensor | None = None  # --async-level: log mu [r]
 
 
 @dataclass
@@ -505,12 +508,12 @@ def past_context(policy, tokenizer, prompts: dict[int, str]) -> set[int]:
     return full
 
 
-def self_play(run: lifecycle.Run, target: int, timer: watch.Timer, progress=None):
-    """Play games in lockstep until `target` transitions are made.
-    Games are played whole: one starts only while the live games'
-    expected transitions (run.lengths) fall short. Returns the
-    player-trajectories as they ended, self-play's outcome counts
-    and the number of generate calls."""
+def self_play(run: lifecycle.Run, target: int, timer: watch.Timer, progress=None, policy=None):
+    """Play games in lockstep by `policy` (or run.policy) until
+    `target` transitions are made. Games are played whole: one starts
+    only while the live games' expected transitions fall short.
+    Returns the player-trajectories as they ended, self-play's
+    outcome counts and the number of generate calls."""
     args, live, finished = run.args, [], []
     outcome = {"win": 0, "draw": 0, "loss": 0, "invalid": 0}
     counts = {g: {f"player{p}": dict(outcome) for p in (0, 1)} for g in run.games}
@@ -532,7 +535,7 @@ def self_play(run: lifecycle.Run, target: int, timer: watch.Timer, progress=None
             kind, seat, opponent = run.versus.draw(run.rng)  # --opponents
             live.append(Episode(game, env, seat, opponent, kind))
         collected += sum(e.seat in (None, e.env.state.current_player_id) for e in live)
-        live, ended = play_turn(run.policy, run.tokenizer, live, args.rules, timer=timer)
+        live, ended = play_turn(policy or run.policy, run.tokenizer, live, args.rules, timer=timer)
         calls += 1
         with timer("game"):
             for ep in ended:
@@ -854,6 +857,7 @@ def policy_update(run: lifecycle.Run, trajs: list[Trajectory], normaliser: float
         sums = {"loss": 0.0, "ratio_sum": 0.0, "clipped": 0.0, "tokens": 0.0}
         for k, chunk in enumerate(chunks):
             logps, ref, mask, weights = forward(run, chunk)  # [b, R] each
+            weights = overlap.corrected(run, logps, chunk, weights)  # --async-level: IS
             tally = sums if k < real else None  # FSDP's repeats: not ours
             if args.ppo_epochs == 1:
                 loss = reinforce_loss(logps, weights, normaliser)  # the paper
@@ -878,26 +882,26 @@ def micro_batches(run: lifecycle.Run, trajs: list[Trajectory]) -> tuple[list, in
     length for little padding, cut into --micro-batch-size pieces;
     and how many are real (FSDP: a rank with fewer repeats its last
     at A_mod 0)."""
-    turns = [(t.prompt_ids, t.response_ids, traj.a_mod) for traj in trajs for t in traj.turns]
+    turns = [(t.prompt_ids, t.response_ids, traj.a_mod, t) for traj in trajs for t in traj.turns]
     items = sorted(turns, key=lambda x: len(x[0]) + len(x[1]))
     size = run.args.micro_batch_size
     chunks = [items[k : k + size] for k in range(0, len(items), size)]
     return distributed.even_micro_batches(chunks, run.dist)
 
 
-def forward(run: lifecycle.Run, chunk: list[tuple]) -> tuple:
-    """A micro-batch through the learner (and the frozen reference
-    with --kl-coef, else None): log pi per response token, the
-    reference's, the mask and the weights (A_mod). [b, R] each;
+def forward(run: lifecycle.Run, chunk: list[tuple], model=None) -> tuple:
+    """A micro-batch through the learner (or `model`), and the frozen
+    reference with --kl-coef, else None: log pi per response token,
+    the reference's, the mask and the weights (A_mod). [b, R] each;
     bf16 autocast on a GPU, fp32 on a CPU."""
     args, device = run.args, run.device
-    batch = collate([(p, r) for p, r, _ in chunk], run.tokenizer.pad_token_id)
+    batch = collate([(p, r) for p, r, *_ in chunk], run.tokenizer.pad_token_id)
     ids, attn, mask = (x.to(device) for x in batch)  # [b, T], [b, T], [b, R]
-    adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=device)  # [b]
+    adv = torch.tensor([x[2] for x in chunk], dtype=torch.float32, device=device)  # [b]
     width, ref = mask.shape[1], None
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        logps = sequence_logprobs(run.model, ids, attn, width, args.temperature)  # [b, R]
-        if run.reference is not None:
+        logps = sequence_logprobs(model or run.model, ids, attn, width, args.temperature)  # [b, R]
+        if run.reference is not None and model is None:
             ref = sequence_logprobs(run.reference, ids, attn, width, args.temperature)  # [b, R]
     return logps, ref, mask, token_weights(adv, mask)
 
@@ -942,7 +946,7 @@ def reinforce(run: lifecycle.Run, mine: list, transitions: int, timer, progress)
     with timer("sync"):
         # colocated vLLM sleeps: weights to CPU, KV cache freed
         run.policy.before_learn()
-    with timer("learn"):
+    with timer("learn"):  # --async-level 1: beside the next batch's games
         divisor = normaliser(transitions, run.args.max_new_tokens) / run.dist.world
         try:
             oom = lifecycle.halve_on_oom  # OOM: retried
@@ -952,6 +956,7 @@ def reinforce(run: lifecycle.Run, mine: list, transitions: int, timer, progress)
                 f"step {progress.step}: the policy diverged, {e}; its last checkpoint is kept "
                 "(a lower --lr, or --lora-alpha, keeps it finite)"
             ) from None
+    overlap.join(run, timer)  # --async-level 1: the next batch waited for
     with timer("sync"):
         run.policy.sync(run.model)  # the next step plays the new weights
     progress.close()
@@ -1330,6 +1335,32 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
     lifecycle.write_best(run.out, {**chosen, "fresh": summarize_matches(records)})
 
 
+def play_and_judge(run: lifecycle.Run, policy, step: int, timer, progress) -> tuple:
+    """Steps 1-3 on a batch played by `policy`: the step's record so
+    far (lifecycle.Step) and this rank's trajectories (--async-level
+    1: on a thread, beside the update, machinery/overlap.py)."""
+    args, target = run.args, math.ceil(run.args.batch_size / run.dist.world)
+    # ---- Algorithm 1, step 1: self-play (one policy, both seats) ----
+    mine, outcomes, calls = self_play(run, target, timer, progress, policy)
+    overlap.behaviour(run, policy, mine, micro_batches, forward)  # log mu
+    trajs, parts = lifecycle.whole_batch(run.dist, mine)  # rank by rank
+    feats = distill.features_of(run, mine, collate, timer)  # --distill
+    judged, usage, mod = {}, {}, {}
+    if run.dist.main:
+        # ---- Algorithm 1, step 2: RAE, A_game = R - b[G,p] ----
+        rae_advantages(trajs, run.baselines, args.ema, run.versus.key)
+
+        # ---- Algorithm 1, step 3: A_mod = A_game*phi + beta*psi ----
+        with timer("judge"):
+            judged, usage = judge_sample(run, trajs, progress)
+        beta = run.beta if args.beta_share else args.beta  # --beta-share
+        mod = modulate(trajs, judged, args.entering, beta)
+        mod |= final_a_mod(run, trajs, feats, judged, beta)  # extensions
+        mod["beta"] = adaptive_beta.step(run, trajs, beta)  # the next beta
+    lifecycle.share_advantages(run.dist, parts, mine)  # to their ranks
+    return lifecycle.Step(step, timer, trajs, (outcomes, calls), judged, usage, mod, {}), mine
+
+
 # ========================
 # train(): Algorithm 1. Setting a run up (fresh or
 # resumed), the step's metrics and the checkpoint are
@@ -1349,30 +1380,13 @@ def train(args: Args) -> Path | None:
     for step in range(run.start + 1, args.steps + 1):
         timer, target = watch.Timer(), math.ceil(args.batch_size / run.dist.world)
         progress = watch.Progress(step, args.steps, target, show=run.dist.main)
-
-        # ---- Algorithm 1, step 1: self-play (one policy, both seats) ----
-        mine, outcomes, calls = self_play(run, target, timer, progress)
-        trajs, parts = lifecycle.whole_batch(run.dist, mine)  # rank by rank
-        feats = distill.features_of(run, mine, collate, timer)  # --distill
-        judged, usage, mod = {}, {}, {}
-        if run.dist.main:
-            # ---- Algorithm 1, step 2: RAE, A_game = R - b[G,p] ----
-            rae_advantages(trajs, run.baselines, args.ema, run.versus.key)
-
-            # ---- Algorithm 1, step 3: A_mod = A_game*phi + beta*psi ----
-            with timer("judge"):
-                judged, usage = judge_sample(run, trajs, progress)
-            beta = run.beta if args.beta_share else args.beta  # --beta-share
-            mod = modulate(trajs, judged, args.entering, beta)
-            mod |= final_a_mod(run, trajs, feats, judged, beta)  # extensions
-            mod["beta"] = adaptive_beta.step(run, trajs, beta)  # the next beta
-        lifecycle.share_advantages(run.dist, parts, mine)  # to their ranks
+        # ---- Algorithm 1, steps 1-3 (--async-level 1: beside the last update) ----
+        done, mine = overlap.batch(run, step, play_and_judge, timer, progress)
 
         # ---- Algorithm 1, step 4: REINFORCE on A_mod ----
         # grad J = E[ sum_t A_mod grad log pi(y_t|s_t) ]
-        update = reinforce(run, mine, sum(len(t.turns) for t in trajs), timer, progress)
+        done.update = reinforce(run, mine, sum(len(t.turns) for t in done.trajs), timer, progress)
         run.versus.snapshot(step, run.model)  # --opponents: the past pool
-        done = lifecycle.Step(step, timer, trajs, (outcomes, calls), judged, usage, mod, update)
         done.evaluation = periodic_eval(run, step, timer)
         lifecycle.end_step(run, done)
     best_on_fresh_games(run)  # --keep-best: on games it was not chosen on

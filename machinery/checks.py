@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from machinery import UserError, flags, opponents
+from machinery import UserError, flags, opponents, overlap
 from machinery.distributed import pick_device
 from machinery.openai_api import check_base_url, check_env_base_url
 
@@ -28,6 +28,7 @@ def validate(args, context: int | None, warm_start: Path) -> None:
         if not all(-1000 <= r <= 1000 for r in flags.number_pair(text, flag)):
             raise UserError(f"{flag} must be two numbers in [-1000, 1000], got {text!r}")
     opponents.check(args)
+    overlap.check(args)  # --async-level 1: what cannot overlap
     if not all(0 <= b < 1 for b in args.betas):
         raise UserError(f"--adam-betas must both be in [0, 1), got {args.adam_betas}")
     if args.distill and args.mode != "stratagem":

@@ -143,7 +143,7 @@ def even_micro_batches(chunks: list[list[tuple]], dist: Dist) -> tuple[list[list
     collective. A rank with fewer micro-batches repeats its last one at advantage 0, which adds no
     gradient. Returns the micro-batches and how many of them are real."""
     real = len(chunks)
-    repeat = [(prompt, response, 0.0) for prompt, response, _ in chunks[-1]]
+    repeat = [(prompt, response, 0.0, *rest) for prompt, response, _, *rest in chunks[-1]]
     return chunks + [repeat] * (max(dist.gather(real)) - real), real
 
 

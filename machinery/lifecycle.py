@@ -44,6 +44,7 @@ from machinery import (
     memory,
     modelfiles,
     opponents,
+    overlap,
     runfiles,
     truth,
     watch,
@@ -127,6 +128,7 @@ class Run:
     # the extensions' and the judge's
     distiller: distill.Distiller | None = None  # --distill: the heads (rank 0)
     versus: opponents.Versus | None = None  # --opponents: the kinds, the past pool
+    overlap: overlap.Overlap | None = None  # --async-level 1: the generator and its thread
     runner: JudgeRunner | None = None
     reproject: Callable | None = None  # (steps, counts) -> the judge's projection, after step 1
     judged: int = 0  # trajectories judged over this process's steps: the end-of-run alarm
@@ -177,6 +179,7 @@ def start_run(args, pieces: Pieces) -> Run | None:
     if start.ckpt is None and run.dist.main:
         (run.out / "checkpoints").mkdir(exist_ok=True)
     run.versus = opponents.Versus(run, state.get("past_pool") if state is not None else None)
+    run.overlap = overlap.start(run, state)  # --async-level 1 (None: 0)
     if run.dist.main:
         open_run_files(run, start, state)
     return run
@@ -193,6 +196,7 @@ def preflight(args, pieces: Pieces) -> Start | None:
     threads = pick_threads(device)  # torch's intra-op threads: OMP_NUM_THREADS, else half the cores
     requested = args.backend
     args.backend, engine = pick_backend(args.backend, device)  # config.json: open_run_files
+    overlap.check(args, dist.world)  # --async-level 1: one process, HF's engine
     if args.resume and dist.main:  # another job may be in the middle of a save: refused first
         runfiles.check_not_in_use(out)
     ckpt = None  # a LoRA run's checkpoint holds its adapter in place of the model
@@ -369,6 +373,7 @@ def state_problems(run: Run, state: dict) -> list[str]:
     args, bad = run.args, []
     bad.append(opponents.pool_problem(args, state, state["step"], run.model))
     bad.append(opponents.baselines_problem(args, state["baselines"]))
+    bad.append(overlap.problem(args, state, run.model))
     if "beta" in state:  # a checkpoint written before it was kept has none: adaptive_beta.resumed
         beta, low, high = state["beta"], args.beta_min, args.beta_max
         if not args.beta_share and beta is not None:
@@ -934,14 +939,18 @@ def state_of(run: Run) -> dict:
     }
     own = {"rng": runfiles.rng_states(run.rng), "lengths": run.lengths}
     pool = run.versus.state() if run.versus else None  # its snapshots are never changed
-    return copy.deepcopy({"shared": shared, "own": own}) | {"pool": pool}
+    generator = overlap.saved(run)  # --async-level 1: checked current when saved
+    return copy.deepcopy({"shared": shared, "own": own}) | {"pool": pool, "generator": generator}
 
 
 def save(run: Run, step: int, state: dict | None = None) -> None:
     """The checkpoint: weights (a LoRA run's adapter, in PEFT's format), optimizer and `state` (state_of's,
     now by default), so that --resume replays exactly what an uninterrupted run does."""
     state = state or state_of(run)
+    if not overlap.current(run, state["generator"]):  # a stop after the next launch
+        return
     shared = state["shared"] | {"past_pool": state["pool"]}
+    shared |= {"overlap": state["generator"]} if state["generator"] else {}
     model, tokenizer, optimizer = run.model, run.tokenizer, run.optimizer
     run.saving = step
     runfiles.save_checkpoint(

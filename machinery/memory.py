@@ -10,10 +10,10 @@ The learner (bytes; P parameters, T of them trained: all of them in full fine-tu
                  head size; counted from the tensors autograd saves, under bf16 autocast, for Qwen3's layer), or 4h
                  per layer with --gradient-checkpointing plus one layer recomputed; and the head: 12 bytes per
                  vocabulary entry and response token (bf16 logits, their scaled copy, fp32 log-softmax)
-Under torchrun FSDP2 shards weights, gradients and Adam over the ranks. With --kl-coef the frozen initial policy adds
-its weights again, and so does the frozen copy that plays a past share of --opponents; that share's pool holds
---past-pool fp32 snapshots of the trained weights 4T each in host memory, and every checkpoint carries them beside
-the weights and Adam's moments (plan_lines says both).
+Under torchrun FSDP2 shards weights, gradients and Adam over the ranks. With --kl-coef the frozen initial policy
+adds its weights again, and so do the frozen copy that plays a past share of --opponents and --async-level 1's
+generator; that share's pool holds --past-pool fp32 snapshots of the trained weights 4T each in host memory, and
+every checkpoint carries them beside the weights and Adam's moments (plan_lines says both).
 vLLM (--backend vllm, colocated): --vllm-gpu-memory-utilization of the device while it generates (its bf16 weights
 2P, the rest mostly KV cache); asleep while the learner steps (level 1: weights to host memory, KV cache freed).
 A step's peak is the largest of three phases: generating (learner weights and Adam + vLLM's share), learning
@@ -242,6 +242,7 @@ def of_run(args, shape: dict, micro_batch: int, checkpointing: bool, gpu: bool, 
     its pool), at this micro-batch and checkpointing."""
     past = "past" in opponents.parse(getattr(args, "opponents", "self=1"))  # spyrl.py has none
     targets, frozen = args.lora_targets.split(","), bool(args.kl_coef) + past
+    frozen += getattr(args, "async_level", 0) > 0  # --async-level 1: the generator's copy
     snapshots = (getattr(args, "past_pool", 0) or opponents.PAST_POOL) if past else 0
     return project(
         shape,

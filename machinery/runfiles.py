@@ -432,6 +432,17 @@ def _pair(v) -> bool:
     return isinstance(v, list) and len(v) == 2 and all(map(_number, v))
 
 
+def _generator(v) -> bool:
+    """--async-level 1's generator (machinery/overlap.py): {version: step, weights: {name: tensor}}."""
+    weights = v.get("weights") if isinstance(v, dict) else None
+    return (
+        isinstance(weights, dict)
+        and type(v.get("version")) is int
+        and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in weights.items())
+        and dense(weights)
+    )
+
+
 TRAINER_STATE = {
     "step": ("a step number", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "optimizer": (
@@ -454,9 +465,13 @@ TRAINER_STATE = {
         "the coverage guard's step-1 spots, {game: {spot: {share in [0, 1], n, ...}}}, or null",
         lambda v: v is None or _spots(v),
     ),
+    "overlap": (  # the weights are checked against the model: overlap.problem
+        "--async-level 1's generator, {version: step, weights: {name: dense CPU tensor}}, or null",
+        lambda v: v is None or _generator(v),
+    ),
 }
-# Keys kept since a later version: a checkpoint written before lacks them.
-LATER = {"beta", "recent", "past_pool", "first_spots"}
+# Keys kept since a later version: a checkpoint written before lacks them (--async-level 0's: never).
+LATER = {"beta", "recent", "past_pool", "first_spots", "overlap"}
 RANK_STATE = {
     "rng": (
         "the RNG states",
