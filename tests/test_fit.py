@@ -269,7 +269,8 @@ def a_run(tiny, tmp_path, micro_batch: int, **kw):
         model, torch.optim.SGD(model.parameters(), lr=1.0), args, distributed.Dist()
     )
     namespace.updates, namespace.out = 0, tmp_path
-    runfiles.write_config(tmp_path, flags.as_config(args), 0)  # as a run's folder holds before step 1
+    # as a run's folder holds before step 1
+    runfiles.write_config(tmp_path, flags.as_config(args), 0)
     return namespace
 
 

@@ -365,17 +365,14 @@ def test_report_to_wandb_offline_gets_config_and_every_scalar(
         )
         == 0
     )
+    import wandb
+
+    wandb.teardown()  # finish() may return before W&B's service has written the file out; this waits
     [path] = (out / "wandb").glob("offline-run-*/run-*.wandb")
     assert path.name == f"run-{(out / 'wandb_run_id').read_text()}.wandb"
     records = list(wandb_records(path))
-    # W&B writes the init's config in the run record, or (its service busy) in a config record after it
-    kinds = {"run": lambda r: r.run.config.update, "config": lambda r: r.config.update}
-    config = {
-        u.key: json.loads(u.value_json)
-        for r in records
-        if r.WhichOneof("record_type") in kinds
-        for u in kinds[r.WhichOneof("record_type")](r)
-    }
+    [start] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {u.key: json.loads(u.value_json) for u in start.config.update}
     assert {k: config[k] for k in ("beta", "report_to", "out", "judge_base_url")} == {
         "beta": 0.2,
         "report_to": "wandb",
