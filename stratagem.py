@@ -1427,7 +1427,8 @@ def load_learner_and_engine(
         if args.kl_coef:
             reference = load_policy(initial, device, dtype)[0].requires_grad_(False)
         if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            # --async-level 1: torch's recompute leaves the random state alone
+            model.gradient_checkpointing_enable(overlap.checkpointing(args))
         if args.lora_rank:
             model = lora.add_adapters(model, args, ckpt)
         generator = model

@@ -935,7 +935,9 @@ def test_modulate_logs_the_third_rubric_of_hacking_md_and_every_tool_sees_it(tmp
     see it; the stand-in gives a rubric it has no feature for the middle level."""
     repo = project_copy(tmp_path)
     path = repo / "judge_prompts.py"
-    paste(path, "\n}\n\n\ndef keys(rubric", hacking_blocks()[2], before=True)
+    paste(
+        path, "\n}\n\n# Where a rubric's levels", hacking_blocks()[2], before=True
+    )  # RUBRICS' end
     path.write_text(
         path.read_text().replace('PROMPT_VERSION = "stratagem-rubric-', 'PROMPT_VERSION = "forked-')
     )

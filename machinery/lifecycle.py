@@ -196,6 +196,8 @@ def preflight(args, pieces: Pieces) -> Start | None:
     threads = pick_threads(device)  # torch's intra-op threads: OMP_NUM_THREADS, else half the cores
     requested = args.backend
     args.backend, engine = pick_backend(args.backend, device)  # config.json: open_run_files
+    if requested == "auto" and args.backend == "vllm" and args.async_level:
+        args.backend, engine = "hf", "auto: --async-level 1 plays on a second copy, with HF"
     overlap.check(args, dist.world)  # --async-level 1: one process, HF's engine
     if args.resume and dist.main:  # another job may be in the middle of a save: refused first
         runfiles.check_not_in_use(out)
@@ -513,6 +515,7 @@ def halve_on_oom(update, run: Run, trajs: list, normaliser: float, step: int) ->
     size, updates = run.args.micro_batch_size, run.updates
     for attempt in (1, 2):
         try:
+            overlap.fresh_sums(run)  # a retry's ratio figures: its own tokens only
             return update(run, trajs, normaliser)
         except (RuntimeError, MemoryError) as e:
             if not out_of_memory(e):

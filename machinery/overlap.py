@@ -114,6 +114,7 @@ class Overlap:
     def sync(self, run, step: int) -> None:
         """The generator given the learner's weights before update `step` (copied, not shared)."""
         if self.version != step - 1:
+            self.version = None  # half-loaded weights are no step's: a stop now saves none of them
             self.engine.model.load_state_dict(run.model.state_dict())
             self.version = step - 1
 
@@ -123,7 +124,39 @@ def start(run, state: dict | None) -> Overlap | None:
     if getattr(run.args, "async_level", 0) == 0:
         return None
     check(run.args, run.dist.world)
+    if dropout := dropouts(run.model):
+        raise UserError(
+            f"--async-level 1 needs a model without dropout ({dropout}): the update would draw from "
+            "the random streams the thread samples with, and its log pi would not be the player's"
+        )
     return Overlap(run, state.get("overlap") if state is not None else None)
+
+
+def dropouts(model) -> str:
+    """The model's dropout in words ("attention_dropout 0.1", "a Dropout of p 0.1"), "" if none."""
+    config = getattr(model, "config", None)
+    for name, value in sorted(vars(config).items() if config is not None else ()):
+        if name.endswith(("dropout", "pdrop")) and isinstance(value, float) and value > 0:
+            return f"{name} {value:g}"
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            return f"a Dropout of p {module.p:g}"
+    return ""
+
+
+def checkpointing(args) -> dict | None:
+    """gradient_checkpointing_enable's kwargs: at --async-level 1 torch's recompute must not set the
+    process's random state back while the thread samples (the model has no dropout: nothing to
+    preserve); None, HF's default, at 0."""
+    if getattr(args, "async_level", 0) == 0:
+        return None
+    return {"use_reentrant": False, "preserve_rng_state": False}
+
+
+def fresh_sums(run) -> None:
+    """The ratio's figures zeroed: an update tried again (out of memory) counts its tokens once."""
+    if (o := getattr(run, "overlap", None)) is not None:
+        o.sums = dict.fromkeys(o.sums, 0.0)
 
 
 def problem(args, state: dict, model) -> str | None:
@@ -136,12 +169,14 @@ def problem(args, state: dict, model) -> str | None:
         return f"'overlap' is {has}, but this run has --async-level {level}"
     if saved is None:
         return None
-    if not 0 <= saved["version"] <= state["step"]:
-        return f"'overlap' holds step {saved['version']}'s weights, past step {state['step']}"
+    if saved["version"] != state["step"] - 1:  # what every checkpoint at level 1 holds
+        return f"'overlap' holds step {saved['version']}'s weights, not step {state['step'] - 1}'s"
     mine = model.state_dict()
     theirs = saved["weights"]
-    if set(theirs) != set(mine) or any(theirs[k].shape != mine[k].shape for k in mine):
-        return "'overlap' holds weights of another shape than the model's"
+    if set(theirs) != set(mine) or any(
+        (theirs[k].shape, theirs[k].dtype) != (mine[k].shape, mine[k].dtype) for k in mine
+    ):
+        return "'overlap' holds weights of another shape or dtype than the model's"
     return None
 
 

@@ -42,7 +42,9 @@ def best_reply(evaluation: dict) -> dict | None:
     if not isinstance(best, dict) or not isinstance(best.get("ci95"), list | tuple):
         return None
     win, ci, n = real(best.get("win_rate")), [real(v) for v in best["ci95"]], real(best.get("n"))
-    if win is None or n is None or len(ci) != 2 or None in ci:
+    if win is None or n is None or n < 0 or len(ci) != 2 or None in ci:
+        return None
+    if not ci[0] <= win <= ci[1]:  # a hand-edited interval that does not hold its rate
         return None
     return {"win_rate": win, "ci95": ci, "n": n}
 

@@ -37,6 +37,7 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
 # ---- torchrun and FSDP2 on the CPU (gloo): the update, a whole run, features
 FSDP_WORKER = """
 import sys, torch
+from types import SimpleNamespace
 sys.path.insert(0, {here!r})
 import stratagem as S
 from machinery import distributed

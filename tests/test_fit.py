@@ -385,3 +385,21 @@ def test_reinforce_halves_the_micro_batch_on_out_of_memory_and_a_resume_keeps_it
     sizes.clear()
     assert run(["--resume", "--out", str(out), "--steps", "2"]) == 0
     assert "out of memory" not in capsys.readouterr().out and max(sizes) == 4
+
+
+def test_halve_on_oom_counts_the_importance_ratio_of_the_retry_alone(tiny, tmp_path):
+    tried = a_run(tiny, tmp_path, 4)
+    tried.overlap = SimpleNamespace(sums={"ratio": 0.0, "capped": 0.0, "tokens": 0.0})
+    tries = []
+
+    def update(run, trajs, normaliser):  # each try scores 10 tokens; the first runs out of memory
+        run.overlap.sums = {k: v + 10.0 for k, v in run.overlap.sums.items()}
+        tries.append(run.args.micro_batch_size)
+        if len(tries) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB")
+        return {"loss": 0.5}
+
+    assert lifecycle.halve_on_oom(update, tried, [], 24.0, 3) == {"loss": 0.5}
+    assert tries == [4, 2] and tried.overlap.sums == dict.fromkeys(
+        ("ratio", "capped", "tokens"), 10.0
+    )

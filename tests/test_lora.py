@@ -222,6 +222,7 @@ def test_lora_rank_run_resumes_exactly_saves_pefts_format_and_merges_into_a_mode
 
 FSDP_LORA_WORKER = """
 import sys, torch
+from types import SimpleNamespace
 from pathlib import Path
 sys.path.insert(0, {here!r})
 import stratagem as S

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import stratagem as S
-from machinery import overlap, runfiles
+from machinery import UserError, lifecycle, overlap, runfiles
 from tests.common import (  # noqa: F401 - the session's fixture
     assert_resumed_exactly,
     error_of,
@@ -146,10 +146,14 @@ def test_problem_names_a_checkpointed_generator_of_another_shape_step_or_level(t
     assert overlap.problem(one, state(2, weights), model) is None
     assert "this run has --async-level 0" in overlap.problem(zero, state(2, weights), model)
     assert "'overlap' is null" in overlap.problem(one, {"step": 3, "overlap": None}, model)
-    assert "past step 3" in overlap.problem(one, state(4, weights), model)
+    for version in (4, 1):  # every checkpoint at level 1 holds the step before its own
+        said = f"holds step {version}'s weights, not step 2's"
+        assert said in overlap.problem(one, state(version, weights), model)
     key = next(iter(weights))
     cut = weights | {key: weights[key][:1]}
     assert "another shape" in overlap.problem(one, state(2, cut), model)
+    whole = weights | {key: weights[key].to(torch.int64)}  # cast silently, were it loaded
+    assert "another shape or dtype" in overlap.problem(one, state(2, whole), model)
     ok = runfiles.TRAINER_STATE["overlap"][1]
     assert ok(None) and ok(state(2, weights)["overlap"])
     assert not ok({"version": "2", "weights": weights}) and not ok(
@@ -166,3 +170,45 @@ def test_async_level_1_runs_on_hf_with_a_judge_adaptive_beta_and_evaluations(tmp
     assert [m["async"]["lag"] for m in metrics] == [0, 1, 1, 1, 1]
     assert all(m["beta"]["value"] > 0 for m in metrics)
     assert [m["step"] for m in metrics if "eval" in m] == [2, 4]
+
+
+def test_start_refuses_a_model_with_dropout_in_one_line(tiny):
+    args = SimpleNamespace(async_level=1, is_cap=2.0)
+    model, _ = fresh(tiny)
+    model.config.attention_dropout = 0.1
+    with pytest.raises(UserError, match=r"without dropout \(attention_dropout 0\.1\)"):
+        overlap.start(SimpleNamespace(args=args, dist=SimpleNamespace(world=1), model=model), None)
+    model, _ = fresh(tiny)
+    model.model.layers[0].mlp = torch.nn.Sequential(
+        model.model.layers[0].mlp, torch.nn.Dropout(0.2)
+    )
+    assert overlap.dropouts(model) == "a Dropout of p 0.2"
+    assert overlap.dropouts(fresh(tiny)[0]) == ""  # the tiny model: none, so it overlaps
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_checkpointing_at_level_1_leaves_the_random_state_to_the_thread(tiny, level):
+    """torch's recompute in backward draws what the forward drew (its RNG state set back) at level 0;
+    at 1 it must not touch the process's state, which the playing thread samples from."""
+    model, _ = fresh(tiny)
+    model.gradient_checkpointing_enable(overlap.checkpointing(SimpleNamespace(async_level=level)))
+    model.train()
+    drawn = []
+    model.model.layers[0].input_layernorm.register_forward_pre_hook(
+        lambda *_: drawn.append(torch.rand(1).item())
+    )
+    torch.manual_seed(0)
+    ids = torch.tensor([[5, 6, 7, 8]])  # [1, T]
+    model(ids).logits.sum().backward()
+    assert len(drawn) == 2  # the forward, then the recompute
+    assert (drawn[0] == drawn[1]) == (level == 0)
+
+
+def test_backend_auto_on_a_gpu_with_vllm_plays_hf_at_level_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(
+        lifecycle, "pick_backend", lambda spec, device: ("vllm", "auto: a GPU and vLLM")
+    )
+    flags = ["--tiny", "--dry-run", "--async-level", "1", "--out", str(tmp_path / "r")]
+    assert run(flags) == 0
+    assert "auto: --async-level 1 plays on a second copy, with HF" in capsys.readouterr().out
+    assert "--backend vllm" in error_of(capsys, flags + ["--backend", "vllm"])

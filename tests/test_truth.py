@@ -208,3 +208,10 @@ def test_plot_judge_vs_truth_draws_the_best_reply_and_the_judged_means_on_twin_a
     plt.close(fig)
     without = [{k: v for k, v in m.items() if k != "eval"} for m in lines]
     assert plot.draw_plot(plt, "judge_vs_truth", [(Path("r"), without)]) is None
+
+
+def test_best_reply_reads_none_from_a_hand_edited_line_whose_interval_misses_its_rate():
+    line = {"win_rate": 0.6, "ci95": [0.5, 0.7], "n": 40}
+    assert truth.best_reply({"best_response": line}) == line
+    for edit in ({"ci95": [0.7, 0.5]}, {"win_rate": 0.9}, {"n": -1}, {"ci95": [0.5, "x"]}):
+        assert truth.best_reply({"best_response": line | edit}) is None
