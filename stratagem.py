@@ -74,8 +74,7 @@ from machinery.matches import EvalFlags, RandomPlayer, summarize_matches
 from machinery.saved_config import saved_config
 from machinery.vllm_engine import VLLMPolicy
 
-# the games run in this process
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the games run in this process
 
 
 # ========================
@@ -95,9 +94,8 @@ class Args(
     adaptive_beta.AdaptiveBetaFlags,
     overlap.OverlapFlags,
 ):
-    """The paper's hyperparameters, SPIRAL's, then the trainer's own.
-    Other flags live beside the machinery they steer (inherited: the
-    command line is flat)."""
+    """The paper's hyperparameters, SPIRAL's, then the trainer's own;
+    the others beside their machinery (inherited: flat flags)."""
 
     # --- the paper's (STRATAGEM, Algorithm 1) ---
     mode: str = "stratagem"  # Algorithm 1; spiral: ablation
@@ -738,7 +736,8 @@ def final_a_mod(run, trajs: list[Trajectory], feats, judged: dict, beta: float) 
     is given, then the A_mod step 4 trains on. --judge-budget spent:
     all get the recent judged means of phi and psi; --distill: the
     trusted heads score the unjudged; --centre-psi: psi loses its
-    judged mean. Only here and in modulate() is t.a_mod written."""
+    judged mean. Only here and in modulate() is t.a_mod computed
+    (lifecycle.share_advantages copies rank 0's to each rank)."""
     args, info = run.args, {}
     if spent := modulation.after_budget(run, trajs):
         for t in trajs:
@@ -1301,7 +1300,7 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
     best/best.json: a run stopped before does it on --resume."""
     args = run.args
     chosen = lifecycle.read_best(run.out) if args.keep_best and run.dist.main else None
-    # none kept, or measured already (a finished run)
+    # none kept, or measured already
     if chosen is None or "fresh" in chosen:
         return
     n = args.best_eval_n or 5 * args.eval_n
@@ -1317,7 +1316,7 @@ def best_on_fresh_games(run: lifecycle.Run) -> None:
     policy = run.policy
     if isinstance(policy, HFPolicy):
         policy = HFPolicy(best, run.tokenizer, args, run.device)
-    # vLLM: the run is over, its engine plays the kept policy
+    # vLLM: its engine plays the kept policy
     policy.sync(best)
     rules = dataclasses.replace(args.rules, max_turns=args.eval_max_turns)
     opponent = RandomPlayer(random.Random(f"fresh:{args.seed}"))
@@ -1374,7 +1373,7 @@ def train(args: Args) -> Path | None:
     run = lifecycle.start_run(args, pieces)
     if run is None:  # --dry-run, or a resumed run already finished
         return None
-    # --eval-every: the learning curve starts before any update
+    # --eval-every: the curve starts before any update
     if run.start == 0:
         lifecycle.first_eval(run, periodic_eval(run, 0, watch.Timer()))
     for step in range(run.start + 1, args.steps + 1):
@@ -1427,12 +1426,12 @@ def load_learner_and_engine(
         if args.kl_coef:
             reference = load_policy(initial, device, dtype)[0].requires_grad_(False)
         if args.gradient_checkpointing:
-            # --async-level 1: torch's recompute leaves the random state alone
+            # --async-level 1: recompute leaves the RNG alone
             model.gradient_checkpointing_enable(overlap.checkpointing(args))
         if args.lora_rank:
             model = lora.add_adapters(model, args, ckpt)
         generator = model
-        # the learner is sharded; HF generation keeps a full copy, synced
+        # the learner sharded; HF generates on a synced full copy
         if dist.world > 1:
             generator = copy.deepcopy(model) if args.backend == "hf" else None
             distributed.shard(model)
@@ -1464,18 +1463,10 @@ def build_parser() -> flags.FriendlyParser:
     """The trainer's command line: a flag per field of Args, its
     docstring the help."""
     epilog = "other commands: " + ", ".join(f"stratagem.py {c} --help" for c in cli.TOOLS)
-    hint = {("mode", "spyrl"): "SpyRL has its own script: python spyrl.py --help"}
-    doc = __doc__.split("\n\n")[0]
+    hints = {("mode", "spyrl"): "SpyRL has its own script: python spyrl.py --help"}
+    about = dict(prog="stratagem.py", description=__doc__.split("\n\n")[0], epilog=epilog)
     presets = {"--tiny": TINY_DEFAULTS}
-    return flags.dataclass_parser(
-        Args,
-        flags.CHOICES,
-        presets,
-        prog="stratagem.py",
-        description=doc,
-        epilog=epilog,
-        hints=hint,
-    )
+    return flags.dataclass_parser(Args, flags.CHOICES, presets, hints=hints, **about)
 
 
 def resolve_args(explicit: dict, saved: dict | None = None) -> Args:

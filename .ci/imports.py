@@ -5,13 +5,17 @@ __init__.py is the package (machinery/__init__.py is `machinery`). An edge is ev
 in a module's source, inside functions too, relative ones resolved; importlib's string imports are not seen.
 It fails (exit 1) on
   - a cycle: one printed per strongly connected component, as `a -> b -> c -> a`;
-  - a back arrow: an import against the order below, where a module imports only its own level or lower.
+  - a back arrow: an import against the order below, where a module imports only its own level or lower;
+  - inside machinery/, an import of a module that is not in a lower layer of the table in machinery/__init__.py's
+    docstring (a line "  N  name.py  ..." opens layer N; "     name.py  ..." joins the layer above), or a
+    machinery module the table does not place.
 Run from anywhere: `python .ci/imports.py [ROOT]` (ROOT defaults to the repository holding this file).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections import deque
 from pathlib import Path
@@ -69,6 +73,17 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> dict[str, int
                 elif base and (target := longest_module(base)):  # a name from a module
                     add(target, node.lineno)
     return found
+
+
+def machinery_layers(root: Path) -> dict[str, int]:
+    """{machinery.NAME: layer} from the table in machinery/__init__.py's docstring."""
+    layers, layer = {}, -1
+    text = ast.get_docstring(ast.parse((root / "machinery" / "__init__.py").read_text())) or ""
+    for line in text.splitlines():
+        if m := re.match(r"  (\d+)?\s+(\w+)\.py\s", line):
+            layer = int(m[1]) if m[1] else layer
+            layers[f"machinery.{m[2]}"] = layer
+    return layers
 
 
 def level(name: str) -> int:
@@ -166,9 +181,29 @@ def main(argv: list[str]) -> int:
         print(f"imports: {len(back)} back arrow(s) against {' -> '.join(ORDER)}:")
         for a, b, where in back:
             print(f"  {a} -> {b}  ({where})")
-    if components or back:
+    layers = machinery_layers(root)
+    inner = [n for n in modules if n.startswith("machinery.")]
+    unplaced = [n for n in inner if n not in layers]
+    upward = [
+        (a, b, f"{modules[a].relative_to(root)}:{line}")
+        for a in inner
+        for b, line in sorted(graph[a].items())
+        if a in layers and b in layers and layers[b] >= layers[a]
+    ]
+    if unplaced:
+        print(f"imports: not in machinery/__init__.py's table of layers: {', '.join(unplaced)}")
+    if upward:
+        print(
+            f"imports: {len(upward)} import(s) not into a lower layer of machinery/__init__.py's table:"
+        )
+        for a, b, where in upward:
+            print(f"  {a} (layer {layers[a]}) -> {b} (layer {layers[b]})  ({where})")
+    if components or back or unplaced or upward:
         return 1
-    print(f"imports: {len(modules)} modules, {edges} edges, no cycle, no back arrow")
+    print(
+        f"imports: {len(modules)} modules, {edges} edges, no cycle, no back arrow; "
+        f"machinery's {len(inner)} modules in {len(set(layers.values()))} layers, each importing lower ones"
+    )
     return 0
 
 

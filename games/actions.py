@@ -58,6 +58,12 @@ def last_box(response: str) -> str | None:
 _INNER_BOX = re.compile(r"\\boxed\{([^}]*)\}")
 
 
+def inner_boxes(raw: str) -> str:
+    """Step 3's first half: every \\boxed{...} left inside `raw` becomes [...]."""
+    cut = raw.rfind("}") + 1  # no box closes after it: the pattern need not look there (quadratic)
+    return _INNER_BOX.sub(lambda m: f"[{m.group(1)}]", raw[:cut]) + raw[cut:]
+
+
 def spiral_action(response: str, legal: Container[str]) -> str:
     """SPIRAL's move from a response (the module docstring's five steps): one of `legal`, INVALID_ACTION, or ""
     for an empty response."""
@@ -65,7 +71,7 @@ def spiral_action(response: str, legal: Container[str]) -> str:
         return ""
     raw = last_box(response)
     raw = response.strip() if raw is None else raw
-    action = _INNER_BOX.sub(lambda m: f"[{m.group(1)}]", raw)
+    action = inner_boxes(raw)
     if "[" not in action and "]" not in action and len(action.split()) <= 5:
         action = f"[{action}]"
     action = " ".join(action.split())

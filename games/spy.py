@@ -304,9 +304,9 @@ def degrade(text: str, fraction: float, rng: random.Random) -> tuple[str, list[t
 
 # ------------------------------------------------------------------ votes and rewards (pure)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_SEAT = re.compile(
-    r"\s*(?:player\s*)?\[?\s*(\d{1,100})\s*\]?\s*", re.IGNORECASE
-)  # longer: no seat (nor int())
+_SEAT = re.compile(  # a longer number is no seat (nor int()); never two \s* in a row: linear
+    r"\s*(?:player\s*)?(?:\[\s*)?(\d{1,100})\s*(?:\]\s*)?", re.IGNORECASE
+)
 
 
 def visible_output(response: str) -> str:

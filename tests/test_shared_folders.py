@@ -24,14 +24,15 @@ from tests.common import (  # noqa: F401  (fixtures, found by their names; the a
     error_of,
     judge_server_fixture,
     no_process_left_behind,
+    one_step_run_fixture,
     only_the_vllm_tests,
     run,
     secret_key_fixture,
     spawn,
     tiny_fixture,
 )
+from tools import ablation, agree, bench, plot, serve_judge, sync_check
 from tools import eval as eval_tool
-from tools import plot, serve_judge
 
 
 # ---- 1. writes stay in the run folder (or where the command line says), never through a link
@@ -136,6 +137,100 @@ def test_write_in_refuses_a_link_at_the_name_and_leaves_its_target(tmp_path):
     (tmp_path / "linked").symlink_to(folder)
     with pytest.raises(UserError, match="linked is a symbolic link"):
         runfiles.open_folder(tmp_path / "linked", follow=False)
+
+
+@pytest.mark.parametrize("tool", ["agree", "sync-check"])
+def test_a_tools_json_replaces_a_link_planted_while_it_works_and_leaves_its_target(
+    one_step_run, tool, tmp_path, monkeypatch
+):
+    """The link at --json is replaced by the results (renamed into place), never written through. sync-check
+    needs vLLM, so its last lines run here with the figures it would have measured."""
+    victim, out = tmp_path / "thesis.tex", tmp_path / "shared" / "results.json"
+    victim.write_text("four years of work")
+    out.parent.mkdir()
+    if tool == "agree":
+        kappa = agree.cohen_kappa
+
+        def planting(*a):  # a colleague's link, made after agree checked the name
+            if not out.is_symlink():
+                out.symlink_to(victim)
+            return kappa(*a)
+
+        monkeypatch.setattr(agree, "cohen_kappa", planting)
+        argv = ["agree", str(one_step_run), "--judges", "heuristic", "heuristic"]
+        assert run(argv + ["--json", str(out)]) == 0
+        assert json.loads(out.read_text())["judges"] == {"A": "heuristic", "B": "heuristic"}
+    else:
+        out.symlink_to(victim)
+        sync_check.write_results(out, {"lm_head": (0.001, 0.0001)}, True, "0.0-test")
+        assert json.loads(out.read_text())["pass"] is True
+    assert victim.read_text() == "four years of work" and not out.is_symlink()
+
+
+def test_bench_refuses_to_append_through_a_link_planted_while_it_ran(tmp_path, monkeypatch, capsys):
+    victim, out = tmp_path / "thesis.tex", tmp_path / "bench.jsonl"
+    victim.write_text("four years of work")
+    summary = bench.bench_summary
+
+    def planting(metrics):  # made after bench checked --json, while it measured
+        if not out.is_symlink():
+            out.symlink_to(victim)
+        return summary(metrics)
+
+    monkeypatch.setattr(bench, "bench_summary", planting)
+    small = ["--tiny", "--steps", "1", "--batch-size", "8", "--num-envs", "4"]
+    err = error_of(capsys, ["bench", "--json", str(out), *small, "--max-new-tokens", "8"])
+    assert f"{out} is a symbolic link (to {victim}); a run never writes through a link" in err
+    assert victim.read_text() == "four years of work"
+
+
+def test_ablation_writes_its_logs_and_table_never_through_a_planted_link(tmp_path, monkeypatch):
+    victim = tmp_path / "thesis.tex"
+    victim.write_text("four years of work")
+    abl = tmp_path / "abl"
+    abl.mkdir()
+    (abl / "stratagem-s1.log").symlink_to(victim)
+    monkeypatch.setattr(ablation.subprocess, "run", lambda *a, **kw: pytest.fail("trained"))
+    with pytest.raises(UserError, match="stratagem-s1.log is a symbolic link"):
+        ablation.train(abl / "stratagem-s1", "stratagem", 1, 2)
+    (abl / "stratagem-s1.log").unlink()
+    for arm in ablation.DEFAULT_ARMS:  # every run finished: main only writes the table
+        (abl / f"{arm}-s1").mkdir()
+        (abl / f"{arm}-s1" / "metrics.jsonl").write_text(
+            json.dumps({"step": 2, "loss": 0.5}) + "\n"
+        )
+
+    def planting(rows, seeds, steps):  # the table's name linked while the runs were read
+        (abl / "table.md").symlink_to(victim)
+        return "| arm |\n"
+
+    monkeypatch.setattr(ablation, "arm_row", lambda arm, runs: {"arm": arm})
+    monkeypatch.setattr(ablation, "table", planting)
+    assert ablation.main([str(abl), "--seeds", "1", "--steps", "2"]) == 0
+    assert (
+        victim.read_text() == "four years of work" and (abl / "table.md").read_text() == "| arm |\n"
+    )
+
+
+def test_no_module_writes_a_file_but_through_runfiles_opener():
+    """The class, not only its cases: outside machinery/runfiles.py, nothing opens a file to write with
+    Path.write_text/write_bytes or open(..., "w"/"a"), which follow a link at the name. Exempt: refresh_docs,
+    which rewrites the project's own docs, and real_model, which writes in a folder it has just made private."""
+    import re
+
+    pattern = re.compile(r"\.write_(text|bytes)\(|\bopen\([^)]*[\"'][wax]b?\+?[\"']")
+    exempt = {"machinery/runfiles.py", "tools/refresh_docs.py", "tools/real_model.py"}
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "stratagem.py", root / "spyrl.py", root / "judge_prompts.py"]
+    files += [*root.glob("machinery/*.py"), *root.glob("games/*.py"), *root.glob("tools/*.py")]
+    found = [
+        f"{f.relative_to(root)}:{n}"
+        for f in files
+        if str(f.relative_to(root)) not in exempt
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []
 
 
 # ---- 2. the key goes where the start line says: OPENAI_BASE_URL is never taken silently

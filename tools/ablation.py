@@ -16,7 +16,7 @@ from machinery import UserError
 from machinery.flags import FriendlyParser
 from machinery.lifecycle import read_best
 from machinery.matches import wilson
-from machinery.runfiles import check_writable_dir, read_jsonl
+from machinery.runfiles import check_writable_dir, open_log, read_jsonl, write_atomic
 from tools.runs import evaluation_ok, keep, read_metrics
 from tools.runs import number as runs_number
 
@@ -92,7 +92,7 @@ def train(run: Path, arm: str, seed: int, steps: int) -> int:
         **os.environ,
         "OMP_NUM_THREADS": "1",
     }  # one thread a run: two runs at once use the two cores
-    with open(f"{run}.log", "a") as log:
+    with open_log(Path(f"{run}.log")) as log:  # never through a link in a shared folder
         return subprocess.run(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE
         ).returncode
@@ -294,6 +294,6 @@ def main(argv: list[str]) -> int:
     if failed := [str(run) for (run, _, _), code in zip(todo, codes) if code]:
         raise UserError(f"{len(failed)} run(s) failed; see {failed[0]}.log")
     text = table([arm_row(a, [out / f"{a}-s{s}" for s in seeds]) for a in arms], seeds, ns.steps)
-    (out / "table.md").write_text(text)
+    write_atomic(out / "table.md", text.encode())
     print(text, end="")
     return 0

@@ -24,6 +24,7 @@ from machinery.runfiles import (
     latest_checkpoint,
     load_state,
     read_config,
+    write_atomic,
 )
 from stratagem import (
     Args,
@@ -236,8 +237,11 @@ def main(argv: list[str]) -> int:
         "every trajectory one and the same level (or none was compared), for Spearman when either judge gave one "
         "value throughout"
     )
-    if ns.json:
-        Path(ns.json).write_text(
+    if (
+        ns.json
+    ):  # renamed into place: a link planted at the name meanwhile is replaced, not followed
+        write_atomic(
+            Path(ns.json),
             json.dumps(
                 {
                     "run": str(run),
@@ -250,6 +254,6 @@ def main(argv: list[str]) -> int:
                     },
                 },
                 indent=2,
-            )
+            ).encode(),
         )
     return 0

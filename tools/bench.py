@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import os
 import resource
 import tempfile
@@ -24,6 +23,7 @@ from machinery.judge import JudgeRunner, OpenAIJudge, make_judge
 from machinery.runfiles import (
     TRAINER_STATE,
     JudgeCache,
+    append_jsonl,
     check_writable_file,
     latest_checkpoint,
     load_state,
@@ -230,12 +230,11 @@ def main(argv: list[str]) -> int:
         f"torch threads {threads[0]} ({threads[1]}); load average {machine['load_before']:.1f} before, "
         f"{machine['load_after']:.1f} after (1 min, {machine['cores']} cores here)"
     )
-    with open(ns.json, "a", encoding="utf-8") as f:
-        record = {
-            "argv": argv,
-            "config": dataclasses.asdict(base),
-            "machine": machine,
-            "results": results,
-        }
-        f.write(json.dumps(record) + "\n")
+    record = {
+        "argv": argv,
+        "config": dataclasses.asdict(base),
+        "machine": machine,
+        "results": results,
+    }
+    append_jsonl(Path(ns.json), record)  # never through a link planted while it ran
     return 0

@@ -13,7 +13,7 @@ import torch
 
 from machinery import UserError, lora
 from machinery.flags import FriendlyParser, field_docs
-from machinery.runfiles import check_writable_file
+from machinery.runfiles import check_writable_file, write_atomic
 from machinery.vllm_engine import VLLMPolicy
 from machinery.watch import quiet_transformers
 from stratagem import Args, load_policy, stop_ids, token_logprobs
@@ -121,7 +121,11 @@ def main(argv: list[str]) -> int:
         f"vLLM {vllm.__version__}, torch {torch.__version__}: weight sync {'PASS' if ok else 'FAIL'}"
     )
     if ns.json:
-        Path(ns.json).write_text(
-            json.dumps({"figures": figures, "pass": ok, "vllm": vllm.__version__}, indent=2)
-        )
+        write_results(Path(ns.json), figures, ok, vllm.__version__)
     return 0 if ok else 1
+
+
+def write_results(path: Path, figures: dict, ok: bool, version: str) -> None:
+    """The figures as JSON, renamed into place: a link planted at `path` meanwhile is replaced, never followed."""
+    record = {"figures": figures, "pass": ok, "vllm": version}
+    write_atomic(path, json.dumps(record, indent=2).encode())

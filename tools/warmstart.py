@@ -44,7 +44,7 @@ from machinery import UserError
 from machinery.flags import FriendlyParser, field_docs
 from machinery.matches import RandomPlayer, random_legal_move, summarize_matches
 from machinery.modelfiles import check_folder
-from machinery.runfiles import check_writable_dir, follow_umask
+from machinery.runfiles import check_writable_dir, follow_umask, write_atomic
 from machinery.watch import Lines, Timer, fmt, quiet_transformers, terminal_bar
 from stratagem import (
     ARCHS,
@@ -691,7 +691,7 @@ def build_and_measure(folder: Path, recipe: Recipe, eval_n: int) -> None:
         )
         report["measure"] = measure_all(model, tokenizer, recipe, eval_n)
         print_measures(report["measure"])
-    Path(folder, "warmstart.json").write_text(json.dumps(report, indent=1))
+    write_atomic(Path(folder, "warmstart.json"), json.dumps(report, indent=1).encode())
 
 
 def measure_all(model, tokenizer, recipe: Recipe, eval_n: int) -> dict:
