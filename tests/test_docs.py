@@ -279,6 +279,50 @@ def test_main_prints_what_the_readme_shows(tmp_path):
 
 
 # ---- The code's shape: the test names (the import graph is .ci/imports.py's, checked by CI)
+def test_main_every_child_script_a_test_writes_imports_or_defines_each_name_it_uses():
+    """The scripts the tests run in a child (torchrun workers and the like, strings given a name) are no code
+    ruff reads: a missing import fails only in the slow tier, on CI. Each is filled in (its format fields with
+    a string), parsed, and every name it reads must be a builtin or bound somewhere in it."""
+    import ast
+    import builtins
+    import collections
+
+    checked, missing = 0, []
+    for path in [HERE / "test_stratagem.py", *sorted((HERE / "tests").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)):
+                continue
+            text = node.value.value
+            if not (isinstance(text, str) and "import " in text):
+                continue
+            with contextlib.suppress(ValueError, IndexError, KeyError):
+                text = text.format_map(collections.defaultdict(lambda: "x"))
+            try:
+                tree = ast.parse(text)
+            except SyntaxError:
+                continue  # not a script
+            checked += 1
+            bound = set(dir(builtins))
+            for n in ast.walk(tree):
+                if isinstance(n, (ast.Import, ast.ImportFrom)):
+                    bound |= {(a.asname or a.name).split(".")[0] for a in n.names}
+                elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    bound.add(n.name)
+                elif isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+                    bound.add(n.id)
+                elif isinstance(n, ast.arg):
+                    bound.add(n.arg)
+                elif isinstance(n, ast.ExceptHandler) and n.name:
+                    bound.add(n.name)
+            used = {
+                n.id
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            }
+            missing += [f"{path.name}:{node.lineno} {name}" for name in sorted(used - bound)]
+    assert checked >= 10 and missing == []
+
+
 def test_main_every_test_name_starts_with_a_name_it_tests():
     """Every test is named after what it tests, that name first (test_<name>_<what it asserts>), so that
     `pytest -k <name>` finds the tests of <name>. A name is a top-level function or class of the project's code

@@ -243,7 +243,7 @@ PIECES += [
 ]
 
 
-def test_the_linear_patterns_read_every_text_as_spirals_own_patterns_do():
+def test_offer_terms_and_the_bid_seat_and_inner_box_patterns_read_every_text_as_spirals_own():
     """20,000 short random texts from the pieces of these patterns: the offer's terms, the bid, the vote's seat
     and the inner boxes come out exactly as SPIRAL's patterns give them."""
     import re
@@ -267,7 +267,7 @@ def test_the_linear_patterns_read_every_text_as_spirals_own_patterns_do():
         assert words == re.sub(r"[.,!?]+$", "", " ".join(text.split())), text
 
 
-def test_a_million_blanks_in_a_move_or_a_vote_are_read_in_linear_time():
+def test_offer_terms_and_the_move_and_vote_patterns_read_a_million_blanks_in_linear_time():
     """SPIRAL's patterns take minutes on 5,000 blanks after "[Offer:" (cubic) and hours on a million after
     "[bid" or in a vote's box (quadratic); ours read each character a bounded number of times. Run in a child,
     so that a super-linear pattern fails by the child's generous limit rather than hanging the suite."""

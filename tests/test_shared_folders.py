@@ -140,7 +140,7 @@ def test_write_in_refuses_a_link_at_the_name_and_leaves_its_target(tmp_path):
 
 
 @pytest.mark.parametrize("tool", ["agree", "sync-check"])
-def test_a_tools_json_replaces_a_link_planted_while_it_works_and_leaves_its_target(
+def test_write_atomic_replaces_a_link_planted_at_agree_or_sync_check_json_and_leaves_its_target(
     one_step_run, tool, tmp_path, monkeypatch
 ):
     """The link at --json is replaced by the results (renamed into place), never written through. sync-check
@@ -212,7 +212,7 @@ def test_ablation_writes_its_logs_and_table_never_through_a_planted_link(tmp_pat
     )
 
 
-def test_no_module_writes_a_file_but_through_runfiles_opener():
+def test_append_jsonl_open_log_and_write_atomic_are_the_only_writers_outside_runfiles():
     """The class, not only its cases: outside machinery/runfiles.py, nothing opens a file to write with
     Path.write_text/write_bytes or open(..., "w"/"a"), which follow a link at the name. Exempt: refresh_docs,
     which rewrites the project's own docs, and real_model, which writes in a folder it has just made private."""

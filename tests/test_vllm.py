@@ -149,6 +149,7 @@ def test_eval_with_backend_vllm_against_a_random_player(tiny, tmp_path):
 
 VLLM_RANK_WORKER = """
 import json, sys, torch
+from types import SimpleNamespace
 sys.path.insert(0, {here!r})
 import stratagem as S
 from machinery import distributed
