@@ -370,7 +370,7 @@ class Episode:
     seat: int | None = None  # None: self-play, both seats
     opponent: object = None  # --opponents' player (None: play_turn's)
     kind: str = "self"  # --opponents: self, past or random
-    index: int = 0  # an evaluation game's place in the order asked
+    index: int = 0  # an evaluation game's place
     turns: dict[int, list[Turn]] = field(default_factory=lambda: {0: [], 1: []})
     moves: int = 0  # both seats, retries included
     done: bool = False
@@ -491,7 +491,7 @@ def past_context(policy, tokenizer, prompts: dict[int, str]) -> set[int]:
     (policy.room: the context less --max-new-tokens). They end
     unasked, a draw, as at the turn cap."""
     room = getattr(policy, "room", None)
-    # a token is a byte or more: only longer prompts can be over
+    # a token is a byte or more: a cheap first cut
     long = {i: p for i, p in prompts.items() if room and len(p.encode()) > room}
     if not long:
         return set()
@@ -1076,7 +1076,7 @@ def build_random_model(
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
     if not arch.startswith("tiny"):
-        # as real checkpoints ship; tiny ones stay fp32 for exact tests
+        # as checkpoints ship; tiny ones stay fp32 (exact tests)
         model.to(torch.bfloat16)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
@@ -1122,7 +1122,7 @@ def load_policy(path: str, device: torch.device, dtype: torch.dtype = torch.floa
     would round away (CUDA computes in bf16 autocast)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    # untrusted: sizes, code, weight types checked before allocating
+    # untrusted: sizes, code, weights checked first
     folder = modelfiles.check_folder(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
