@@ -523,10 +523,11 @@ class Recipe:
 
 
 # The defaults with --model, where a pretrained model starts: it reads and writes already and is taught the format only,
-# in few steps at a fine-tuning rate (5e-3 would wreck it). SmolLM2-135M-Instruct, --games KuhnPoker-v1 (prompts ~480
-# tokens), on one busy CPU core: ~50 s a step at batch 8, its loss 4.1 -> 0.19 in these 12 steps (630 s, 16 GB peak),
-# and its legal moves against the random player from none to ~80-90 %.
-PRETRAINED = {"moves": "200", "steps": 12, "batch_size": 8, "lr": 1e-4}
+# at a fine-tuning rate (5e-3 would wreck it). SmolLM2-135M-Instruct, --games KuhnPoker-v1 (prompts ~480 tokens), on
+# two CPU threads: ~30 s a step at batch 8, its loss 4.1 -> 0.12 in these 40 steps (1222 s), and its games against
+# the random player lost on an invalid move from all to 0.10. 12 steps (loss 0.19) left 0.58 lost so, and RL's
+# self-play too few legal games to learn from on one seed of two (docs/real-model.md).
+PRETRAINED = {"moves": "400", "steps": 40, "batch_size": 8, "lr": 1e-4}
 
 
 def machine() -> dict:
