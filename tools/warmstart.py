@@ -524,8 +524,8 @@ class Recipe:
 
 # The defaults with --model, where a pretrained model starts: it reads and writes already and is taught the format only,
 # at a fine-tuning rate (5e-3 would wreck it). SmolLM2-135M-Instruct, --games KuhnPoker-v1 (prompts ~480 tokens), on
-# two CPU threads: ~30 s a step at batch 8, its loss 4.1 -> 0.12 in these 40 steps (1222 s), and its games against
-# the random player lost on an invalid move from all to 0.10. 12 steps (loss 0.19) left 0.58 lost so, and RL's
+# two CPU threads: ~30 s a step at batch 8, its final loss 0.12 after these 40 steps (1222 s), and its games against
+# the random player lost on an invalid move from all to 0.13. 12 steps (loss 0.19) left 0.58 lost so, and RL's
 # self-play too few legal games to learn from on one seed of two (docs/real-model.md).
 PRETRAINED = {"moves": "400", "steps": 40, "batch_size": 8, "lr": 1e-4}
 
