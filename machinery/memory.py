@@ -242,7 +242,8 @@ def of_run(args, shape: dict, micro_batch: int, checkpointing: bool, gpu: bool, 
     its pool), at this micro-batch and checkpointing."""
     past = "past" in opponents.parse(getattr(args, "opponents", "self=1"))  # spyrl.py has none
     targets, frozen = args.lora_targets.split(","), bool(args.kl_coef) + past
-    frozen += getattr(args, "async_level", 0) > 0  # --async-level 1: the generator's copy
+    # --async-level 1: the generator's copy (with LoRA, of the adapters alone: the base is shared)
+    frozen += getattr(args, "async_level", 0) > 0 and not args.lora_rank
     snapshots = (getattr(args, "past_pool", 0) or opponents.PAST_POOL) if past else 0
     return project(
         shape,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from machinery import UserError, runfiles, watch
+from machinery import UserError, lora, runfiles, watch
 
 
 @dataclass
@@ -60,7 +60,6 @@ REFUSED = {
         "--backend vllm: its engine sleeps and wakes around the update on the same device, while "
         "--async-level 1 plays on a second copy of the weights (--backend hf)",
     ),
-    "lora_rank": ((0,), "--lora-rank: the generator's copy of the adapters is not kept yet"),
     "distill": ((False,), "--distill: its heads read the learner's hidden states as it updates"),
     "ppo_epochs": ((1,), "--ppo-epochs > 1: PPO's own ratio to the player would meet the lag's"),
     "judge_budget": (
@@ -101,10 +100,12 @@ class Overlap:
     def __init__(self, run, saved: dict | None):
         self.cap = run.args.is_cap
         self.engine = copy.copy(run.policy)  # stratagem.HFPolicy, over a model of its own
-        self.engine.model = copy.deepcopy(run.model).requires_grad_(False)
+        frozen = {id(p): p for p in run.model.parameters() if not p.requires_grad}
+        # deepcopy's memo hands back what it holds: LoRA's frozen base is shared, not copied
+        self.engine.model = copy.deepcopy(run.model, frozen).requires_grad_(False)
         self.version = run.start  # the step whose update made its weights (0: the initial ones)
         if saved is not None:  # the weights that play a resumed run's next batch again
-            self.engine.model.load_state_dict(saved["weights"])
+            load(self.engine.model, saved["weights"])
             self.version = saved["version"]
         self.thread: threading.Thread | None = None
         self.ready = self.error = self.launch = self.after = None
@@ -115,8 +116,22 @@ class Overlap:
         """The generator given the learner's weights before update `step` (copied, not shared)."""
         if self.version != step - 1:
             self.version = None  # half-loaded weights are no step's: a stop now saves none of them
-            self.engine.model.load_state_dict(run.model.state_dict())
+            load(self.engine.model, own(run.model))
             self.version = step - 1
+
+
+def own(model) -> dict[str, torch.Tensor]:
+    """The weights the generator holds a copy of: the whole state dict, or with --lora-rank the
+    adapters alone (the frozen base is the learner's own tensors)."""
+    weights = model.state_dict()
+    if lora.is_lora(model):
+        return {k: v for k, v in weights.items() if "lora_" in k}
+    return weights
+
+
+def load(model, weights: dict) -> None:
+    """`own`'s weights copied into the generator; with LoRA the base is left as it is (shared)."""
+    model.load_state_dict(weights, strict=not lora.is_lora(model))
 
 
 def start(run, state: dict | None) -> Overlap | None:
@@ -171,7 +186,7 @@ def problem(args, state: dict, model) -> str | None:
         return None
     if saved["version"] != state["step"] - 1:  # what every checkpoint at level 1 holds
         return f"'overlap' holds step {saved['version']}'s weights, not step {state['step'] - 1}'s"
-    mine = model.state_dict()
+    mine = own(model)
     theirs = saved["weights"]
     if set(theirs) != set(mine) or any(
         (theirs[k].shape, theirs[k].dtype) != (mine[k].shape, mine[k].dtype) for k in mine
@@ -185,7 +200,7 @@ def saved(run) -> dict | None:
     o = getattr(run, "overlap", None)
     if o is None:
         return None
-    return {"version": o.version, "weights": o.engine.model.state_dict()}
+    return {"version": o.version, "weights": own(o.engine.model)}
 
 
 def current(run, saved: dict | None) -> bool:

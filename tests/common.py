@@ -577,16 +577,21 @@ def talkers_fixture(monkeypatch):
 
 def assert_resumed_exactly(whole: Path, part: Path, steps: int) -> None:
     """`part` (stopped, then resumed) logged and saved what the uninterrupted `whole` did: the trajectories,
-    the metrics (wall times aside) and the final weights."""
+    the metrics (wall times aside) and the final weights (with LoRA, its adapters)."""
     assert read_jsonl(part / "trajectories.jsonl") == read_jsonl(whole / "trajectories.jsonl")
     drop = ("time_s", "elapsed_s", "time_split_s")
     strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
     assert strip(read_jsonl(part / "metrics.jsonl")) == strip(read_jsonl(whole / "metrics.jsonl"))
     from safetensors.torch import load_file
 
-    a = load_file(whole / f"checkpoints/step-{steps:06d}/model.safetensors")
-    b = load_file(part / f"checkpoints/step-{steps:06d}/model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    saved = f"checkpoints/step-{steps:06d}"
+    name = (
+        "model.safetensors"
+        if (whole / saved / "model.safetensors").exists()
+        else "adapter_model.safetensors"
+    )
+    a, b = load_file(whole / saved / name), load_file(part / saved / name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def error_of(capsys, argv) -> str:

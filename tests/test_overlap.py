@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import stratagem as S
-from machinery import UserError, lifecycle, overlap, runfiles
+from machinery import UserError, lifecycle, lora, overlap, runfiles
 from tests.common import (  # noqa: F401 - the session's fixture
     assert_resumed_exactly,
     error_of,
@@ -95,6 +95,37 @@ def test_batch_records_its_lag_and_an_async_run_resumes_to_the_losses_of_an_unin
     assert_resumed_exactly(whole, part, 4)  # the losses, the trajectories, the weights
 
 
+def test_lora_rank_at_async_level_1_checkpoints_the_adapters_alone_and_resumes_exactly(tmp_path):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    lora = [*TINY, "--lora-rank", "4"]
+    assert run([*lora, "--steps", "3", "--out", str(whole)]) == 0
+    assert run([*lora, "--steps", "2", "--out", str(part)]) == 0
+    assert run(["--resume", "--steps", "3", "--out", str(part)]) == 0
+    assert [m["async"]["lag"] for m in read_jsonl(whole / "metrics.jsonl")] == [0, 1, 1]
+    state = torch.load(whole / "checkpoints/step-000003/trainer_state.pt", weights_only=True)
+    kept = state["overlap"]["weights"]  # step 2's adapters, the base left out
+    assert state["overlap"]["version"] == 2 and kept and all("lora_" in k for k in kept)
+    assert_resumed_exactly(whole, part, 3)
+
+
+def test_own_is_the_adapters_alone_and_sync_copies_them_while_the_base_is_shared(tiny):
+    model, _ = fresh(tiny)
+    args = S.Args(tiny=True, lora_rank=4, async_level=1)
+    learner_model = lora.add_adapters(model, args)
+    o = overlap.Overlap(
+        SimpleNamespace(args=args, policy=SimpleNamespace(), model=learner_model, start=0), None
+    )
+    mine, theirs = dict(learner_model.named_parameters()), dict(o.engine.model.named_parameters())
+    for name, p in mine.items():
+        assert (theirs[name] is p) == ("lora_" not in name), name  # the base shared, adapters own
+    with torch.no_grad():
+        next(p for n, p in mine.items() if "lora_B" in n).add_(1.0)  # an update moves the learner
+    assert overlap.own(o.engine.model).keys() == overlap.own(learner_model).keys()
+    assert not all(torch.equal(theirs[n], p) for n, p in mine.items())
+    o.sync(SimpleNamespace(model=learner_model), 2)  # before update 2: update 1's weights
+    assert all(torch.equal(theirs[n], p) for n, p in mine.items()) and o.version == 1
+
+
 def test_async_level_0_writes_no_record_and_no_generator(tmp_path):
     out = tmp_path / "zero"
     assert (
@@ -114,7 +145,6 @@ def test_async_level_0_writes_no_record_and_no_generator(tmp_path):
         (["--async-level", "1", "--is-cap", "0.5"], "--is-cap must be in [1, 1000], got 0.5"),
         (["--async-level", "1", "--backend", "vllm"], "cannot overlap with --backend vllm"),
         (["--async-level", "1", "--distill"], "cannot overlap with --distill"),
-        (["--async-level", "1", "--lora-rank", "4"], "cannot overlap with --lora-rank"),
         (["--async-level", "1", "--ppo-epochs", "2"], "cannot overlap with --ppo-epochs"),
         (
             ["--async-level", "1", "--opponents", "self=0.5,random=0.5"],
@@ -136,6 +166,9 @@ def test_dry_run_counts_the_generators_copy_of_the_weights(capsys):
     assert run(["--dry-run", "--model", "tiny", "--tiny", "--async-level", "1"]) == 0
     beside = capsys.readouterr().out
     assert "frozen copies" not in plain and "frozen copies" in beside
+    lora_flags = ["--lora-rank", "4", "--async-level", "1"]
+    assert run(["--dry-run", "--model", "tiny", "--tiny", *lora_flags]) == 0
+    assert "frozen copies" not in capsys.readouterr().out  # its generator shares the base
 
 
 def test_problem_names_a_checkpointed_generator_of_another_shape_step_or_level(tiny):
