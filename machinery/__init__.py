@@ -31,9 +31,9 @@ layer, or a module the table does not place):
   5  costs.py         what the judge will cost, known before it is paid: the projection, --dry-run's plan
      lora.py          LoRA through PEFT (--lora-rank): adapters, merged weights for the engine; LoraFlags
      cli.py           a script's entry point: one-line errors, stop signals, the tools run by name
-     overlap.py       --async-level 1: the next batch played on a second copy while the learner updates
   6  vllm_engine.py   the vLLM generation engine and the weight sync into it
-     checks.py        stratagem.py's flags checked before any work (games/ checks the games' own)
+     overlap.py       --async-level 1: the next batch played on a second copy while the learner updates
+  7  checks.py        stratagem.py's flags checked before any work (games/ checks the games' own)
      lifecycle.py     a run's life cycle around Algorithm 1's loop: set-up and resume, the step's metrics line
                       and checkpoint, the end of the run; RunFlags
 """
